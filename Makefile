@@ -1,0 +1,17 @@
+# The two README commands are `make run` and `make test`; each installs what it needs first.
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: run test lint bench soak
+
+run:
+	@ci/install.sh
+	$(VENV)/bin/egresswall run --policy policy/default.yaml --listen 127.0.0.1:3128
+
+test:
+	@ci/install.sh --all
+	$(PY) -m ruff check policy proxy browser squid-compat ci tests
+	$(PY) -m pytest tests
+
+lint:
+	$(PY) -m ruff check policy proxy browser squid-compat ci tests

@@ -1,0 +1,404 @@
+"""Address classification: may egresswall connect to this IP address?
+
+Pure and sans-I/O. The tables below are written from the IANA IPv4 and IPv6 special-purpose address
+registries (RFC 6890 as amended by RFC 8190); every lookup structure is built once, at import or when an
+``AddressRules`` is made, and a check is a handful of IPSet membership tests plus one bisect.
+
+Python's ``ipaddress.is_global`` is not used: it calls multicast, NAT64 (64:ff9b::/96) and, in some
+versions, 6to4 wrappings of private space "global", which would let a name that resolves to
+``64:ff9b::a9fe:a9fe`` reach a NAT64 gateway's metadata service.
+"""
+
+import ipaddress
+import re
+from bisect import bisect_right
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import netaddr
+
+
+@dataclass(frozen=True)
+class AddressBlock:
+    cidr: str
+    name: str
+    source: str
+
+
+def _blocks(*rows: tuple[str, str, str]) -> tuple[AddressBlock, ...]:
+    return tuple(AddressBlock(*row) for row in rows)
+
+
+# Every block of the IANA IPv4 special-purpose registry whose "Globally Reachable" is not True, plus
+# multicast (224/4, from the multicast registry: not unicast). 192.0.0.0/24 is refused whole, so its
+# global sub-blocks 192.0.0.9/32 and 192.0.0.10/32 are refused too; 192.88.99.0/24 (terminated) likewise.
+# AS112 (192.31.196/24, 192.175.48/24) and AMT (192.52.193/24) are globally reachable and stay allowed.
+SPECIAL_PURPOSE_V4: tuple[AddressBlock, ...] = _blocks(
+    ("0.0.0.0/8", '"This network"', "RFC 791, Section 3.2"),
+    ("0.0.0.0/32", '"This host on this network"', "RFC 1122, Section 3.2.1.3"),
+    ("10.0.0.0/8", "Private-Use", "RFC 1918"),
+    ("100.64.0.0/10", "Shared Address Space", "RFC 6598"),
+    ("127.0.0.0/8", "Loopback", "RFC 1122, Section 3.2.1.3"),
+    ("169.254.0.0/16", "Link Local", "RFC 3927"),
+    ("172.16.0.0/12", "Private-Use", "RFC 1918"),
+    ("192.0.0.0/24", "IETF Protocol Assignments", "RFC 6890, Section 2.1"),
+    ("192.0.0.0/29", "IPv4 Service Continuity Prefix", "RFC 7335"),
+    ("192.0.0.8/32", "IPv4 dummy address", "RFC 7600"),
+    ("192.0.0.170/32", "NAT64/DNS64 Discovery", "RFC 8880, RFC 7050 Section 2.2"),
+    ("192.0.0.171/32", "NAT64/DNS64 Discovery", "RFC 8880, RFC 7050 Section 2.2"),
+    ("192.0.2.0/24", "Documentation (TEST-NET-1)", "RFC 5737"),
+    ("192.88.99.0/24", "Deprecated (6to4 Relay Anycast)", "RFC 7526"),
+    ("192.88.99.2/32", "6a44-relay anycast address", "RFC 6751"),
+    ("192.168.0.0/16", "Private-Use", "RFC 1918"),
+    ("198.18.0.0/15", "Benchmarking", "RFC 2544"),
+    ("198.51.100.0/24", "Documentation (TEST-NET-2)", "RFC 5737"),
+    ("203.0.113.0/24", "Documentation (TEST-NET-3)", "RFC 5737"),
+    ("224.0.0.0/4", "Multicast", "RFC 5771"),
+    ("240.0.0.0/4", "Reserved", "RFC 1112, Section 4"),
+    ("255.255.255.255/32", "Limited Broadcast", "RFC 8190, RFC 919 Section 7"),
+)
+
+# The same for IPv6, plus the deprecated IPv4-compatible ::/96, site-local fec0::/10 and multicast
+# ff00::/8 (from the IPv6 address-space registry). 2001::/23 is refused whole, including the sub-blocks
+# IANA marks global (PCP/TURN/DNS-SD anycast, AMT, AS112-v6, ORCHIDv2, DETs); only the non-global ones
+# are named here so that reasons stay true. Anything else outside 2000::/3 is refused by check() itself.
+SPECIAL_PURPOSE_V6: tuple[AddressBlock, ...] = _blocks(
+    ("::/128", "Unspecified Address", "RFC 4291"),
+    ("::1/128", "Loopback Address", "RFC 4291"),
+    ("::/96", "IPv4-compatible Address (deprecated)", "RFC 4291, Section 2.5.5.1"),
+    ("::ffff:0:0/96", "IPv4-mapped Address", "RFC 4291"),
+    ("64:ff9b::/96", "IPv4-IPv6 Translat.", "RFC 6052"),
+    ("64:ff9b:1::/48", "IPv4-IPv6 Translat.", "RFC 8215"),
+    ("100::/64", "Discard-Only Address Block", "RFC 6666"),
+    ("100:0:0:1::/64", "Dummy IPv6 Prefix", "RFC 9780"),
+    ("2001::/23", "IETF Protocol Assignments", "RFC 2928"),
+    ("2001::/32", "TEREDO", "RFC 4380, RFC 8190"),
+    ("2001:2::/48", "Benchmarking", "RFC 5180, RFC Errata 1752"),
+    ("2001:10::/28", "Deprecated (previously ORCHID)", "RFC 4843"),
+    ("2001:db8::/32", "Documentation", "RFC 3849"),
+    ("2002::/16", "6to4", "RFC 3056"),
+    ("3fff::/20", "Documentation", "RFC 9637"),
+    ("5f00::/16", "Segment Routing (SRv6) SIDs", "RFC 9602"),
+    ("fc00::/7", "Unique-Local", "RFC 4193, RFC 8190"),
+    ("fe80::/10", "Link-Local Unicast", "RFC 4291"),
+    ("fec0::/10", "Site-Local (deprecated)", "RFC 3879"),
+    ("ff00::/8", "Multicast", "RFC 4291"),
+)
+
+# Instance metadata and platform endpoints that hand out credentials or configuration. Refused by
+# default even where the address is public (Azure's 168.63.129.16) and even when an operator allow rule
+# covers them: an SSRF to one of these is the classic way out of a cloud VM. Several clouds share
+# 169.254.169.254; each provider keeps its own entry so the reason can name them all.
+CLOUD_METADATA: tuple[AddressBlock, ...] = _blocks(
+    ("169.254.169.254/32", "AWS instance metadata", "AWS EC2 IMDS documentation"),
+    ("fd00:ec2::254/128", "AWS instance metadata (IPv6)", "AWS EC2 IMDS documentation"),
+    ("169.254.170.2/32", "AWS ECS task metadata and credentials", "AWS ECS documentation"),
+    ("169.254.170.23/32", "AWS EKS Pod Identity Agent", "AWS EKS documentation"),
+    ("fd00:ec2::23/128", "AWS EKS Pod Identity Agent (IPv6)", "AWS EKS documentation"),
+    ("169.254.169.254/32", "GCP metadata server", "Google Compute Engine documentation"),
+    ("fd20:ce::254/128", "GCP metadata server (IPv6)", "Google Compute Engine documentation"),
+    ("169.254.169.254/32", "Azure Instance Metadata Service", "Azure documentation"),
+    ("168.63.129.16/32", "Azure WireServer (platform virtual IP)", "Azure documentation"),
+    ("169.254.169.254/32", "Oracle Cloud instance metadata", "OCI documentation"),
+    ("192.0.0.192/32", "Oracle Cloud instance metadata (legacy)", "OCI documentation"),
+    ("100.100.100.200/32", "Alibaba Cloud instance metadata", "Alibaba Cloud ECS documentation"),
+)
+
+
+@dataclass(frozen=True)
+class AddressVerdict:
+    allowed: bool
+    address: str
+    rule: str
+    reason: str
+
+
+# --- parsing ---------------------------------------------------------------------------------------
+
+_DECIMAL = re.compile(r"0|[1-9][0-9]{0,2}")  # ASCII only: \d would accept other scripts' digits
+_HEX_GROUP = re.compile(r"[0-9A-Fa-f]{1,4}")
+
+
+def _check_ipv4(text: str, whole: str) -> None:
+    # inet_aton reads 127.1, 0177.0.0.1, 0x7f.0.0.1 and 2130706433 as loopback; a filter that parses
+    # differently from the connecting code is a bypass, so only the one unambiguous form is accepted.
+    parts = text.split(".")
+    if len(parts) != 4:
+        raise ValueError(f"{whole!r}: IPv4 needs exactly four dotted decimal parts (short forms are refused)")
+    for part in parts:
+        if not _DECIMAL.fullmatch(part):
+            raise ValueError(f"{whole!r}: {part!r} is not a decimal 0-255 without leading zeros "
+                             "(octal and hex forms are refused)")
+        if int(part) > 255:
+            raise ValueError(f"{whole!r}: {part!r} is greater than 255")
+
+
+def _check_ipv6(text: str) -> None:
+    if text.count("::") > 1:
+        raise ValueError(f"{text!r}: '::' may appear only once")
+    head, gap, tail = text.partition("::")
+    groups = (head.split(":") if head else []) + (tail.split(":") if tail else [])
+    width = 0
+    for i, group in enumerate(groups):
+        if "." in group and i == len(groups) - 1 and text.endswith(group):
+            _check_ipv4(group, text)
+            width += 2
+        elif _HEX_GROUP.fullmatch(group):
+            width += 1
+        else:
+            raise ValueError(f"{text!r}: {group!r} is not a group of 1-4 hex digits")
+    if (gap and width > 7) or (not gap and width != 8):
+        raise ValueError(f"{text!r}: an IPv6 address has eight 16-bit groups")
+
+
+def parse_address(text: str) -> netaddr.IPAddress:
+    """Strict: dotted-quad IPv4 or RFC 4291 IPv6 text (no zone id, no brackets); ValueError otherwise."""
+    if not isinstance(text, str):
+        raise TypeError(f"expected the text of an address, got {type(text).__name__}")
+    if not text:
+        raise ValueError("empty address")
+    if any(c.isspace() for c in text):
+        raise ValueError(f"{text!r}: contains whitespace")
+    if "[" in text or "]" in text:
+        raise ValueError(f"{text!r}: brackets belong to URL syntax, not to the address")
+    if "%" in text:
+        raise ValueError(f"{text!r}: IPv6 zone ids are refused")
+    if ":" in text:
+        _check_ipv6(text)
+        version = 6
+    elif "." in text:
+        _check_ipv4(text, text)
+        version = 4
+    else:
+        raise ValueError(f"{text!r}: not an address (bare numbers are a legacy IPv4 form and are refused)")
+    try:  # INET_PTON: the second, independent parser must agree with the checks above
+        return netaddr.IPAddress(text, version, flags=netaddr.INET_PTON)
+    except netaddr.AddrFormatError as err:
+        raise ValueError(f"{text!r}: {err}") from None
+
+
+def _parse_cidr(text: str) -> netaddr.IPNetwork:
+    """An operator's range: ADDRESS or ADDRESS/LEN, strict; host bits set is an error, not a rounding."""
+    if not isinstance(text, str):
+        raise ValueError(f"address range {text!r} is not text")
+    address_text, slash, length_text = text.partition("/")
+    try:
+        address = parse_address(address_text)
+    except ValueError as err:
+        raise ValueError(f"address range {text!r}: {err}") from None
+    width = 32 if address.version == 4 else 128
+    if not slash:
+        length = width
+    elif _DECIMAL.fullmatch(length_text) and int(length_text) <= width:
+        length = int(length_text)
+    else:
+        raise ValueError(f"address range {text!r}: prefix length must be a decimal 0-{width}")
+    network = netaddr.IPNetwork(f"{address}/{length}")
+    if network.ip != network.network:
+        raise ValueError(f"address range {text!r} has host bits set; did you mean {network.cidr}?")
+    return network.cidr
+
+
+_MAPPED = netaddr.IPNetwork("::ffff:0:0/96")
+_GLOBAL_UNICAST_V6 = netaddr.IPNetwork("2000::/3")
+
+
+def _text(address: netaddr.IPAddress) -> str:
+    """RFC 5952 text; dotted quad only for IPv4-mapped (netaddr also prints ::a00:1 as ::10.0.0.1)."""
+    if address.version == 4:
+        return str(address)
+    if address in _MAPPED:
+        return f"::ffff:{netaddr.IPAddress(int(address) & 0xFFFFFFFF, 4)}"
+    return str(ipaddress.IPv6Address(int(address)))
+
+
+def _as_address(address: object) -> netaddr.IPAddress:
+    if isinstance(address, netaddr.IPAddress):
+        return address
+    if isinstance(address, str):
+        return parse_address(address)
+    if isinstance(address, ipaddress.IPv6Address) and address.scope_id:
+        raise ValueError(f"{address}: IPv6 zone ids are refused")
+    if isinstance(address, ipaddress.IPv4Address | ipaddress.IPv6Address):
+        return netaddr.IPAddress(int(address), address.version)
+    raise TypeError(f"expected an IP address, got {type(address).__name__}")
+
+
+# --- lookup ----------------------------------------------------------------------------------------
+
+class _MostSpecific[T]:
+    """The value of the most specific CIDR holding an address.
+
+    Membership is a netaddr IPSet test (at most 32/128 dict probes, whatever the size). To name the match,
+    each CIDR minus the more specific CIDRs inside it is cut into disjoint ranges, once; a lookup is then
+    one bisect over their starts: O(log n).
+    """
+
+    def __init__(self, entries: Iterable[tuple[netaddr.IPNetwork, T]]):
+        self.members = netaddr.IPSet()
+        rows: list[tuple[tuple[int, int], T]] = []
+        for network, value in sorted(entries, key=lambda entry: entry[0].prefixlen, reverse=True):
+            for piece in (netaddr.IPSet([network]) - self.members).iter_cidrs():
+                rows.append(((piece.version, piece.first), value))
+            self.members.add(network)
+        rows.sort(key=lambda row: row[0])
+        self._starts = [start for start, _ in rows]
+        self._values = [value for _, value in rows]
+
+    def get(self, address: netaddr.IPAddress) -> T | None:
+        if address not in self.members:
+            return None
+        return self._values[bisect_right(self._starts, (address.version, int(address))) - 1]
+
+
+def _grouped(blocks: Iterable[AddressBlock]) -> list[tuple[netaddr.IPNetwork, tuple[AddressBlock, ...]]]:
+    by_cidr: dict[str, tuple[AddressBlock, ...]] = {}
+    for block in blocks:
+        by_cidr[block.cidr] = by_cidr.get(block.cidr, ()) + (block,)
+    return [(netaddr.IPNetwork(cidr), group) for cidr, group in by_cidr.items()]
+
+
+_SPECIAL = _MostSpecific(_grouped(SPECIAL_PURPOSE_V4 + SPECIAL_PURPOSE_V6))
+_CLOUD = _MostSpecific(_grouped(CLOUD_METADATA))
+
+
+def _low32(value: int) -> int:
+    return value & 0xFFFFFFFF
+
+
+# Prefixes that carry IPv4 inside IPv6 and are refused whole: a connection to one reaches whatever IPv4
+# the relay or translator derives, which this check cannot see. Where the IPv4 sits at a known position
+# we extract it, to name it in the reason and to hold it against deny rules and the metadata set.
+_WRAPPINGS: dict[str, tuple[str, Callable[[int], int] | None]] = {
+    "::/96": ("IPv4-compatible", _low32),
+    "64:ff9b::/96": ("NAT64", _low32),
+    "64:ff9b:1::/48": ("NAT64 (local-use)", None),  # RFC 6052 position depends on the local prefix length
+    "2002::/16": ("6to4", lambda value: (value >> 80) & 0xFFFFFFFF),
+    "2001::/32": ("Teredo", lambda value: _low32(value) ^ 0xFFFFFFFF),  # client address is obfuscated
+}
+
+
+def _wrapping(address: netaddr.IPAddress) -> tuple[AddressBlock, str, netaddr.IPAddress | None] | None:
+    if address.version != 6 or int(address) <= 1:  # :: and ::1 are blocks of their own
+        return None
+    found = _SPECIAL.get(address)
+    if found is None or found[0].cidr not in _WRAPPINGS:
+        return None
+    label, extract = _WRAPPINGS[found[0].cidr]
+    embedded = netaddr.IPAddress(extract(int(address)), 4) if extract else None
+    return found[0], label, embedded
+
+
+def _describe(blocks: tuple[AddressBlock, ...]) -> str:
+    if len(blocks) == 1:
+        return f"{blocks[0].cidr} ({blocks[0].name}, {blocks[0].source})"
+    return f"{blocks[0].cidr} ({'; '.join(block.name for block in blocks)})"
+
+
+# --- rules -----------------------------------------------------------------------------------------
+
+class AddressRules:
+    """Special-purpose and metadata refusals, plus the operator's explicit address-range rules."""
+
+    def __init__(self, allow: Iterable[str] = (), deny: Iterable[str] = (),
+                 refuse_cloud_metadata: bool = True,
+                 allow_labels: Mapping[str, str] | None = None, deny_labels: Mapping[str, str] | None = None):
+        self.refuse_cloud_metadata = refuse_cloud_metadata
+        self._allow = self._rules("allow", allow, allow_labels or {})
+        self._deny = self._rules("deny", deny, deny_labels or {})
+
+    @staticmethod
+    def _rules(action: str, cidrs: Iterable[str], labels: Mapping[str, str]
+               ) -> _MostSpecific[tuple[netaddr.IPNetwork, str]]:
+        if isinstance(cidrs, str):
+            raise TypeError(f"address {action} rules must be a list of ranges, not one string")
+        rule_ids: dict[netaddr.IPNetwork, str] = {}
+        for text in cidrs:
+            network = _parse_cidr(text)
+            rule_ids.setdefault(network, f"address-{action} {network}")
+        for text, label in labels.items():
+            network = _parse_cidr(text)
+            if network not in rule_ids:
+                raise ValueError(f"label {label!r} names address range {text!r}, "
+                                 f"which is not an {action} rule")
+            rule_ids[network] = label
+        return _MostSpecific((network, (network, rule)) for network, rule in rule_ids.items())
+
+    def check(self, address: str | netaddr.IPAddress | ipaddress.IPv4Address | ipaddress.IPv6Address
+              ) -> AddressVerdict:
+        given = _as_address(address)
+        text = _text(given)
+
+        def verdict(allowed: bool, rule: str, reason: str) -> AddressVerdict:
+            return AddressVerdict(allowed, text, rule, reason)
+
+        # 1. An IPv4-mapped address is the IPv4 address: judge that.
+        judged, preface = given, ""
+        if given.version == 6 and given in _MAPPED:
+            judged = netaddr.IPAddress(_low32(int(given)), 4)
+            preface = f"{text} is IPv4-mapped (::ffff:0:0/96, RFC 4291) {judged}; "
+        wrapped = _wrapping(judged)
+        shown = _text(judged)
+
+        # Deny rules and the metadata set also see the IPv6 text of a mapped address and the IPv4
+        # inside a wrapping: a refusal must not be dodged by spelling the address another way.
+        candidates = [(judged, preface)]
+        if judged is not given:
+            candidates.append((given, ""))
+        if wrapped and wrapped[2] is not None:
+            block, label, inner = wrapped
+            candidates.append((inner, f"{text} is the {label} wrapping ({block.cidr}) of IPv4 {inner}; "))
+
+        # 2. Operator deny rules; deny beats allow.
+        for candidate, note in candidates:
+            denied = self._deny.get(candidate)
+            if denied is not None:
+                network, rule = denied
+                return verdict(False, rule,
+                               f"{note}{_text(candidate)} is in {network}, which the policy denies ({rule})")
+
+        # 3. Cloud metadata: no allow rule re-admits it, only refuse_cloud_metadata=False.
+        if self.refuse_cloud_metadata:
+            for candidate, note in candidates:
+                found = _CLOUD.get(candidate)
+                if found is not None:
+                    return verdict(False, f"cloud-metadata {found[0].cidr}",
+                                   f"{note}{_text(candidate)} is in {_describe(found)}, a cloud metadata "
+                                   "endpoint refused by default")
+
+        # 4. Operator allow rules: the only way a non-global address is accepted. Re-admitting a wrapping
+        # prefix does not re-admit the IPv4 inside it: that IPv4 must pass on its own.
+        special = _SPECIAL.get(judged)
+        allowed = self._allow.get(judged)
+        if allowed is not None:
+            network, rule = allowed
+            if wrapped and wrapped[2] is not None:
+                block, label, inner = wrapped
+                inside = self.check(inner)
+                if not inside.allowed:
+                    return verdict(False, inside.rule,
+                                   f"{shown} is in {network}, which the policy allows ({rule}), but it "
+                                   f"is the {label} wrapping ({block.cidr}) of IPv4 {inner}; {inside.reason}")
+            if special is not None:
+                return verdict(True, rule, f"{preface}{shown} is in {_describe(special)}, which is not "
+                                           f"global unicast, but the policy re-admits {network} ({rule})")
+            return verdict(True, rule, f"{preface}{shown} is in {network}, which the policy allows ({rule})")
+
+        # 5. IPv4 wrapped in IPv6 is refused whole: the IPv4 it reaches is chosen by a relay or translator.
+        if wrapped:
+            block, label, inner = wrapped
+            carried = f"IPv4 {inner}" if inner is not None else "an IPv4 address"
+            return verdict(False, f"special-purpose {block.cidr}",
+                           f"{shown} is in {_describe(special)}: the {label} wrapping of {carried}, "
+                           "which is refused whole")
+
+        # 6. Every other block that is not global unicast.
+        if special is not None:
+            return verdict(False, f"special-purpose {special[0].cidr}",
+                           f"{preface}{shown} is in {_describe(special)}, which is not global unicast")
+        if judged.version == 6 and judged not in _GLOBAL_UNICAST_V6:
+            return verdict(False, "outside-global-unicast 2000::/3",
+                           f"{shown} is outside 2000::/3 global unicast (RFC 4291, Section 2.4)")
+
+        # 7.
+        return verdict(True, "global", f"{preface}{shown} is global unicast (in no special-purpose block)")

@@ -1,0 +1,230 @@
+"""The decision: a pure function from (client, method, target, resolved addresses) to a Verdict.
+
+The order is the design's, and the first refusal wins:
+
+1. the target is well formed (the normaliser already refused what is not; see ``refuse_form``);
+2. scheme and port;
+3. host deny rules, then host allow rules or the default;
+4. — the caller resolves the name only now, so a refused name is never looked up —
+5. every resolved address (and every name in the CNAME chain) must pass.
+
+``precheck`` runs steps 1-3 and ``decide`` runs all of them; both are pure, so the caller can run
+``precheck``, resolve, then ``decide`` with the addresses it got.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+
+import netaddr
+
+from .hosts import HostFormError, Target, normalise_host
+from .model import ALLOW, REPORT, HostRule, HostTable, Policy
+
+FORM, SCHEME, PORT, HOST, RESOLVE, ADDRESS = "form", "scheme", "port", "host", "resolve", "address"
+SCHEMES = frozenset({"http", "https", "ws", "wss"})
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the client asked for, as the proxy saw it."""
+
+    target: Target
+    method: str = "GET"
+    client: str | None = None  # the client's address, which chooses its role
+    tunnel: bool = False  # a CONNECT: method and path are not visible unless intercepted
+    websocket: bool = False  # an Upgrade: websocket request
+    at: datetime = field(default_factory=lambda: datetime.now(UTC))  # for rule expiry
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """What the resolver found for a name: the CNAME chain it followed and the addresses at its end."""
+
+    name: str
+    addresses: tuple[str, ...]
+    cnames: tuple[str, ...] = ()
+    ttl: int = 0
+
+
+@dataclass(frozen=True)
+class Verdict:
+    allowed: bool
+    stage: str
+    rule: str  # what decided: "policy.yaml:12", "default deny (policy.yaml:3)", "special-purpose 10.0.0.0/8"
+    reason: str  # a sentence for a human
+    report_only: bool = False  # enforce mode would have refused this; report mode let it through
+    matched: HostRule | None = None
+    role: str | None = None
+    addresses: tuple[str, ...] = ()
+    pinned: str | None = None  # the one checked address to connect to
+
+    @property
+    def needs_resolution(self) -> bool:
+        return self.allowed and self.stage == HOST and not self.addresses and self.pinned is None
+
+
+def refuse_form(error: HostFormError) -> Verdict:
+    return Verdict(False, FORM, f"form:{error.form}", error.reason)
+
+
+def refuse_resolution(kind: str, reason: str, precheck_verdict: Verdict | None = None) -> Verdict:
+    role = precheck_verdict.role if precheck_verdict else None
+    return Verdict(False, RESOLVE, f"dns:{kind}", reason, role=role)
+
+
+def precheck(policy: Policy, request: Request) -> Verdict:
+    """Steps 1-3. An allowed verdict for a name means: resolve it, then call ``decide``."""
+    target = request.target
+    client = _client_address(request.client)
+    role = policy.role_for(client)
+    role_name = role.name if role else None
+
+    if target.scheme not in SCHEMES:
+        return Verdict(False, SCHEME, "scheme", f"scheme {target.scheme!r} is not http, https, ws or wss",
+                       role=role_name)
+    ports, kind = (policy.connect_ports, "CONNECT") if request.tunnel else (policy.http_ports, "plain-HTTP")
+    if target.port not in ports:
+        allowed = ", ".join(map(str, sorted(ports))) or "none"
+        return Verdict(False, PORT, f"ports.{'connect' if request.tunnel else 'http'}",
+                       f"port {target.port} is not an allowed {kind} port (allowed: {allowed})", role=role_name)
+
+    verdict = _host_rules(policy, request, role)
+    verdict = replace(verdict, role=role_name)
+    if not verdict.allowed and policy.mode == REPORT:
+        # Report mode relaxes host rules only; scheme, port and address refusals stay enforced.
+        verdict = replace(verdict, allowed=True, report_only=True,
+                          reason=f"report mode: would refuse: {verdict.reason}")
+    if verdict.allowed and target.ip is not None:
+        return decide_addresses(policy, verdict, (str(target.ip),), ())
+    return verdict
+
+
+def decide(policy: Policy, request: Request, resolution: Resolution | None = None) -> Verdict:
+    """All steps. For a name, ``resolution`` is what the resolver found after ``precheck`` allowed it."""
+    verdict = precheck(policy, request)
+    if not verdict.allowed or request.target.ip is not None:
+        return verdict
+    if resolution is None:
+        return Verdict(False, RESOLVE, "dns:unresolved", f"{request.target.host} was not resolved", role=verdict.role)
+    return decide_addresses(policy, verdict, resolution.addresses, resolution.cnames)
+
+
+def decide_addresses(policy: Policy, verdict: Verdict, addresses: Iterable[str], cnames: Iterable[str]) -> Verdict:
+    """Step 5: every name in the CNAME chain and every address must pass; one bad answer refuses."""
+    addresses = tuple(addresses)
+    for name in cnames:
+        refusal = _check_cname(policy, name)
+        if refusal:
+            return Verdict(False, RESOLVE, refusal[0], refusal[1], role=verdict.role, addresses=addresses)
+    if not addresses:
+        return Verdict(False, RESOLVE, "dns:empty", "the name has no A or AAAA records", role=verdict.role)
+    for address in addresses:
+        checked = policy.addresses.check(address)
+        if not checked.allowed:
+            return Verdict(False, ADDRESS, checked.rule, checked.reason, role=verdict.role, addresses=addresses)
+    return replace(verdict, addresses=addresses, pinned=_choose_pin(addresses))
+
+
+def _host_rules(policy: Policy, request: Request, role) -> Verdict:
+    host = request.target.host
+    for table in ((role.deny,) if role else ()) + (policy.deny,):
+        rule = _first_match(table, request)
+        if rule is not None:
+            why = f": {rule.reason}" if rule.reason else ""
+            return Verdict(False, HOST, rule.rule_id, f"{host} is refused by deny rule {rule.pattern.text}{why}",
+                           matched=rule)
+    allow = role.allow if role else policy.allow
+    rule = _first_match(allow, request)
+    if rule is not None:
+        return Verdict(True, HOST, rule.rule_id, f"{host} is allowed by rule {rule.pattern.text}", matched=rule)
+    default = (role.default if role and role.default else None) or policy.default
+    whose = f"role {role.name}" if role and role.default else "the policy"
+    origin = role.origin if role and role.default else policy.default_origin
+    if default == ALLOW:
+        return Verdict(True, HOST, f"default allow ({origin})",
+                       f"{host} matches no rule and {whose} allows by default")
+    hint = _near_miss(allow, request)
+    return Verdict(False, HOST, f"default deny ({origin})",
+                   f"{host} is not on the allowlist ({whose} denies by default){hint}")
+
+
+def _first_match(table: HostTable, request: Request) -> HostRule | None:
+    for rule in table.candidates(request.target.host):
+        if _conditions_hold(rule, request):
+            return rule
+    return None
+
+
+def _conditions_hold(rule: HostRule, request: Request) -> bool:
+    target = request.target
+    if rule.expired(request.at):
+        return False
+    if rule.ports is not None and target.port not in rule.ports:
+        return False
+    if rule.schemes is not None and target.scheme not in rule.schemes:
+        return False
+    if request.websocket and not rule.websocket:
+        return False
+    if rule.needs_visible_request:
+        if request.tunnel:
+            # A passed-through tunnel hides method and path. An allow rule that names them may open
+            # the tunnel only when it intercepts (then each request inside is checked); a deny rule
+            # with such conditions refuses only the requests it can see.
+            return rule.action == ALLOW and rule.intercept
+        if rule.methods is not None and request.method.upper() not in rule.methods:
+            return False
+        if not rule.path_matches(target.path):
+            return False
+    return True
+
+
+def _near_miss(table: HostTable, request: Request) -> str:
+    """Say why a rule naming the host did not match (expired, port, scheme...) — operators ask."""
+    for rule in table.candidates(request.target.host):
+        if rule.expired(request.at):
+            return f"; rule {rule.pattern.text} ({rule.rule_id}) expired {rule.expires:%Y-%m-%d %H:%M} UTC"
+        if rule.ports is not None and request.target.port not in rule.ports:
+            return f"; rule {rule.pattern.text} ({rule.rule_id}) allows only ports {sorted(rule.ports)}"
+        if rule.schemes is not None and request.target.scheme not in rule.schemes:
+            return f"; rule {rule.pattern.text} ({rule.rule_id}) allows only {sorted(rule.schemes)}"
+        if request.websocket and not rule.websocket:
+            return f"; rule {rule.pattern.text} ({rule.rule_id}) does not allow WebSocket"
+        if rule.methods is not None and not request.tunnel and request.method.upper() not in rule.methods:
+            return f"; rule {rule.pattern.text} ({rule.rule_id}) allows only methods {sorted(rule.methods)}"
+        if rule.paths is not None:
+            return f"; rule {rule.pattern.text} ({rule.rule_id}) allows only paths {list(rule.paths)}"
+    return ""
+
+
+def _check_cname(policy: Policy, name: str) -> tuple[str, str] | None:
+    """A CNAME may lead to a name the policy would refuse outright (db.internal, a denied host)."""
+    try:
+        host, _ = normalise_host(name.rstrip(".") or name)
+    except HostFormError as err:
+        return f"cname:{err.form}", f"the name is an alias (CNAME) of {name!r}, which is refused: {err.reason}"
+    for rule in policy.deny.candidates(host):
+        if not rule.needs_visible_request and rule.ports is None and rule.schemes is None:
+            return rule.rule_id, f"the name is an alias (CNAME) of {host}, refused by deny rule {rule.pattern.text}"
+    return None
+
+
+def _choose_pin(addresses: tuple[str, ...]) -> str:
+    """Prefer IPv4: many networks (and the lab) route no IPv6. Every address was checked anyway."""
+    for address in addresses:
+        if ":" not in address:
+            return address
+    return addresses[0]
+
+
+def _client_address(client: str | None) -> netaddr.IPAddress | None:
+    if not client:
+        return None
+    try:
+        address = netaddr.IPAddress(client.split("%", 1)[0])
+    except (ValueError, netaddr.AddrFormatError):
+        return None
+    # A dual-stack listener reports IPv4 clients as ::ffff:a.b.c.d; roles are written in IPv4.
+    return address.ipv4() if address.is_ipv4_mapped() else address

@@ -1,0 +1,129 @@
+"""Warnings for operators: rules that can never match, rules shadowed by earlier ones, expired
+entries and overlapping ranges. A policy with warnings still loads; lint tells what it will do."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import netaddr
+
+from .model import ALLOW, DENY, HostRule, HostTable, Origin, Policy
+from .patterns import PatternKind
+
+
+@dataclass(frozen=True)
+class LintWarning:
+    origin: Origin
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.origin.source}:{self.origin.line}:{self.origin.column}" if self.origin.line else str(
+            self.origin)
+        key = f" {self.origin.path}:" if self.origin.path else ""
+        return f"{where}:{key} {self.message}"
+
+
+def lint(policy: Policy, now: datetime | None = None) -> list[LintWarning]:
+    now = now or datetime.now(UTC)
+    warnings: list[LintWarning] = []
+    scopes: list[tuple[str, HostTable, HostTable]] = [("", policy.allow, policy.deny)]
+    scopes += [(f"role {r.name}: ", r.allow, r.deny) for r in policy.roles]
+    for prefix, allow, deny in scopes:
+        for table in (deny, allow):
+            positions = {id(rule): i for i, rule in enumerate(table.rules)}
+            for i, rule in enumerate(table.rules):
+                warnings += [LintWarning(rule.origin, prefix + m) for m in _never_matches(policy, rule, now)]
+                shadow = _shadowed_by(table, positions, i, rule)
+                if shadow is not None:
+                    warnings.append(LintWarning(rule.origin, f"{prefix}{rule.pattern.text} is shadowed by the earlier "
+                                                             f"rule {shadow.pattern.text} ({shadow.rule_id}), "
+                                                             "which matches every request it would"))
+        for rule in allow.rules:
+            blocker = _blocking_deny(deny, policy.deny, rule)
+            if blocker is not None:
+                warnings.append(LintWarning(rule.origin, f"{prefix}allow {rule.pattern.text} can never match: deny "
+                                                         f"rule {blocker.pattern.text} ({blocker.rule_id}) refuses "
+                                                         "every host it names"))
+    warnings += _overlapping_ranges(policy)
+    return warnings
+
+
+def _never_matches(policy: Policy, rule: HostRule, now: datetime) -> list[str]:
+    out = []
+    if rule.expired(now):
+        out.append(f"{rule.action} {rule.pattern.text} expired on {rule.expires:%Y-%m-%d %H:%M} UTC and no "
+                   "longer matches")
+    elif rule.expires is not None and (rule.expires - now).days < 14:
+        out.append(f"{rule.action} {rule.pattern.text} expires on {rule.expires:%Y-%m-%d %H:%M} UTC")
+    if rule.ports is not None:
+        usable = policy.connect_ports | policy.http_ports
+        dead = sorted(rule.ports - usable)
+        if dead:
+            out.append(f"{rule.pattern.text}: port(s) {dead} are in neither ports.connect nor ports.http, so "
+                       "requests to them are refused before host rules")
+    if rule.needs_visible_request and not rule.intercept and rule.action == ALLOW:
+        seen_in_clear = rule.schemes is None or bool(rule.schemes & {"http", "ws"})
+        suffix = ("; it matches only plain-HTTP requests" if seen_in_clear
+                  else "; with only https/wss schemes it can never match")
+        out.append(f"{rule.pattern.text}: methods/paths cannot be checked inside a TLS tunnel without "
+                   f"intercept: true{suffix}")
+    return out
+
+
+def _narrows(rule: HostRule) -> bool:
+    return any(x is not None for x in (rule.ports, rule.schemes, rule.methods, rule.paths))
+
+
+def _unconditional(rule: HostRule) -> bool:
+    return not _narrows(rule) and rule.expires is None and rule.websocket
+
+
+def _covering(table: HostTable, rule: HostRule):
+    """Rules in table whose pattern covers rule's pattern (looked up by suffix, not by scanning)."""
+    probe = rule.pattern.name if rule.pattern.kind is PatternKind.EXACT else "lint-probe." + rule.pattern.name
+    seen = set()
+    hosts = [probe] + ([rule.pattern.name] if rule.pattern.kind is PatternKind.DOMAIN else [])
+    for host in hosts:
+        for other in table.candidates(host):
+            if id(other) not in seen and other.pattern.covers(rule.pattern):
+                seen.add(id(other))
+                yield other
+
+
+def _shadowed_by(table: HostTable, positions: dict[int, int], position: int, rule: HostRule) -> HostRule | None:
+    for other in _covering(table, rule):
+        if positions[id(other)] < position and _unconditional(other):
+            return other
+    return None
+
+
+def _blocking_deny(deny: HostTable, global_deny: HostTable, rule: HostRule) -> HostRule | None:
+    for table in (deny, global_deny):
+        for other in _covering(table, rule):
+            if other.action == DENY and _unconditional(other):
+                return other
+    return None
+
+
+def _overlapping_ranges(policy: Policy) -> list[LintWarning]:
+    out: list[LintWarning] = []
+    ranges = [(action, netaddr.IPNetwork(cidr), cidr, origin) for action, cidr, origin in policy.address_rules_text]
+    for i, (action_a, net_a, text_a, _) in enumerate(ranges):
+        for action_b, net_b, text_b, origin_b in ranges[i + 1:]:
+            if net_a.version != net_b.version or not (net_a.first <= net_b.last and net_b.first <= net_a.last):
+                continue
+            if action_a == action_b:
+                message = f"addresses.{action_b} {text_b} overlaps {text_a}"
+            else:
+                message = f"{text_b} is in both addresses.allow and addresses.deny (with {text_a}); deny wins"
+            out.append(LintWarning(origin_b, message))
+    roles = policy.roles
+    for i, role_a in enumerate(roles):
+        for role_b in roles[i + 1:]:
+            common = role_a.clients & role_b.clients
+            if common:
+                out.append(LintWarning(role_b.origin, f"role {role_b.name}'s clients overlap role {role_a.name}'s "
+                                                      f"({', '.join(map(str, common.iter_cidrs()[:3]))}); the "
+                                                      f"first role, {role_a.name}, wins"))
+    return out

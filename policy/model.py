@@ -1,0 +1,157 @@
+"""The policy as the decision function sees it: immutable, indexed once at load time."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+
+import netaddr
+
+from .addresses import AddressRules
+from .patterns import HostIndex, HostPattern
+
+ENFORCE, REPORT = "enforce", "report"
+ALLOW, DENY = "allow", "deny"
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a rule was written: a file position, or the command-line flag that added it."""
+
+    source: str
+    line: int = 0  # 1-based; 0 when there is no line (command line, built-in)
+    column: int = 0
+    path: str = ""  # key path, e.g. "hosts.allow[3]"
+
+    def __str__(self) -> str:
+        return f"{self.source}:{self.line}" if self.line else self.source
+
+
+@dataclass(frozen=True)
+class HostRule:
+    action: str  # ALLOW or DENY
+    pattern: HostPattern
+    origin: Origin
+    ports: frozenset[int] | None = None
+    schemes: frozenset[str] | None = None
+    methods: frozenset[str] | None = None
+    paths: tuple[str, ...] | None = None
+    websocket: bool = True
+    intercept: bool = False
+    expires: datetime | None = None
+    owner: str | None = None
+    reason: str | None = None
+
+    @property
+    def rule_id(self) -> str:
+        return str(self.origin)
+
+    @property
+    def needs_visible_request(self) -> bool:
+        """Method and path conditions can be checked only where the proxy sees the request."""
+        return self.methods is not None or self.paths is not None
+
+    def expired(self, at: datetime) -> bool:
+        return self.expires is not None and at >= self.expires
+
+    def path_matches(self, path: str) -> bool:
+        if self.paths is None:
+            return True
+        path = path.split("?", 1)[0] or "/"
+        return any(path_pattern_matches(p, path) for p in self.paths)
+
+    def describe(self) -> str:
+        return f"{self.action} {self.pattern.text} ({self.origin})"
+
+
+def path_pattern_matches(pattern: str, path: str) -> bool:
+    """A pattern without '*' is a prefix ('/docs/'); with '*' it is a glob over the whole path."""
+    if "*" in pattern:
+        return fnmatch.fnmatchcase(path, pattern)
+    return path.startswith(pattern)
+
+
+@dataclass
+class HostTable:
+    """One list of host rules (allow or deny), in file order, indexed by host suffix."""
+
+    rules: tuple[HostRule, ...] = ()
+    index: HostIndex[HostRule] = field(default_factory=HostIndex)
+
+    @classmethod
+    def build(cls, rules: list[HostRule]) -> HostTable:
+        return cls(tuple(rules), HostIndex((rule.pattern, rule) for rule in rules))
+
+    def candidates(self, host: str) -> Iterator[HostRule]:
+        return self.index.candidates(host)
+
+    def __len__(self) -> int:
+        return len(self.rules)
+
+
+@dataclass(frozen=True)
+class Role:
+    name: str
+    clients: netaddr.IPSet
+    origin: Origin
+    default: str | None  # None: the policy's default
+    allow: HostTable
+    deny: HostTable
+
+
+@dataclass(frozen=True)
+class ResolverSettings:
+    nameservers: tuple[tuple[str, int], ...] = ()  # () means the nameservers in /etc/resolv.conf
+    timeout: float = 2.0
+    ttl_floor: int = 0
+    ttl_ceiling: int = 300
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_connections: int = 2000
+    max_connections_per_client: int = 256
+    connect_timeout: float = 10.0
+    idle_timeout: float = 120.0
+    max_request_body: int = 10 * 1024 * 1024
+    tunnel_grace: float = 10.0
+
+
+@dataclass(frozen=True)
+class Policy:
+    source: str
+    mode: str
+    default: str
+    default_origin: Origin
+    allow: HostTable
+    deny: HostTable
+    addresses: AddressRules
+    connect_ports: frozenset[int]
+    http_ports: frozenset[int]
+    roles: tuple[Role, ...] = ()
+    resolver: ResolverSettings = ResolverSettings()
+    limits: Limits = Limits()
+    log_query_strings: bool = False
+    address_rules_text: tuple[tuple[str, str, Origin], ...] = ()  # (action, cidr, origin), for lint/export
+
+    def role_for(self, client: netaddr.IPAddress | None) -> Role | None:
+        if client is None:
+            return None
+        for role in self.roles:
+            if client in role.clients:
+                return role
+        return None
+
+    def all_host_rules(self) -> Iterator[HostRule]:
+        yield from self.deny.rules
+        yield from self.allow.rules
+        for role in self.roles:
+            yield from role.deny.rules
+            yield from role.allow.rules
+
+    def intercepts(self, host: str) -> bool:
+        """True when an allow rule asks to decrypt TLS for this host (path or frame rules)."""
+        tables = [self.allow] + [role.allow for role in self.roles]
+        return any(rule.intercept for table in tables for rule in table.candidates(host))

@@ -1,0 +1,163 @@
+"""Name resolution: the interface the decision needs, and its dnspython implementation.
+
+This is the one module of ``policy`` that does I/O, and only here: the decision functions take the
+``Resolution`` it returns as plain data. Names are asked of the policy's nameservers with
+dnspython — never ``getaddrinfo``, so ``/etc/hosts`` and search domains play no part.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import dns.asyncresolver
+import dns.exception
+import dns.message
+import dns.name
+import dns.nameserver
+import dns.rdatatype
+import dns.resolver
+
+from .decision import Request, Resolution, Verdict, decide_addresses, precheck, refuse_resolution
+from .model import Policy
+
+TIMEOUT, SERVFAIL, NXDOMAIN, EMPTY, ERROR = "timeout", "servfail", "nxdomain", "empty", "error"
+
+
+class ResolveError(Exception):
+    """The name could not be resolved to a set of addresses that can all be checked."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind, self.reason = kind, reason
+
+
+class Resolver(Protocol):
+    async def resolve(self, name: str) -> Resolution: ...
+
+
+class DnsResolver:
+    """A and AAAA over dnspython's async resolver, with a TTL cache clamped to [floor, ceiling].
+
+    Both record types must answer (or say "no such records"): if one times out, the answer is
+    incomplete and the name is refused, because every address must be checked.
+    """
+
+    def __init__(
+        self,
+        nameservers: Sequence[tuple[str, int]] = (),
+        timeout: float = 2.0,
+        ttl_floor: int = 0,
+        ttl_ceiling: int = 300,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._resolver = dns.asyncresolver.Resolver(configure=not nameservers)
+        if nameservers:
+            self._resolver.nameservers = [dns.nameserver.Do53Nameserver(ip, port) for ip, port in nameservers]
+        self._resolver.search = []
+        self._resolver.use_search_by_default = False
+        self._resolver.lifetime = timeout
+        self._resolver.timeout = timeout
+        self.timeout = timeout
+        self.ttl_floor, self.ttl_ceiling = ttl_floor, ttl_ceiling
+        self._clock = clock
+        self._cache: dict[str, tuple[float, Resolution]] = {}
+        self._inflight: dict[str, asyncio.Future[Resolution]] = {}
+        self.queries = 0  # lookups sent (cache misses), for metrics and tests
+
+    @classmethod
+    def for_policy(cls, policy: Policy) -> DnsResolver:
+        settings = policy.resolver
+        return cls(settings.nameservers, settings.timeout, settings.ttl_floor, settings.ttl_ceiling)
+
+    @property
+    def nameservers(self) -> list[str]:
+        return [str(ns) for ns in self._resolver.nameservers]
+
+    async def resolve(self, name: str) -> Resolution:
+        cached = self._cache.get(name)
+        if cached and cached[0] > self._clock():
+            return cached[1]
+        if name in self._inflight:  # share one lookup between concurrent requests for a name
+            return await asyncio.shield(self._inflight[name])
+        future: asyncio.Future[Resolution] = asyncio.get_running_loop().create_future()
+        self._inflight[name] = future
+        try:
+            result = await self._lookup(name)
+        except BaseException as err:
+            future.set_exception(err)
+            future.exception()  # mark retrieved: no "never retrieved" warning when nobody else waited
+            raise
+        else:
+            future.set_result(result)
+            ttl = min(max(result.ttl, self.ttl_floor), self.ttl_ceiling)
+            if ttl > 0:
+                self._cache[name] = (self._clock() + ttl, result)
+            return result
+        finally:
+            del self._inflight[name]
+
+    async def _lookup(self, name: str) -> Resolution:
+        self.queries += 1
+        qname = dns.name.from_text(name)
+        try:
+            a, aaaa = await asyncio.wait_for(
+                asyncio.gather(self._query(qname, "A"), self._query(qname, "AAAA")),
+                timeout=self.timeout + 0.5,  # dnspython's lifetime should end first; this bounds it anyway
+            )
+        except TimeoutError:
+            raise ResolveError(TIMEOUT, f"DNS lookup of {name} timed out after {self.timeout:g}s") from None
+        answers = [answer for answer in (a, aaaa) if answer is not None]
+        if not answers:
+            raise ResolveError(EMPTY, f"{name} has no A or AAAA records")
+        addresses = tuple(str(rr) for answer in answers for rr in answer.rrset)
+        ttl = min(answer.rrset.ttl for answer in answers)
+        cnames: list[str] = []
+        for answer in answers:
+            for rrset in answer.chaining_result.cnames:
+                ttl = min(ttl, rrset.ttl)
+                for rr in rrset:
+                    target = rr.target.to_text(omit_final_dot=True)
+                    if target not in cnames:
+                        cnames.append(target)
+        return Resolution(name=name, addresses=addresses, cnames=tuple(cnames), ttl=ttl)
+
+    async def _query(self, qname: dns.name.Name, rdtype: str) -> dns.resolver.Answer | None:
+        try:
+            return await self._resolver.resolve(qname, rdtype, search=False, raise_on_no_answer=True)
+        except dns.resolver.NoAnswer:
+            return None
+        except dns.resolver.NXDOMAIN:
+            raise ResolveError(NXDOMAIN, f"{qname.to_text(True)} does not exist (NXDOMAIN)") from None
+        except dns.resolver.LifetimeTimeout:
+            raise ResolveError(TIMEOUT, f"DNS lookup of {qname.to_text(True)} timed out after "
+                                        f"{self.timeout:g}s") from None
+        except dns.resolver.NoNameservers as err:
+            kind = SERVFAIL if "SERVFAIL" in str(err) else ERROR
+            raise ResolveError(kind, f"no nameserver answered for {qname.to_text(True)} ({_short(err)})") from None
+        except dns.exception.DNSException as err:
+            raise ResolveError(ERROR, f"DNS lookup of {qname.to_text(True)} failed: {_short(err)}") from None
+
+
+def _short(err: Exception) -> str:
+    text = str(err)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+async def resolve_and_decide(
+    policy: Policy, request: Request, resolver: Resolver
+) -> tuple[Verdict, Resolution | None]:
+    """The whole order of checks with a real resolver: precheck, resolve only if allowed, decide.
+
+    The one path both ``egresswall check`` and the proxy take, so they cannot disagree.
+    """
+    verdict = precheck(policy, request)
+    if not verdict.needs_resolution:
+        return verdict, None
+    try:
+        resolution = await resolver.resolve(request.target.host)
+    except ResolveError as err:
+        return refuse_resolution(err.kind, err.reason, verdict), None
+    return decide_addresses(policy, verdict, resolution.addresses, resolution.cnames), resolution

@@ -1,0 +1,410 @@
+"""policy.addresses: IANA classification, wrappings, operator rules and strict parsing.
+
+The property tests judge the module against an independent list of refused space written here from the
+IANA registries (and checked with Python's ipaddress, not netaddr), not against the module's own tables.
+"""
+
+import ipaddress
+
+import netaddr
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from policy.addresses import (
+    CLOUD_METADATA,
+    SPECIAL_PURPOSE_V4,
+    SPECIAL_PURPOSE_V6,
+    AddressBlock,
+    AddressRules,
+    AddressVerdict,
+    parse_address,
+)
+
+DEFAULT = AddressRules()
+
+# --- the independent list: everything default rules must refuse ------------------------------------
+
+REFUSED_V4 = [ipaddress.IPv4Network(text) for text in (
+    "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
+    "192.0.0.0/24", "192.0.2.0/24", "192.88.99.0/24", "192.168.0.0/16", "198.18.0.0/15",
+    "198.51.100.0/24", "203.0.113.0/24", "224.0.0.0/4", "240.0.0.0/4",
+    "168.63.129.16/32",  # Azure WireServer: public, but cloud metadata
+)]
+# Inside 2000::/3 only; everything outside it is refused anyway (checked separately).
+REFUSED_V6 = [ipaddress.IPv6Network(text) for text in (
+    "2001::/23", "2001:db8::/32", "2002::/16", "3fff::/20",
+)]
+GLOBAL_UNICAST_V6 = ipaddress.IPv6Network("2000::/3")
+
+
+def independently_refused(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    if address.version == 6:
+        if address.ipv4_mapped is not None:
+            return independently_refused(address.ipv4_mapped)
+        return address not in GLOBAL_UNICAST_V6 or any(address in net for net in REFUSED_V6)
+    return any(address in net for net in REFUSED_V4)
+
+
+def ip(value: int, version: int) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    return ipaddress.IPv4Address(value) if version == 4 else ipaddress.IPv6Address(value)
+
+
+def rule_cidr(verdict: AddressVerdict) -> str:
+    return verdict.rule.rsplit(" ", 1)[-1]
+
+
+# --- the tables --------------------------------------------------------------------------------------
+
+ALL_BLOCKS = SPECIAL_PURPOSE_V4 + SPECIAL_PURPOSE_V6 + CLOUD_METADATA
+
+
+def test_tables_are_well_formed() -> None:
+    for block in ALL_BLOCKS:
+        assert isinstance(block, AddressBlock)
+        assert block.name and block.source
+        assert str(ipaddress.ip_network(block.cidr)) == block.cidr  # canonical, no host bits
+    assert all(ipaddress.ip_network(b.cidr).version == 4 for b in SPECIAL_PURPOSE_V4)
+    assert all(ipaddress.ip_network(b.cidr).version == 6 for b in SPECIAL_PURPOSE_V6)
+    required_v4 = {
+        "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
+        "192.0.0.0/24", "192.0.2.0/24", "192.88.99.0/24", "192.168.0.0/16", "198.18.0.0/15",
+        "198.51.100.0/24", "203.0.113.0/24", "224.0.0.0/4", "240.0.0.0/4", "255.255.255.255/32",
+    }
+    required_v6 = {
+        "::/128", "::1/128", "::/96", "::ffff:0:0/96", "64:ff9b::/96", "64:ff9b:1::/48", "100::/64",
+        "2001::/23", "2001::/32", "2001:db8::/32", "2002::/16", "3fff::/20", "5f00::/16", "fc00::/7",
+        "fe80::/10", "fec0::/10", "ff00::/8",
+    }
+    assert required_v4 <= {b.cidr for b in SPECIAL_PURPOSE_V4}
+    assert required_v6 <= {b.cidr for b in SPECIAL_PURPOSE_V6}
+    clouds = {(b.cidr, b.name.split()[0]) for b in CLOUD_METADATA}
+    assert {("169.254.169.254/32", "AWS"), ("fd00:ec2::254/128", "AWS"), ("169.254.169.254/32", "GCP"),
+            ("168.63.129.16/32", "Azure"), ("169.254.169.254/32", "Azure"), ("192.0.0.192/32", "Oracle"),
+            ("169.254.169.254/32", "Oracle"), ("100.100.100.200/32", "Alibaba")} <= clouds
+
+
+@pytest.mark.parametrize("block", ALL_BLOCKS, ids=lambda b: f"{b.cidr} {b.name}")
+def test_block_edges(block: AddressBlock) -> None:
+    net = ipaddress.ip_network(block.cidr)
+    for inside in (net[0], net[-1]):
+        verdict = DEFAULT.check(str(inside))
+        assert not verdict.allowed, verdict
+        assert verdict.reason
+        if block.cidr != "::ffff:0:0/96":  # mapped addresses are judged (and named) as their IPv4
+            decided_by = ipaddress.ip_network(rule_cidr(verdict))
+            assert decided_by.version == net.version and decided_by.subnet_of(net), verdict
+    top = 2 ** net.max_prefixlen - 1
+    for value in (int(net[0]) - 1, int(net[-1]) + 1):
+        if not 0 <= value <= top:
+            continue
+        outside = ip(value, net.version)
+        verdict = DEFAULT.check(outside)
+        assert verdict.allowed == (not independently_refused(outside)), verdict
+        if not verdict.allowed:
+            assert rule_cidr(verdict) != block.cidr, verdict
+
+
+def test_block_reasons_cite_name_and_source() -> None:
+    verdict = DEFAULT.check("10.0.0.5")
+    assert verdict == AddressVerdict(False, "10.0.0.5", "special-purpose 10.0.0.0/8", verdict.reason)
+    assert "10.0.0.0/8" in verdict.reason and "Private-Use" in verdict.reason and "RFC 1918" in verdict.reason
+    verdict = DEFAULT.check("3fff::1")
+    assert "Documentation" in verdict.reason and "RFC 9637" in verdict.reason
+    verdict = DEFAULT.check("5f00::1")
+    assert verdict.rule == "special-purpose 5f00::/16" and "RFC 9602" in verdict.reason
+
+
+@pytest.mark.parametrize("text", [
+    "192.0.0.9", "192.0.0.10", "192.88.99.2",
+    "2001:1::1", "2001:1::2", "2001:3::1", "2001:4:112::1", "2001:20::1", "2001:30::1",
+])
+def test_registry_global_blocks_refused_by_design(text: str) -> None:
+    # IANA marks these globally reachable (or sub-blocks of a refused block); the design refuses the parent.
+    assert not DEFAULT.check(text).allowed
+
+
+@pytest.mark.parametrize("text", [
+    "192.31.196.1", "192.52.193.1", "192.175.48.1", "8.8.8.8", "1.1.1.1", "223.255.255.255",
+    "2620:4f:8000::1", "2606:4700:4700::1111", "2003::1",
+])
+def test_global_addresses_allowed(text: str) -> None:
+    verdict = DEFAULT.check(text)
+    assert verdict.allowed and verdict.rule == "global", verdict
+
+
+@pytest.mark.parametrize("text", ["4000::1", "::1:0:0", "1::", "8000::", "e000::1"])
+def test_ipv6_outside_global_unicast(text: str) -> None:
+    verdict = DEFAULT.check(text)
+    assert not verdict.allowed
+    assert verdict.rule == "outside-global-unicast 2000::/3"
+    assert "outside 2000::/3 global unicast" in verdict.reason
+
+
+@pytest.mark.parametrize("text, names", [
+    ("169.254.169.254", ["AWS", "GCP", "Azure", "Oracle"]),
+    ("168.63.129.16", ["Azure"]),
+    ("100.100.100.200", ["Alibaba"]),
+    ("192.0.0.192", ["Oracle"]),
+    ("fd00:ec2::254", ["AWS"]),
+])
+def test_cloud_metadata_named(text: str, names: list[str]) -> None:
+    verdict = DEFAULT.check(text)
+    assert not verdict.allowed
+    assert verdict.rule == f"cloud-metadata {ipaddress.ip_network(text)}"
+    assert all(name in verdict.reason for name in names)
+
+
+# --- wrappings ---------------------------------------------------------------------------------------
+
+def wrappings(v4: ipaddress.IPv4Address) -> dict[str, ipaddress.IPv6Address]:
+    """Every way to carry an IPv4 inside IPv6, built by hand from the RFCs."""
+    n = int(v4)
+    return {
+        "IPv4-mapped": ipaddress.IPv6Address(0xFFFF << 32 | n),                        # RFC 4291
+        "IPv4-compatible": ipaddress.IPv6Address(n),                                   # RFC 4291
+        "NAT64": ipaddress.IPv6Address(0x64FF9B << 96 | n),                            # RFC 6052 /96
+        "NAT64 (local-use)": ipaddress.IPv6Address(                                    # RFC 6052 /48 layout
+            0x0064FF9B0001 << 80 | (n >> 16) << 64 | (n & 0xFFFF) << 40),
+        "6to4": ipaddress.IPv6Address(0x2002 << 112 | n << 80 | 1),                    # RFC 3056
+        "Teredo": ipaddress.IPv6Address(0x20010000 << 96 | 0x4136E378 << 64 | 0x8000 << 48 | 0x63BF << 32
+                                        | (n ^ 0xFFFFFFFF)),                           # RFC 4380
+    }
+
+
+@pytest.mark.parametrize("block", SPECIAL_PURPOSE_V4, ids=lambda b: b.cidr)
+def test_wrappings_of_refused_ipv4(block: AddressBlock) -> None:
+    net = ipaddress.IPv4Network(block.cidr)
+    v4 = net[-1]
+    for label, wrapped in wrappings(v4).items():
+        verdict = DEFAULT.check(str(wrapped))
+        assert not verdict.allowed, (label, verdict)
+        if label == "IPv4-compatible" and int(v4) <= 1:
+            continue  # ::0.0.0.0 and ::0.0.0.1 are :: and ::1, blocks of their own
+        assert label in verdict.reason, (label, verdict)
+        if label != "NAT64 (local-use)":  # the only wrapping without a fixed IPv4 position
+            assert str(v4) in verdict.reason, (label, verdict)
+
+
+def test_mapped_is_judged_as_its_ipv4() -> None:
+    refused = DEFAULT.check("::ffff:10.0.0.1")
+    assert not refused.allowed and refused.rule == "special-purpose 10.0.0.0/8"
+    assert refused.address == "::ffff:10.0.0.1" and "IPv4-mapped" in refused.reason
+    allowed = DEFAULT.check("::ffff:8.8.8.8")
+    assert allowed.allowed and allowed.rule == "global" and "IPv4-mapped" in allowed.reason
+    assert DEFAULT.check("::ffff:808:808") == allowed
+    assert not DEFAULT.check("::ffff:169.254.169.254").allowed
+
+
+@pytest.mark.parametrize("label", ["IPv4-compatible", "NAT64", "NAT64 (local-use)", "6to4", "Teredo"])
+def test_wrappings_of_global_ipv4_refused_whole(label: str) -> None:
+    verdict = DEFAULT.check(wrappings(ipaddress.IPv4Address("8.8.8.8"))[label])
+    assert not verdict.allowed and label in verdict.reason and "whole" in verdict.reason
+
+
+def test_teredo_reason_deobfuscates_client() -> None:
+    verdict = DEFAULT.check("2001:0:4136:e378:8000:63bf:3fff:fdd2")  # RFC 4380 example: client 192.0.2.45
+    assert not verdict.allowed and verdict.rule == "special-purpose 2001::/32"
+    assert "192.0.2.45" in verdict.reason and "Teredo" in verdict.reason
+
+
+# --- operator rules ----------------------------------------------------------------------------------
+
+def test_allow_readmits_benchmarking_and_one_loopback() -> None:
+    rules = AddressRules(allow=["198.18.0.0/15", "127.0.0.2/32"])
+    lab = rules.check("198.19.255.255")
+    assert lab.allowed and lab.rule == "address-allow 198.18.0.0/15" and "Benchmarking" in lab.reason
+    assert rules.check("127.0.0.2").allowed
+    assert rules.check("::ffff:127.0.0.2").allowed
+    assert not rules.check("127.0.0.1").allowed
+    assert rules.check("198.20.0.0").allowed  # just outside 198.18/15: global again
+
+
+def test_allow_cannot_readmit_cloud_metadata() -> None:
+    rules = AddressRules(allow=["169.254.0.0/16", "168.63.129.16/32", "fd00::/8"])
+    for text in ("169.254.169.254", "168.63.129.16", "fd00:ec2::254", "::ffff:169.254.169.254"):
+        verdict = rules.check(text)
+        assert not verdict.allowed and verdict.rule.startswith("cloud-metadata "), verdict
+    assert rules.check("169.254.1.1").allowed
+    off = AddressRules(allow=["169.254.169.254/32"], refuse_cloud_metadata=False)
+    assert off.check("169.254.169.254").allowed
+    assert AddressRules(refuse_cloud_metadata=False).check("168.63.129.16").allowed  # public, flag off
+    assert not AddressRules(refuse_cloud_metadata=False).check("169.254.169.254").allowed  # still link-local
+
+
+def test_deny_beats_allow_and_refuses_public() -> None:
+    rules = AddressRules(allow=["198.18.0.0/15"], deny=["198.18.1.0/24", "8.8.8.0/24"])
+    assert rules.check("198.18.0.1").allowed
+    denied = rules.check("198.18.1.1")
+    assert not denied.allowed and denied.rule == "address-deny 198.18.1.0/24"
+    public = rules.check("8.8.8.8")
+    assert not public.allowed and public.rule == "address-deny 8.8.8.0/24" and "8.8.8.0/24" in public.reason
+    assert rules.check("8.8.4.4").allowed
+
+
+def test_deny_sees_mapped_and_wrapped_ipv4() -> None:
+    rules = AddressRules(deny=["93.184.216.0/24", "::ffff:1.1.1.0/120"])
+    for text in ("::ffff:93.184.216.34", "64:ff9b::5db8:d822", "2002:5db8:d822::1"):
+        verdict = rules.check(text)
+        assert verdict.rule == "address-deny 93.184.216.0/24", verdict
+    assert rules.check("::ffff:1.1.1.1").rule == "address-deny ::ffff:1.1.1.0/120"
+    assert rules.check("1.1.1.1").allowed  # an IPv6 rule does not deny the bare IPv4
+
+
+def test_allowing_a_wrapping_does_not_readmit_what_it_wraps() -> None:
+    rules = AddressRules(allow=["64:ff9b::/96"])
+    assert rules.check("64:ff9b::808:808").allowed
+    inner = rules.check("64:ff9b::a00:1")
+    assert not inner.allowed and inner.rule == "special-purpose 10.0.0.0/8" and "NAT64" in inner.reason
+    assert not rules.check("64:ff9b::a9fe:a9fe").allowed
+
+
+def test_labels_appear_in_rule() -> None:
+    rules = AddressRules(allow=["198.18.0.0/15"], deny=["203.0.113.0/24", "10.0.0.1"],
+                         allow_labels={"198.18.0.0/15": "policy.yaml:14"},
+                         deny_labels={"203.0.113.0/24": "policy.yaml:20", "10.0.0.1": "policy.yaml:21"})
+    assert rules.check("198.18.0.1").rule == "policy.yaml:14"
+    assert rules.check("203.0.113.9").rule == "policy.yaml:20"
+    assert rules.check("10.0.0.1").rule == "policy.yaml:21"
+    assert rules.check("10.0.0.2").rule == "special-purpose 10.0.0.0/8"
+
+
+@pytest.mark.parametrize("cidr", [
+    "10.0.0.1/8", "10.0.0.0/33", "10.0.0/8", "10.0.0.0/08", "10.0.0.0/", "010.0.0.0/8", "10.0.0.0/+8",
+    "10.0.0.0/8/8", "fe80::/129", "fe80::1/10", "fe80::%eth0/10", "example.com", "", " 10.0.0.0/8",
+])
+def test_invalid_cidr_rejected_by_name(cidr: str) -> None:
+    for kwargs in ({"allow": [cidr]}, {"deny": [cidr]}):
+        with pytest.raises(ValueError) as info:
+            AddressRules(**kwargs)
+        assert repr(cidr) in str(info.value)
+
+
+def test_host_bits_error_suggests_network() -> None:
+    with pytest.raises(ValueError, match="did you mean 10.0.0.0/8"):
+        AddressRules(allow=["10.0.0.1/8"])
+
+
+def test_label_for_unknown_range_rejected() -> None:
+    with pytest.raises(ValueError, match="not an allow rule"):
+        AddressRules(allow=["198.18.0.0/15"], allow_labels={"10.0.0.0/8": "policy.yaml:3"})
+
+
+# --- parsing -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text", [
+    "127.1", "0177.0.0.1", "0x7f.0.0.1", "2130706433", "010.0.0.1", "1.2.3.4.5", "fe80::1%eth0", "[::1]",
+    " 1.2.3.4", "1.2.3.4 ", "1.2.3.4\n", "", "1.2.3.256", "1.2.3", "0x7f000001", "1..2.3", "::1::",
+    "1:2:3:4:5:6:7:8:9", "1.2.3.4::", "12345::", "::ffff:01.2.3.4", ":1::", "1::2:", ":::",
+    "1:2:3:4:5:6:7:8::", "g::1", "\u0661.1.1.1", "1.2.3.4/32", "localhost",
+])
+def test_parse_address_rejects(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_address(text)
+
+
+@pytest.mark.parametrize("text, canonical", [
+    ("0.0.0.0", "0.0.0.0"), ("255.255.255.255", "255.255.255.255"), ("8.8.8.8", "8.8.8.8"),
+    ("::", "::"), ("::1", "::1"), ("2001:db8::1", "2001:db8::1"), ("2001:0DB8:0000::0001", "2001:db8::1"),
+    ("::ffff:1.2.3.4", "::ffff:1.2.3.4"), ("::ffff:102:304", "::ffff:1.2.3.4"),
+    ("1:2:3:4:5:6:7:8", "1:2:3:4:5:6:7:8"),
+    ("1::", "1::"), ("fe80::1", "fe80::1"), ("1:2:3:4:5:6:1.2.3.4", "1:2:3:4:5:6:102:304"),
+    ("::10.0.0.1", "::a00:1"), ("1:2:3:4:5:6:7::", "1:2:3:4:5:6:7:0"),
+])
+def test_parse_address_accepts_and_canonicalises(text: str, canonical: str) -> None:
+    expected = ipaddress.ip_address(canonical)
+    assert parse_address(text) == netaddr.IPAddress(int(expected), expected.version)
+    assert DEFAULT.check(text).address == canonical
+
+
+def test_check_accepts_address_objects() -> None:
+    assert DEFAULT.check(netaddr.IPAddress("10.0.0.1")).rule == "special-purpose 10.0.0.0/8"
+    assert DEFAULT.check(ipaddress.IPv4Address("8.8.8.8")).allowed
+    assert DEFAULT.check(ipaddress.IPv6Address("::ffff:10.0.0.1")).address == "::ffff:10.0.0.1"
+    with pytest.raises(ValueError):
+        DEFAULT.check(ipaddress.IPv6Address("fe80::1%eth0"))
+    with pytest.raises(ValueError):
+        DEFAULT.check("127.1")
+    with pytest.raises(TypeError):
+        DEFAULT.check(2130706433)  # type: ignore[arg-type]
+
+
+@given(st.integers(0, 2**32 - 1))
+def test_parse_ipv4_round_trip(value: int) -> None:
+    assert int(parse_address(str(ipaddress.IPv4Address(value)))) == value
+
+
+@given(st.integers(0, 2**128 - 1))
+def test_parse_ipv6_round_trip(value: int) -> None:
+    address = ipaddress.IPv6Address(value)
+    for text in (str(address), address.exploded, address.exploded.upper()):
+        assert int(parse_address(text)) == value
+
+
+@given(st.text(alphabet="0123456789abcdefx.:%[]/ ", max_size=24))
+def test_parse_address_never_looser_than_ipaddress(text: str) -> None:
+    # Differential: whatever we accept, Python's strict parser accepts as the same address.
+    try:
+        parsed = parse_address(text)
+    except ValueError:
+        return
+    assert "%" not in text
+    assert int(parsed) == int(ipaddress.ip_address(text))
+
+
+# --- properties --------------------------------------------------------------------------------------
+
+# ::ffff:0:0/96 is not refused as such: a mapped address is judged as the IPv4 inside it.
+REFUSED_BLOCKS = [ipaddress.ip_network(b.cidr) for b in ALL_BLOCKS if b.cidr != "::ffff:0:0/96"]
+REFUSED_BLOCKS += REFUSED_V4 + REFUSED_V6
+
+
+@st.composite
+def refused_addresses(draw: st.DrawFn) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    net = draw(st.sampled_from(REFUSED_BLOCKS))
+    return ip(int(net[0]) + draw(st.integers(0, net.num_addresses - 1)), net.version)
+
+
+@st.composite
+def refused_ipv4(draw: st.DrawFn) -> ipaddress.IPv4Address:
+    net = draw(st.sampled_from([n for n in REFUSED_BLOCKS if n.version == 4]))
+    return ipaddress.IPv4Address(int(net[0]) + draw(st.integers(0, net.num_addresses - 1)))
+
+
+@given(refused_addresses())
+def test_refused_blocks_never_allowed(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> None:
+    assert not DEFAULT.check(str(address)).allowed
+
+
+@given(refused_ipv4(), st.sampled_from(sorted(wrappings(ipaddress.IPv4Address(0)))))
+def test_wrapped_refused_ipv4_never_allowed(v4: ipaddress.IPv4Address, label: str) -> None:
+    wrapped = wrappings(v4)[label]
+    assert not DEFAULT.check(str(wrapped)).allowed
+    # Allowing every wrapping prefix still does not let a refused IPv4 through.
+    permissive = AddressRules(allow=["::/96", "64:ff9b::/96", "2002::/16", "2001::/32"])
+    if label != "NAT64 (local-use)" and not (label == "IPv4-compatible" and int(v4) <= 1):
+        assert not permissive.check(wrapped).allowed  # (::/96 as written does cover :: and ::1)
+
+
+@given(st.one_of(
+    st.integers(0, 2**32 - 1).map(ipaddress.IPv4Address),
+    st.integers(0x2000 << 112, (0x4000 << 112) - 1).map(ipaddress.IPv6Address),
+    st.integers(0, 2**32 - 1).map(lambda n: ipaddress.IPv6Address(0xFFFF << 32 | n)),
+).filter(lambda address: not independently_refused(address)))
+def test_global_addresses_never_refused(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> None:
+    verdict = DEFAULT.check(str(address))
+    assert verdict.allowed and verdict.rule == "global", verdict
+
+
+# --- why not ipaddress.is_global ---------------------------------------------------------------------
+
+def test_python_is_global_is_not_enough() -> None:
+    # IANA itself marks 64:ff9b::/96 globally reachable, so is_global says True on every Python version,
+    # yet this is NAT64 for 10.0.0.1: a way into private space through the translator.
+    assert ipaddress.ip_address("64:ff9b::a00:1").is_global
+    assert not DEFAULT.check("64:ff9b::a00:1").allowed
+    # Others that depend on the Python version (multicast, 6to4 of private space, compatible forms):
+    candidates = ("224.0.0.1", "2002:a00:1::", "::a00:1", "192.0.0.9", "64:ff9b::a9fe:a9fe")
+    disagreements = [text for text in candidates
+                     if ipaddress.ip_address(text).is_global and not DEFAULT.check(text).allowed]
+    assert "64:ff9b::a9fe:a9fe" in disagreements
