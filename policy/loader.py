@@ -7,6 +7,7 @@ reading it is an operator mid-edit who wants to fix the line, not read a traceba
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime
@@ -61,14 +62,24 @@ class Overrides:
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader without implicit timestamps (dates stay text, checked by the schema) and without
-    duplicate keys (YAML would silently keep the last one)."""
+    """SafeLoader that reads plain scalars as YAML 1.2 (what editors validating with schema.json use)
+    and without duplicate keys (YAML would silently keep the last one).
+
+    YAML 1.1 traps are removed, not guessed at: dates stay text (checked by the schema); only
+    true/false are booleans (``default: no`` is the text 'no', an error, not False); integers are
+    plain decimals (``0443`` is not octal 291 and ``1:30`` not sexagesimal 90: both are text, an error).
+    """
 
 
+_YAML11_ONLY = {"tag:yaml.org,2002:timestamp", "tag:yaml.org,2002:bool", "tag:yaml.org,2002:int"}
 _StrictLoader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+    first: [(tag, rx) for tag, rx in resolvers if tag not in _YAML11_ONLY]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
+_StrictLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                    list("tTfF"))
+_StrictLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?(?:0|[1-9][0-9]*)$"),
+                                    list("-+0123456789"))
 
 
 @cache
@@ -116,12 +127,16 @@ class _Document:
             raise PolicyError(source, line, col, "", f"not valid YAML: {err.problem or err}") from None
         except yaml.YAMLError as err:
             raise PolicyError(source, 0, 0, "", f"not valid YAML: {err}") from None
-        if root is None:
+        if root is None or (isinstance(root, yaml.ScalarNode) and root.tag == "tag:yaml.org,2002:null"):
             raise PolicyError(source, 1, 1, "", "the file is empty; expected a mapping with 'version: 1'")
         _refuse_duplicate_keys(root, source)
         loader = _StrictLoader("")
         try:
             data = loader.construct_document(root)
+        except yaml.MarkedYAMLError as err:  # an unhashable (complex) key, an unknown tag such as !!python/...
+            mark = err.problem_mark or err.context_mark
+            line, col = (mark.line + 1, mark.column + 1) if mark else (0, 0)
+            raise PolicyError(source, line, col, "", f"not valid policy YAML: {err.problem or err}") from None
         finally:
             loader.dispose()
         return cls(source, root, data)
@@ -139,15 +154,32 @@ class _Document:
         return Origin(self.source, mark.line + 1 if mark else 0, mark.column + 1 if mark else 0, _dotted(path))
 
     def error(self, path: Path_, message: str) -> PolicyError:
-        origin = self.origin(path)
-        return PolicyError(self.source, origin.line, origin.column, _dotted(path), message)
+        origin = self.origin(path)  # a value added by a flag names the flag, not the file
+        return PolicyError(origin.source, origin.line, origin.column, _dotted(path), message)
+
+    def key_error(self, path: Path_, key: str, message: str) -> PolicyError:
+        """An error about a key itself (unknown key): point at the key, not at its mapping."""
+        node = self.root
+        for step in path:
+            node = _child(node, step)
+        for key_node, _ in node.value if isinstance(node, yaml.MappingNode) else ():
+            if isinstance(key_node, yaml.ScalarNode) and key_node.value == key:
+                mark = key_node.start_mark
+                return PolicyError(self.source, mark.line + 1, mark.column + 1, _dotted((*path, key)), message)
+        return self.error(path, message)
 
     def validate(self) -> None:
         validator = jsonschema.Draft202012Validator(schema())
         errors = sorted(validator.iter_errors(self.data), key=lambda e: (len(e.absolute_path), str(e.path)))
         if errors:
             err = _most_specific(errors[0])
-            raise self.error(tuple(err.absolute_path), _explain(err))
+            path = tuple(err.absolute_path)
+            if err.validator == "additionalProperties" and isinstance(err.instance, dict):
+                known = err.schema.get("properties", {})
+                unknown = [key for key in err.instance if key not in known]  # in file order
+                if unknown:
+                    raise self.key_error(path, str(unknown[0]), _explain(err))
+            raise self.error(path, _explain(err))
 
     def apply(self, overrides: Overrides) -> None:
         """Add command-line rules at the end of the lists they belong to, marked with their flag."""
@@ -176,8 +208,8 @@ class _Document:
             for value in values:
                 self.extra_origins[(*keys, len(target))] = Origin(f"command line {flag} {value}")
                 target.append(value)
-        if overrides.nameservers:
-            data.setdefault("resolver", {})["nameservers"] = list(overrides.nameservers)
+        if overrides.nameservers and isinstance(data.setdefault("resolver", {}), dict):
+            data["resolver"]["nameservers"] = list(overrides.nameservers)
             for i in range(len(overrides.nameservers)):
                 self.extra_origins[("resolver", "nameservers", i)] = Origin("command line --nameserver")
 

@@ -36,13 +36,14 @@ from policy.hosts import HostFormError, Target, host_header_agrees, normalise_ho
 from policy.model import Policy
 from policy.resolver import DnsResolver, Resolver, resolve_and_decide
 
-from . import refusals
+from . import early_refusal, refusals
 from .audit import AuditLog
 from .metrics import Metrics
 from .reload import PolicyHolder
 from .tunnels import CountedRelay, RefuseTls
 
 log = logging.getLogger("egresswall")
+early_refusal.install()
 
 
 @dataclass
@@ -263,14 +264,14 @@ class EgressWall:
         tunnel = self.tunnels.get(flow.server_conn.id)
         cap = None if tunnel else self._cap_refusal(policy, flow.client_conn)
         if cap is not None:
-            flow.response = cap
+            early_refusal.refuse_before_body(flow, cap)
             self._audit_decision(flow_id, flow, policy, None, flow.request.method, cap_response=cap)
             return
         websocket = flow.request.headers.get("upgrade", "").lower() == "websocket"
         verdict, target = await self._decide_request(policy, flow, tunnel, websocket)
         self._audit_decision(flow_id, flow, policy, target, flow.request.method, verdict)
         if not verdict.allowed:
-            flow.response = refusals.from_verdict(verdict)
+            early_refusal.refuse_before_body(flow, refusals.from_verdict(verdict))
             return
         if verdict.pinned and target is not None and tunnel is None:
             self.pins[(flow.client_conn.id, target.host, target.port)] = verdict.pinned
@@ -308,8 +309,8 @@ class EgressWall:
         limit = policy.limits.max_request_body
         length = flow.request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            flow.response = self._refuse_other(413, "limits.max_request_body",
-                                               f"the request body of {length} bytes is over the limit of {limit}")
+            early_refusal.refuse_before_body(flow, self._refuse_other(413, "limits.max_request_body",
+                                               f"the request body of {length} bytes is over the limit of {limit}"))
             return
         if "chunked" in flow.request.headers.get("transfer-encoding", "").lower():
             seen = 0
@@ -360,7 +361,11 @@ class EgressWall:
     def server_connected(self, data: ServerConnectionHookData) -> None:
         original = self.restore.pop(data.server.id, None)
         if original is not None:
-            data.server.address = original
+            # mitmproxy matches a reusable connection by (hostname, port); put the name back or every
+            # keep-alive request opens a new connection. Server.__setattr__ refuses changes on an open
+            # connection, so write the field directly: the socket stays connected to the checked IP
+            # (``peername``), only the label used for reuse changes.
+            data.server.__dict__["address"] = original
 
     def server_connect_error(self, data: ServerConnectionHookData) -> None:
         original = self.restore.pop(data.server.id, None)
@@ -370,7 +375,8 @@ class EgressWall:
     # ---- responses ----------------------------------------------------------------------------
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
-        assert flow.response is not None
+        if flow.response is None or "egresswall_verdict" not in flow.metadata:
+            return  # our own refusal, not an upstream response
         for name in [n for n in flow.response.headers if n.lower().startswith(refusals.OWN_HEADER_PREFIX)]:
             del flow.response.headers[name]
         counted = {"bytes": 0}

@@ -40,6 +40,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .cli import overrides_from
 
     logging.basicConfig(level=logging.INFO, format="egresswall: %(message)s")
+    logging.getLogger("mitmproxy").setLevel(logging.WARNING)  # one line per connection is not for operators
     config = RunConfig(policy_path=args.policy, overrides=overrides_from(args), listen=args.listen,
                        admin=None if args.no_admin else args.admin, log_path=args.log, log_format=args.log_format,
                        confdir=args.confdir)

@@ -90,7 +90,7 @@ class ProxyRunner:
         host, port = self.config.listen
         updates = dict(listen_host=host, listen_port=port, mode=["regular"], connection_strategy="eager",
                        tcp_timeout=int(self.holder.policy.limits.idle_timeout), stream_large_bodies="1",
-                       http3=False, termlog_verbosity="warn")
+                       http3=False)
         if self.config.confdir:
             updates["confdir"] = self.config.confdir
         opts.update(**updates)

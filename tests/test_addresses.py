@@ -269,6 +269,15 @@ def test_labels_appear_in_rule() -> None:
     assert rules.check("10.0.0.2").rule == "special-purpose 10.0.0.0/8"
 
 
+def test_most_specific_rule_names_the_decision() -> None:
+    rules = AddressRules(deny=["2001:4860::/32", "2001:4860:4860::/48", "2001:4860:4860::8888/128"],
+                         deny_labels={"2001:4860:4860::/48": "policy.yaml:7"})
+    assert rules.check("2001:4860:4860::8888").rule == "address-deny 2001:4860:4860::8888/128"
+    assert rules.check("2001:4860:4860::8844").rule == "policy.yaml:7"
+    assert rules.check("2001:4860:1::1").rule == "address-deny 2001:4860::/32"
+    assert rules.check("2001:4861::1").rule == "global"
+
+
 @pytest.mark.parametrize("cidr", [
     "10.0.0.1/8", "10.0.0.0/33", "10.0.0/8", "10.0.0.0/08", "10.0.0.0/", "010.0.0.0/8", "10.0.0.0/+8",
     "10.0.0.0/8/8", "fe80::/129", "fe80::1/10", "fe80::%eth0/10", "example.com", "", " 10.0.0.0/8",

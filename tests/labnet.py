@@ -1,0 +1,138 @@
+"""Servers the proxy tests talk to, all on loopback: an upstream that plays "the public web" and
+stand-ins for internal services that log every connection (a containment test passes when they
+logged nothing). Real sockets, real HTTP and TLS."""
+
+from __future__ import annotations
+
+import datetime
+import http.server
+import socket
+import ssl
+import tempfile
+import threading
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+PUBLIC_IP = "127.0.0.2"  # re-admitted by the test policy's address allow rule: "the public web"
+INTERNAL_IP = "127.0.0.3"  # never re-admitted: an internal service
+
+
+class StandIn:
+    """A TCP listener that records every connection it accepts (and closes it)."""
+
+    def __init__(self, host: str = INTERNAL_IP, port: int = 0) -> None:
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.sock.listen(64)
+        self.host, self.port = host, self.sock.getsockname()[1]
+        self.connections: list[tuple[str, int]] = []
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, peer = self.sock.accept()
+            except OSError:
+                return
+            self.connections.append(peer[:2])
+            conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Upstream
+
+    def log_message(self, *args: object) -> None:  # keep test output quiet
+        pass
+
+    def _send(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        for key, value in {"Content-Length": str(len(body)), "Content-Type": "text/plain", **(headers or {})}.items():
+            self.send_header(key, value)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        self.server.requests.append((self.command, self.path, dict(self.headers)))
+        if self.path.startswith("/redirect?to="):
+            self._send(302, b"", {"Location": self.path.split("=", 1)[1]})
+        elif self.path.startswith("/forge"):
+            self._send(200, b"forged", {"X-Egresswall-Reason": "forged by upstream"})
+        elif self.path.startswith("/bytes/"):
+            self._send(200, b"x" * int(self.path.split("/")[2]))
+        else:
+            self._send(200, f"hello from {self.server.name} {self.path}".encode())
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length", "0"))
+        body = self.rfile.read(length)
+        self.server.requests.append((self.command, self.path, dict(self.headers)))
+        self._send(200, f"got {len(body)} bytes".encode())
+
+
+class _Upstream(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    requests: list[tuple[str, str, dict[str, str]]]
+    name: str
+
+
+class Upstream:
+    """An HTTP (or HTTPS) server on a loopback address, counting connections and requests."""
+
+    def __init__(self, host: str = PUBLIC_IP, name: str = "public", tls: ssl.SSLContext | None = None) -> None:
+        self.server = _Upstream((host, 0), _Handler)
+        self.server.requests = []
+        self.server.name = name
+        self.connections = 0
+        original = self.server.get_request
+
+        def counted():
+            conn, peer = original()
+            self.connections += 1
+            if tls is not None:
+                conn = tls.wrap_socket(conn, server_side=True)
+            return conn, peer
+
+        self.server.get_request = counted
+        self.host, self.port = host, self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def requests(self) -> list[tuple[str, str, dict[str, str]]]:
+        return self.server.requests
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def self_signed(names: list[str], directory: str | None = None) -> tuple[ssl.SSLContext, Path]:
+    """A server context for a certificate naming ``names``, and the certificate file (to trust it)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=7))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(n) for n in names]), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    folder = Path(directory or tempfile.mkdtemp(prefix="ew-cert-"))
+    cert_file, key_file = folder / "cert.pem", folder / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert_file, key_file)
+    return context, cert_file

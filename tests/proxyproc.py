@@ -1,0 +1,175 @@
+"""Start the real proxy (``egresswall run``) in a subprocess for a test, and talk to it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Runs inside the proxy process before egresswall starts. It records every outbound connect and every
+# getaddrinfo call on a name, and refuses (without sending a packet) any connect that is not to loopback:
+# a bug that tried to reach a real address shows up as a failed test, never as traffic.
+GUARD_PRELUDE = """
+import asyncio, ipaddress, json, os, socket
+_guard_path = GUARD_PATH
+def _record(kind, host, port):
+    with open(_guard_path, "a") as f:
+        f.write(json.dumps({"kind": kind, "host": str(host), "port": port}) + "\\n")
+def _is_ip(host):
+    try:
+        ipaddress.ip_address(str(host).split("%")[0]); return True
+    except ValueError:
+        return False
+_orig_gai = socket.getaddrinfo
+def _gai(host, port, *a, **k):
+    if host is not None and not _is_ip(host if isinstance(host, str) else host.decode()):
+        _record("getaddrinfo", host, port)
+    return _orig_gai(host, port, *a, **k)
+socket.getaddrinfo = _gai
+_orig_cc = asyncio.BaseEventLoop.create_connection
+async def _cc(self, protocol_factory, host=None, port=None, *a, **k):
+    if host is not None:
+        _record("connect", host, port)
+        if not (_is_ip(host) and ipaddress.ip_address(host.split("%")[0]).is_loopback):
+            raise OSError("test guard: refusing a connect to a non-loopback address " + str(host))
+    return await _orig_cc(self, protocol_factory, host, port, *a, **k)
+asyncio.BaseEventLoop.create_connection = _cc
+"""
+_ADDRESS = re.compile(r"proxy on (\S+):(\d+)(?:, admin on http://(\S+):(\d+))?")
+
+
+class ProxyProcess:
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.log_path = log_path
+        self.guard_path = log_path.with_suffix(".guard")
+        prelude = GUARD_PRELUDE.replace("GUARD_PATH", repr(str(self.guard_path)))
+        command = [sys.executable, "-c", prelude + "\nimport sys\nfrom proxy.cli import main\n"
+                   "sys.exit(main(sys.argv[1:]))", "run", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0",
+                   "--log", str(log_path), *args]
+        self.stderr_path = log_path.with_suffix(".stderr")
+        self._stderr = open(self.stderr_path, "wb")  # noqa: SIM115 - kept open for the process's life
+        self.process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=self._stderr,
+                                        env={**os.environ, **(env or {})})
+        self.host, self.port, self.admin_port = self._wait_started()
+
+    def _wait_started(self, timeout: float = 30) -> tuple[str, int, int]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.stderr_path.read_text(errors="replace")
+            match = _ADDRESS.search(text)
+            if match:
+                return match.group(1), int(match.group(2)), int(match.group(4) or 0)
+            if self.process.poll() is not None:
+                raise RuntimeError(f"proxy exited with {self.process.returncode}:\n{text}")
+            time.sleep(0.05)
+        raise RuntimeError(f"proxy did not start:\n{self.stderr_path.read_text(errors='replace')}")
+
+    def guard_events(self) -> list[dict]:
+        """What the guard inside the proxy process saw: outbound connects and getaddrinfo calls."""
+        if not self.guard_path.exists():
+            return []
+        return [json.loads(line) for line in self.guard_path.read_text().splitlines() if line.strip()]
+
+    def outbound(self) -> list[dict]:
+        return [e for e in self.guard_events() if e["kind"] == "connect"]
+
+    def getaddrinfo_names(self) -> list[str]:
+        return [e["host"] for e in self.guard_events() if e["kind"] == "getaddrinfo"]
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def audit(self) -> list[dict]:
+        return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.strip()]
+
+    def decisions(self) -> list[dict]:
+        return [r for r in self.audit() if r["event"] == "decision"]
+
+    def signal(self, sig: int) -> None:
+        self.process.send_signal(sig)
+
+    def stop(self, timeout: float = 15) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._stderr.close()
+        return self.process.returncode
+
+    # ---- clients ------------------------------------------------------------------------------
+
+    def raw(self, data: bytes, timeout: float = 10) -> bytes:
+        """Send raw bytes to the proxy and read until it closes or the response is complete."""
+        with socket.create_connection((self.host, self.port), timeout=timeout) as sock:
+            sock.sendall(data)
+            return read_response(sock)
+
+    def get(self, url: str, headers: dict[str, str] | None = None, method: str = "GET",
+            body: bytes = b"") -> tuple[int, dict[str, str], bytes]:
+        host = url.split("/")[2]
+        lines = [f"{method} {url} HTTP/1.1", f"Host: {host}", "Connection: close"]
+        lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+        if body:
+            lines.append(f"Content-Length: {len(body)}")
+        return parse_response(self.raw(("\r\n".join(lines) + "\r\n\r\n").encode() + body))
+
+    def connect(self, authority: str, timeout: float = 10) -> tuple[socket.socket, int, dict[str, str]]:
+        """Open a CONNECT tunnel; returns the socket (caller closes), the status and headers."""
+        sock = socket.create_connection((self.host, self.port), timeout=timeout)
+        sock.sendall(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            head += chunk
+        status, headers, _ = parse_response(head)
+        return sock, status, headers
+
+    def admin(self, path: str) -> tuple[int, str]:
+        with socket.create_connection((self.host, self.admin_port), timeout=10) as sock:
+            sock.sendall(f"GET {path} HTTP/1.0\r\n\r\n".encode())
+            status, _, body = parse_response(read_response(sock))
+            return status, body.decode()
+
+
+def read_response(sock: socket.socket) -> bytes:
+    data = b""
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except (TimeoutError, ConnectionResetError):
+            break
+        if not chunk:
+            break
+        data += chunk
+        head, sep, body = data.partition(b"\r\n\r\n")
+        if sep:
+            length = re.search(rb"(?im)^content-length:\s*(\d+)", head)
+            if length and len(body) >= int(length.group(1)):
+                break
+    return data
+
+
+def parse_response(data: bytes) -> tuple[int, dict[str, str], bytes]:
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    if not lines or not lines[0].startswith("HTTP/"):
+        return 0, {}, data
+    status = int(lines[0].split()[1])
+    headers = {}
+    for line in lines[1:]:
+        key, _, value = line.partition(":")
+        headers[key.strip().lower()] = value.strip()
+    return status, headers, body

@@ -1,0 +1,377 @@
+"""The policy loader: the bundled files load and agree with schema.json; every bad file fails with
+``file:line:column``, the key and what was expected; overrides add (or replace) with their origin."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from datetime import UTC, datetime
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from policy.loader import DEFAULT_POLICY, Overrides, PolicyError, load_policy, parse_policy
+from policy.model import ALLOW, DENY, ENFORCE
+from policy.patterns import PatternKind
+
+POLICY_DIR = Path(DEFAULT_POLICY).parent
+EXAMPLE = POLICY_DIR / "examples" / "allowlist.yaml"
+SCHEMA = json.loads((POLICY_DIR / "schema.json").read_text())
+
+
+class EditorLoader(yaml.SafeLoader):
+    """How an editor's YAML language server reads the file: YAML 1.2 core, so dates, yes/no and 0443
+    are text. Independent of policy.loader on purpose."""
+
+
+EditorLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers
+            if tag not in ("tag:yaml.org,2002:timestamp", "tag:yaml.org,2002:bool", "tag:yaml.org,2002:int")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+EditorLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|false)$"), list("tf"))
+EditorLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?(?:0|[1-9][0-9]*)$"),
+                                   list("-+0123456789"))
+
+
+def editor_errors(text: str) -> list[str]:
+    validator = jsonschema.Draft202012Validator(SCHEMA)
+    return [e.message for e in validator.iter_errors(yaml.load(text, Loader=EditorLoader))]
+
+
+def load_error(text: str, source: str = "p.yaml", overrides: Overrides | None = None) -> PolicyError:
+    with pytest.raises(PolicyError) as info:
+        parse_policy(text, source, overrides)
+    return info.value
+
+
+# --- the bundled files --------------------------------------------------------------------------------
+
+def test_schema_is_a_valid_draft_2020_12_schema() -> None:
+    jsonschema.Draft202012Validator.check_schema(SCHEMA)
+
+
+@pytest.mark.parametrize("path", [DEFAULT_POLICY, EXAMPLE], ids=["default.yaml", "allowlist.yaml"])
+def test_bundled_policies_load_and_validate_in_an_editor(path: Path) -> None:
+    text = Path(path).read_text()
+    assert editor_errors(text) == []
+    policy = load_policy(path)
+    assert policy.source == str(path)
+    assert policy.mode == ENFORCE
+
+
+def test_default_policy_is_open_web_with_cloud_metadata_refused() -> None:
+    policy = load_policy()  # None: the bundled default
+    assert policy.default == ALLOW
+    assert policy.connect_ports == {443} and policy.http_ports == {80}
+    assert policy.addresses.refuse_cloud_metadata is True
+    assert {r.pattern.text for r in policy.deny.rules} == {"update.googleapis.com", "accounts.google.com"}
+    assert not policy.addresses.check("169.254.169.254").allowed
+    assert not policy.addresses.check("168.63.129.16").allowed
+    assert not policy.addresses.check("10.0.0.1").allowed
+    assert policy.addresses.check("93.184.216.34").allowed
+
+
+def test_example_allowlist_contents() -> None:
+    policy = load_policy(EXAMPLE)
+    assert policy.default == DENY
+    kinds = {r.pattern.text: r.pattern.kind for r in policy.allow.rules}
+    assert kinds[".wikipedia.org"] is PatternKind.DOMAIN
+    assert kinds["*.githubusercontent.com"] is PatternKind.SUBDOMAINS
+    assert kinds["docs.python.org"] is PatternKind.EXACT
+    api = next(r for r in policy.allow.rules if r.pattern.text == "api.example.com")
+    assert api.intercept and api.methods == {"GET"} and api.paths == ("/v1/public/",)
+    vendor = next(r for r in policy.allow.rules if r.pattern.text == "vendor.example.net")
+    assert vendor.expires == datetime(2027, 6, 30, tzinfo=UTC)
+    assert [role.name for role in policy.roles] == ["ci-runners"]
+    # Each rule knows the line it was written on.
+    lines = EXAMPLE.read_text().splitlines()
+    for rule in policy.all_host_rules():
+        assert rule.origin.source == str(EXAMPLE)
+        assert rule.pattern.text.strip('"') in lines[rule.origin.line - 1]
+
+
+def test_editor_and_loader_agree_on_bad_files() -> None:
+    """Whatever the schema refuses in an editor, the loader refuses too."""
+    for text in (
+        "version: 1\nfoo: 1\n",
+        "version: 1\ndefault: no\n",
+        "version: 1\nports:\n  connect: [0443]\n",
+        "version: 1\nhosts:\n  allow:\n    - host: a.example.com\n      websocket: yes\n",
+        "version: 2\n",
+    ):
+        assert editor_errors(text), text
+        load_error(text)
+
+
+# --- bad files: each names file:line:column, the key and what was expected -----------------------------
+
+BAD = [
+    # id, text, (line, column), key, expected words
+    ("unknown top-level key", "version: 1\nmode: enforce\nfoo: 1\n", (3, 1), "foo",
+     "unknown key 'foo'; expected one of: addresses, default, hosts"),
+    ("unknown key in host entry",
+     "version: 1\nhosts:\n  allow:\n    - host: a.example.com\n      ports: [443]\n      prots: [443]\n",
+     (6, 7), "hosts.allow[0].prots", "unknown key 'prots'; expected one of: expires, host, intercept"),
+    ("unknown key in a role's host entry",
+     "version: 1\nroles:\n  - name: ci\n    clients: [10.0.0.0/8]\n    hosts:\n      deny:\n"
+     "        - host: a.example.com\n          bogus: 1\n",
+     (8, 11), "roles[0].hosts.deny[0].bogus", "unknown key 'bogus'"),
+    ("wrong enum", "version: 1\nmode: enforcing\n", (2, 7), "mode", "got 'enforcing'; expected one of: enforce, report"),
+    ("wrong type", "version: 1\nports:\n  connect: 443\n", (3, 12), "ports.connect", "got int 443; expected array"),
+    ("wrong item type", "version: 1\nports:\n  http: ['80']\n", (3, 10), "ports.http[0]", "got str '80'; expected integer"),
+    ("port out of range", "version: 1\nports:\n  connect: [70000]\n", (3, 13), "ports.connect[0]",
+     "expected a value <= 65535"),
+    ("wrong version", "version: 2\n", (1, 10), "version", "got 2; expected 1"),
+    ("missing version", "mode: enforce\n", (1, 1), "", "missing key; expected 'version'"),
+    ("duplicate key", "version: 1\ndefault: allow\nmode: enforce\ndefault: deny\n", (4, 1), "default",
+     "duplicate key (first written on line 2)"),
+    ("duplicate key in host entry",
+     "version: 1\nhosts:\n  allow:\n    - host: a.example.com\n      host: b.example.com\n", (5, 7), "host",
+     "duplicate key"),
+    ("CIDR with host bits", "version: 1\naddresses:\n  allow:\n    - 10.0.0.1/8\n", (4, 7), "addresses.allow[0]",
+     "host bits are set; did you mean 10.0.0.0/8?"),
+    ("legacy numeric CIDR 10.1 (YAML float)", "version: 1\naddresses:\n  deny:\n    - 10.1\n", (4, 7),
+     "addresses.deny[0]", "got float 10.1; expected string"),
+    ("legacy numeric CIDR '10.1/16'", "version: 1\naddresses:\n  deny:\n    - '10.1/16'\n", (4, 7),
+     "addresses.deny[0]", "got '10.1/16'; expected an address or CIDR range"),
+    ("legacy octal CIDR", "version: 1\naddresses:\n  deny:\n    - '0177.0.0.1'\n", (4, 7),
+     "addresses.deny[0]", "got '0177.0.0.1'; expected an address or CIDR range"),
+    ("prefix with a leading zero", "version: 1\naddresses:\n  deny:\n    - 10.0.0.0/08\n", (4, 7),
+     "addresses.deny[0]", "expected an address or CIDR range"),
+    ("role client with host bits", "version: 1\nroles:\n  - name: ci\n    clients: [10.0.0.1/8]\n", (4, 15),
+     "roles[0].clients[0]", "host bits are set"),
+    ("pattern with userinfo", "version: 1\nhosts:\n  allow:\n    - user@example.com\n", (4, 7), "hosts.allow[0]",
+     "userinfo"),
+    ("pattern with * in the middle", "version: 1\nhosts:\n  allow:\n    - a.*.example.com\n", (4, 7),
+     "hosts.allow[0]", "'*' is allowed only as a leading '*.' label"),
+    ("pattern with a bare *", "version: 1\nhosts:\n  deny:\n    - '*'\n", (4, 7), "hosts.deny[0]",
+     "'*' is allowed only as a leading '*.' label"),
+    ("IP pattern with *.", "version: 1\nhosts:\n  allow:\n    - '*.10.0.0.1'\n", (4, 7), "hosts.allow[0]",
+     "an IP address cannot have subdomains"),
+    ("IP pattern with leading dot", "version: 1\nhosts:\n  allow:\n    - host: .10.0.0.1\n", (4, 13),
+     "hosts.allow[0].host", "an IP address cannot have subdomains"),
+    ("pattern naming localhost", "version: 1\nhosts:\n  allow:\n    - localhost\n", (4, 7), "hosts.allow[0]",
+     "localhost"),
+    ("pattern with an empty label", "version: 1\nhosts:\n  allow:\n    - a..example.com\n", (4, 7),
+     "hosts.allow[0]", "empty-label"),
+    ("impossible date", "version: 1\nhosts:\n  allow:\n    - host: a.example.com\n      expires: 2025-13-45\n",
+     (5, 16), "hosts.allow[0].expires", "got '2025-13-45'; expected a date"),
+    ("day out of range", "version: 1\nhosts:\n  allow:\n    - host: a.example.com\n      expires: 2027-02-30\n",
+     (5, 16), "hosts.allow[0].expires", "expected a date (day is out of range for month)"),
+    ("date in words", "version: 1\nhosts:\n  allow:\n    - host: a.example.com\n      expires: next week\n",
+     (5, 16), "hosts.allow[0].expires", "got 'next week'; expected text matching"),
+    ("role defined twice",
+     "version: 1\nroles:\n  - name: ci\n    clients: [10.0.0.0/8]\n  - name: ci\n    clients: [10.1.0.0/16]\n",
+     (5, 11), "roles[1].name", "role 'ci' is defined twice"),
+    ("ttl_floor above ttl_ceiling", "version: 1\nresolver:\n  ttl_ceiling: 60\n  ttl_floor: 600\n", (4, 14),
+     "resolver.ttl_floor", "ttl_floor is greater than ttl_ceiling"),
+    ("bad nameserver", "version: 1\nresolver:\n  nameservers: ['127.0.0.1:0']\n", (3, 17),
+     "resolver.nameservers[0]", "port must be 1-65535"),
+    ("empty role clients", "version: 1\nroles:\n  - name: ci\n    clients: []\n", (4, 14), "roles[0].clients",
+     "should be non-empty"),
+    ("lower-case method", "version: 1\nhosts:\n  allow:\n    - host: a.example.com\n      methods: [get]\n",
+     (5, 17), "hosts.allow[0].methods[0]", "got 'get'; expected text matching"),
+    ("path without a leading /", "version: 1\nhosts:\n  allow:\n    - host: a.example.com\n      paths: [docs]\n",
+     (5, 15), "hosts.allow[0].paths[0]", "got 'docs'; expected text matching ^/"),
+    ("empty section", "version: 1\nhosts:\n", (2, 7), "hosts", "got NoneType None; expected object"),
+    ("a list, not a mapping", "- a\n- b\n", (1, 1), "", "expected object"),
+]
+
+
+@pytest.mark.parametrize("text, where, key, expected", [case[1:] for case in BAD], ids=[case[0] for case in BAD])
+def test_bad_file_names_position_key_and_expectation(text: str, where: tuple[int, int], key: str,
+                                                     expected: str) -> None:
+    err = load_error(text, "bad.yaml")
+    assert (err.line, err.column) == where, str(err)
+    assert err.key == key, str(err)
+    assert expected in err.message, str(err)
+    prefix = f"bad.yaml:{where[0]}:{where[1]}: " + (f"{key}: " if key else "")
+    assert str(err).startswith(prefix), str(err)
+
+
+@pytest.mark.parametrize("text", ["", "\n", "# only a comment\n", "---\n"], ids=repr)
+def test_empty_file(text: str) -> None:
+    err = load_error(text, "empty.yaml")
+    assert str(err) == "empty.yaml:1:1: the file is empty; expected a mapping with 'version: 1'"
+
+
+@pytest.mark.parametrize("text, where, words", [
+    ("version: 1\nhosts: [unclosed\n", (3, 1), "expected ',' or ']'"),
+    ("\tversion: 1\n", (1, 1), "found character '\\t' that cannot start any token"),
+    ("version: 1\nmode: 'enforce\n", (3, 1), "found unexpected end of stream"),
+    ("version: 1\n? [a, b]\n: 1\n", (2, 3), "found unhashable key"),
+])
+def test_not_yaml(text: str, where: tuple[int, int], words: str) -> None:
+    err = load_error(text, "broken.yaml")
+    assert (err.line, err.column) == where, str(err)
+    assert "not valid" in err.message and words in err.message, str(err)
+    assert str(err).startswith(f"broken.yaml:{where[0]}:{where[1]}: not valid")
+
+
+def test_python_tags_are_refused_not_executed(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    text = f"version: 1\nhosts: !!python/object/apply:os.system ['touch {marker}']\n"
+    err = load_error(text)
+    assert (err.line, err.column) == (2, 8)
+    assert "could not determine a constructor" in err.message
+    assert not marker.exists()
+
+
+def test_directory(tmp_path: Path) -> None:
+    with pytest.raises(PolicyError) as info:
+        load_policy(tmp_path)
+    assert str(info.value) == f"{tmp_path}: is a directory, not a policy file"
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(PolicyError) as info:
+        load_policy(tmp_path / "nope.yaml")
+    assert str(info.value) == f"{tmp_path / 'nope.yaml'}: no such file"
+
+
+def test_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("version: 1\n# caf\xe9\n".encode("latin-1"))
+    with pytest.raises(PolicyError) as info:
+        load_policy(path)
+    assert str(info.value).startswith(f"{path}: cannot be read:")
+
+
+def test_unreadable_file(tmp_path: Path) -> None:
+    path = tmp_path / "secret.yaml"
+    path.write_text("version: 1\n")
+    path.chmod(0)
+    try:
+        try:
+            with open(path):
+                pass
+        except PermissionError:
+            pass
+        else:
+            pytest.skip("running as root (or with CAP_DAC_OVERRIDE): a mode-000 file is still readable, so "
+                        "'unreadable' cannot be simulated")
+        with pytest.raises(PolicyError) as info:
+            load_policy(path)
+        assert str(info.value).startswith(f"{path}: cannot be read:")
+        assert "Permission denied" in str(info.value)
+    finally:
+        path.chmod(0o600)
+
+
+# --- YAML 1.1 traps ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", ["no", "off", "yes", "on", "n", "false", "true"])
+def test_default_yaml11_boolean_words_are_errors(value: str) -> None:
+    err = load_error(f"version: 1\ndefault: {value}\n")
+    assert err.key == "default"
+    assert "expected one of: allow, deny" in err.message
+    assert "False" not in str(err) or value == "false"
+
+
+def test_default_no_says_what_it_read() -> None:
+    err = load_error("version: 1\ndefault: no\n", "p.yaml")
+    assert str(err) == "p.yaml:2:10: default: got 'no'; expected one of: allow, deny"
+
+
+def test_dates_stay_text() -> None:
+    text = ("version: 1\nhosts:\n  allow:\n    - host: a.example.com\n      expires: 2030-01-02\n"
+            "      owner: 2027-06-30\n      reason: 2027-06-30T10:00:00Z\n")
+    policy = parse_policy(text, "p.yaml")
+    rule = policy.allow.rules[0]
+    assert rule.owner == "2027-06-30" and isinstance(rule.owner, str)
+    assert rule.reason == "2027-06-30T10:00:00Z"
+    assert rule.expires == datetime(2030, 1, 2, tzinfo=UTC)
+
+
+@pytest.mark.parametrize("written, expires", [
+    ("2030-01-02", datetime(2030, 1, 2, tzinfo=UTC)),
+    ("2030-01-02T10:30", datetime(2030, 1, 2, 10, 30, tzinfo=UTC)),
+    ("2030-01-02 10:30:15Z", datetime(2030, 1, 2, 10, 30, 15, tzinfo=UTC)),
+    ("2030-01-02T12:00:00+02:00", datetime(2030, 1, 2, 10, 0, tzinfo=UTC)),
+])
+def test_expiry_forms(written: str, expires: datetime) -> None:
+    policy = parse_policy(f"version: 1\nhosts:\n  allow:\n    - host: a.example.com\n      expires: '{written}'\n")
+    assert policy.allow.rules[0].expires == expires
+
+
+@pytest.mark.parametrize("text, key", [
+    ("version: 1\nports:\n  connect: [0443]\n", "ports.connect[0]"),  # YAML 1.1: octal 291
+    ("version: 1\nresolver:\n  ttl_ceiling: 1:30\n", "resolver.ttl_ceiling"),  # YAML 1.1: sexagesimal 90
+    ("version: 1\nhosts:\n  allow:\n    - host: a.example.com\n      websocket: no\n", "hosts.allow[0].websocket"),
+])
+def test_yaml11_numbers_and_booleans_are_not_reinterpreted(text: str, key: str) -> None:
+    err = load_error(text)
+    assert err.key == key
+    assert "got str" in err.message
+
+
+# --- overrides -----------------------------------------------------------------------------------------
+
+BASE = "version: 1\ndefault: allow\nhosts:\n  allow:\n    - a.example.com\n  deny:\n    - d.example.com\n"
+
+
+def test_overrides_add_rules_marked_with_their_flag() -> None:
+    policy = parse_policy(BASE, "p.yaml", Overrides(allow_hosts=["b.example.com", ".c.example.com"],
+                                                    deny_hosts=["e.example.com"],
+                                                    allow_ranges=["198.18.0.0/15"], deny_ranges=["8.8.8.0/24"]))
+    assert [(r.pattern.text, str(r.origin)) for r in policy.allow.rules] == [
+        ("a.example.com", "p.yaml:5"),
+        ("b.example.com", "command line --allow-host b.example.com"),
+        (".c.example.com", "command line --allow-host .c.example.com"),
+    ]
+    assert [(r.pattern.text, str(r.origin)) for r in policy.deny.rules] == [
+        ("d.example.com", "p.yaml:7"), ("e.example.com", "command line --deny-host e.example.com")]
+    assert [(a, c, str(o)) for a, c, o in policy.address_rules_text] == [
+        ("allow", "198.18.0.0/15", "command line --allow-range 198.18.0.0/15"),
+        ("deny", "8.8.8.0/24", "command line --deny-range 8.8.8.0/24"),
+    ]
+    checked = policy.addresses.check("198.18.0.9")
+    assert checked.allowed and "--allow-range 198.18.0.0/15" in checked.rule
+    denied = policy.addresses.check("8.8.8.8")
+    assert not denied.allowed and "--deny-range 8.8.8.0/24" in denied.rule
+
+
+def test_override_creates_missing_sections() -> None:
+    policy = parse_policy("version: 1\n", "p.yaml", Overrides(allow_hosts=["b.example.com"],
+                                                              allow_ranges=["198.18.0.0/15"]))
+    assert [r.pattern.name for r in policy.allow.rules] == ["b.example.com"]
+
+
+def test_default_override_replaces() -> None:
+    policy = parse_policy(BASE, "p.yaml", Overrides(default="deny"))
+    assert policy.default == DENY
+    assert str(policy.default_origin) == "--default"
+    assert parse_policy(BASE, "p.yaml").default == ALLOW
+    assert str(parse_policy(BASE, "p.yaml").default_origin) == "p.yaml:2"
+
+
+def test_nameserver_override_replaces() -> None:
+    text = "version: 1\nresolver:\n  nameservers: ['192.0.2.53', '[2001:db8::53]:5353']\n"
+    assert parse_policy(text).resolver.nameservers == (("192.0.2.53", 53), ("2001:db8::53", 5353))
+    policy = parse_policy(text, "p.yaml", Overrides(nameservers=["127.0.0.1:5300", "127.0.0.2"]))
+    assert policy.resolver.nameservers == (("127.0.0.1", 5300), ("127.0.0.2", 53))
+
+
+def test_nameserver_override_with_an_empty_resolver_section() -> None:
+    err = load_error("version: 1\nresolver:\n", "p.yaml", Overrides(nameservers=["127.0.0.1:53"]))
+    assert err.key == "resolver" and "expected object" in err.message
+
+
+@pytest.mark.parametrize("overrides, flag", [
+    (Overrides(allow_ranges=["10.0.0.1/8"]), "command line --allow-range 10.0.0.1/8"),
+    (Overrides(deny_ranges=["127.1"]), "command line --deny-range 127.1"),
+    (Overrides(allow_hosts=["user@x.example.com"]), "command line --allow-host user@x.example.com"),
+    (Overrides(deny_hosts=["a.*.example.com"]), "command line --deny-host a.*.example.com"),
+    (Overrides(nameservers=["localhost"]), "command line --nameserver"),
+])
+def test_bad_override_names_the_flag(overrides: Overrides, flag: str) -> None:
+    err = load_error(BASE, "p.yaml", overrides)
+    assert str(err).startswith(flag + ": "), str(err)
+
+
+def test_mode_override() -> None:
+    assert parse_policy(BASE, "p.yaml", Overrides(mode="report")).mode == "report"
