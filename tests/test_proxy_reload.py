@@ -1,0 +1,128 @@
+"""Hot reload: a valid edit applies within a second, an invalid one keeps the last good policy and
+says where the error is, a ConfigMap-style symlink swap is seen, and open tunnels are not cut."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import ssl
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def wait_for(predicate, timeout: float = 1.0, interval: float = 0.05) -> float:
+    """Poll until predicate() is true; returns the seconds it took, fails after timeout."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if predicate():
+            return time.monotonic() - start
+        time.sleep(interval)
+    raise AssertionError(f"not true within {timeout}s")
+
+
+def status_of(proxy, lab, path="/") -> int:
+    return proxy.get(f"http://public.lab.example:{lab.public.port}{path}")[0]
+
+
+def test_valid_edit_applies_within_one_second(lab, start_proxy):
+    proxy = start_proxy(lab.policy_text())
+    assert status_of(proxy, lab) == 200
+    proxy.policy_path.write_text(lab.policy_text("hosts:\n  deny:\n    - public.lab.example\n"))
+    wait_for(lambda: status_of(proxy, lab) == 403, timeout=1.0)
+    _, body = proxy.admin("/metrics")
+    assert 'egresswall_policy_reloads_total{result="success"} 1' in body
+
+
+def test_invalid_edit_keeps_the_last_good_policy_and_logs_the_location(lab, start_proxy):
+    proxy = start_proxy(lab.policy_text("hosts:\n  deny:\n    - public.lab.example\n"))
+    assert status_of(proxy, lab) == 403
+    proxy.policy_path.write_text(lab.policy_text("hosts:\n  deny:\n    - public.lab.example\n  allwo: []\n"))
+    wait_for(lambda: "reload refused" in proxy.stderr, timeout=2.0)
+    assert f"{proxy.policy_path}:" in proxy.stderr and "unknown key 'allwo'" in proxy.stderr
+    line = [ln for ln in proxy.stderr.splitlines() if "reload refused" in ln][0]
+    assert re.search(rf"{re.escape(str(proxy.policy_path))}:\d+:\d+: hosts.allwo: unknown key 'allwo'", line), line
+    assert status_of(proxy, lab) == 403  # still the old policy
+    _, body = proxy.admin("/metrics")
+    assert 'egresswall_policy_reloads_total{result="failure"} 1' in body
+    assert proxy.admin("/readyz")[0] == 200
+
+
+def test_deleted_or_half_written_file_keeps_the_last_good_policy(lab, start_proxy):
+    proxy = start_proxy(lab.policy_text("hosts:\n  deny:\n    - public.lab.example\n"))
+    proxy.policy_path.write_text("version: 1\nhosts:\n  deny: [")
+    wait_for(lambda: "reload refused" in proxy.stderr, timeout=2.0)
+    os.unlink(proxy.policy_path)
+    proxy.signal(signal.SIGHUP)
+    time.sleep(0.5)
+    assert status_of(proxy, lab) == 403
+
+
+def test_configmap_symlink_swap_is_seen(lab, tmp_path):
+    # Kubernetes mounts a ConfigMap as policy.yaml -> ..data/policy.yaml, ..data -> ..2026_01_01_v1;
+    # an update writes a new timestamped dir and swaps ..data atomically (rename of a symlink).
+    root = tmp_path / "configmap"
+    (root / "..v1").mkdir(parents=True)
+    (root / "..v1" / "policy.yaml").write_text(lab.policy_text())
+    os.symlink("..v1", root / "..data")
+    os.symlink("..data/policy.yaml", root / "policy.yaml")
+    from proxyproc import ProxyProcess
+
+    proxy = ProxyProcess(["--policy", str(root / "policy.yaml")], tmp_path / "audit-cm.jsonl")
+    try:
+        assert status_of(proxy, lab) == 200
+        (root / "..v2").mkdir()
+        (root / "..v2" / "policy.yaml").write_text(lab.policy_text("hosts:\n  deny:\n    - public.lab.example\n"))
+        os.symlink("..v2", root / "..data_tmp")
+        os.replace(root / "..data_tmp", root / "..data")
+        wait_for(lambda: status_of(proxy, lab) == 403, timeout=1.0)
+    finally:
+        proxy.stop()
+
+
+def test_sighup_reloads_at_once(lab, start_proxy):
+    proxy = start_proxy(lab.policy_text())
+    assert status_of(proxy, lab) == 200
+    proxy.policy_path.write_text(lab.policy_text("hosts:\n  deny:\n    - public.lab.example\n"))
+    proxy.signal(signal.SIGHUP)
+    wait_for(lambda: status_of(proxy, lab) == 403, timeout=1.0)
+
+
+def test_open_tunnel_survives_a_reload(lab, start_proxy):
+    proxy = start_proxy(lab.policy_text())
+    sock, status, _ = proxy.connect(f"public.lab.example:{lab.public_tls.port}")
+    assert status == 200
+    context = ssl.create_default_context(cafile=str(lab.cert_file))
+    with context.wrap_socket(sock, server_hostname="public.lab.example") as tls:
+        for i, deny in enumerate([False, True]):
+            if deny:
+                proxy.policy_path.write_text(lab.policy_text("hosts:\n  deny:\n    - public.lab.example\n"))
+                proxy.signal(signal.SIGHUP)
+                wait_for(lambda: status_of(proxy, lab) == 403, timeout=1.0)
+            tls.sendall(f"GET /in-tunnel-{i} HTTP/1.1\r\nHost: public.lab.example\r\n\r\n".encode())
+            data = b""
+            while not data.endswith(f"/in-tunnel-{i}".encode()):
+                chunk = tls.recv(4096)
+                assert chunk, "tunnel was closed"
+                data += chunk
+    # New tunnels follow the new policy.
+    sock, status, _ = proxy.connect(f"public.lab.example:{lab.public_tls.port}")
+    sock.close()
+    assert status == 403
+
+
+def test_first_load_must_succeed(tmp_path):
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: 2\n")
+    result = subprocess.run([sys.executable, "-m", "proxy.cli", "run", "--policy", str(bad), "--listen",
+                             "127.0.0.1:0", "--no-admin"], capture_output=True, text=True, timeout=30,
+                            cwd=Path(__file__).resolve().parent.parent)
+    assert result.returncode == 2
+    assert f"{bad}:1:10: version: got 2; expected 1" in result.stderr
