@@ -19,13 +19,13 @@ import os
 import re
 import secrets
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
-
 from lab_util import NetnsLab, lab_skip_reason
 
 pytestmark = pytest.mark.lab
@@ -124,14 +124,9 @@ def _interpreter_for(uids: list[int]) -> str | None:
     for exe in dict.fromkeys(c for c in candidates if c):
         if not os.path.exists(exe):
             continue
-        ok = True
-        for uid in uids:
-            argv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", exe, "-c", "pass"]
-            try:
-                ok = ok and os.spawnvp(os.P_WAIT, argv[0], argv) == 0
-            except OSError:
-                ok = False
-        if ok:
+        runs = [subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", exe, "-c", "pass"],
+                               capture_output=True, timeout=10, cwd="/") for uid in uids]
+        if all(run.returncode == 0 for run in runs):
             return exe
     return None
 
@@ -150,6 +145,7 @@ def init_container_command() -> list[str]:
 class Lab:
     def __init__(self, netns: NetnsLab, pod: str, out: str, python: str, logs: Path) -> None:
         self.netns, self.pod, self.out, self.python, self.logs = netns, pod, out, python, logs
+        self.baseline: dict[str, dict] = {}  # the probes' outcomes before the ruleset was applied
 
     def probe(self, uid: int | None, probes: list[dict]) -> dict[str, dict]:
         """Run probes as ``uid`` (None: root) in the pod namespace; returns outcome by probe name."""
