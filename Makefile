@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test lint bench soak
+.PHONY: run test lint bench bench-quick soak
 
 run:
 	@ci/install.sh
@@ -15,3 +15,11 @@ test:
 
 lint:
 	$(PY) -m ruff check policy proxy browser squid-compat ci tests
+
+bench:
+	@ci/install.sh --bench
+	$(PY) tests/benchmarks/bench_proxy.py $(BENCH_ARGS)
+
+bench-quick:
+	@ci/install.sh --bench
+	$(PY) tests/benchmarks/bench_proxy.py --quick

@@ -2,12 +2,13 @@
 # The one install script: the README's commands, CI and the Dockerfiles all run this, so every install
 # step an image takes is one CI has taken too.
 #
-#   ci/install.sh [--browser] [--squid] [--lab] [--all] [--no-venv] [--venv DIR]
+#   ci/install.sh [--browser] [--squid] [--lab] [--bench] [--all] [--no-venv] [--venv=DIR]
 #
 # Always: find a Python >= 3.12 (mitmproxy 12 needs it), make a venv, pip-install egresswall into it.
 # --browser: Debian's chromium (Playwright drives it; nothing downloads a browser build).
 # --squid:   Debian's squid (benchmarks and the differential test compare against it).
 # --lab:     iproute2, nftables and tcpdump for the network-namespace containment lab.
+# --bench:   squid, nginx-light and wrk for the side-by-side benchmark (make bench).
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -20,10 +21,11 @@ for arg in "$@"; do
     --browser) apt_packages+=(chromium fonts-liberation) ;;
     --squid) apt_packages+=(squid) ;;
     --lab) apt_packages+=(iproute2 nftables tcpdump) ;;
+    --bench) apt_packages+=(squid nginx-light wrk) ;;
     --all) apt_packages+=(chromium fonts-liberation squid iproute2 nftables tcpdump) ;;
     --no-venv) want_venv=0 ;;
     --venv=*) venv="${arg#--venv=}" ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     *) echo "install.sh: unknown option $arg" >&2; exit 2 ;;
   esac
 done

@@ -1,0 +1,415 @@
+#!/usr/bin/env python3
+"""Side by side, in one run, on loopback: direct (no proxy) vs squid vs egresswall.
+
+    make bench            # full: 3 rounds per figure, medians
+    make bench-quick      # one short round each, under two minutes
+
+Workloads (the shape of a contained browser: mostly TLS tunnels; plain HTTP is what operators compare):
+  1. plain-HTTP keep-alive small GETs (wrk): requests/s, p50/p99 latency, at 1 and 32 connections;
+  2. CONNECT tunnel setup: new TLS tunnels per second, each doing one small request;
+  3. CONNECT tunnel throughput: MB/s of a 100 MB download through one tunnel;
+  4. memory: RSS idle and with 1,000 open idle tunnels;
+  5. the policy: decision time and reload time for host allowlists of 10, 10,000 and 1,000,000 entries.
+Rounds alternate between the three targets so machine drift hits all alike. Everything listens on
+127.0.0.x; nothing leaves the machine. nginx plays the upstream; a DnsLab answers egresswall's lookups
+and a hosts file answers squid's, both with the same address.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import resource
+import shutil
+import signal
+import socket
+import ssl
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(ROOT))
+
+from dnslab import DnsLab, Record  # noqa: E402
+from labnet import self_signed  # noqa: E402
+
+UPSTREAM_IP = "127.0.0.2"
+NAME = "bench.lab.example"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def wait_port(host: str, port: int, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listening on {host}:{port}")
+
+
+def raise_fd_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 65536), hard))
+
+
+def rss_kib(pid: int) -> int:
+    """RSS of a process and its children (squid forks helpers), in KiB."""
+    total = 0
+    pids = [pid] + [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True,
+                                                   text=True).stdout.split()]
+    for p in pids:
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass
+    return total
+
+
+class Stack:
+    """nginx upstream, squid, egresswall and a DNS server, started once for the whole run."""
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        self.procs: list[subprocess.Popen] = []
+        self.http_port, self.tls_port = free_port(UPSTREAM_IP), free_port(UPSTREAM_IP)
+        self.squid_port, self.ew_port, self.ew_admin = free_port(), free_port(), free_port()
+        self.dns = DnsLab({NAME: [Record("A", UPSTREAM_IP, ttl=300)]})
+
+    def start(self) -> None:
+        self.dns.__enter__()
+        self._nginx()
+        self._squid()
+        self._egresswall()
+
+    def _spawn(self, args: list[str], name: str, **kw) -> subprocess.Popen:
+        log = open(self.work / f"{name}.out", "wb")  # noqa: SIM115 - lives as long as the process
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, preexec_fn=raise_fd_limit, **kw)
+        self.procs.append(proc)
+        return proc
+
+    def _nginx(self) -> None:
+        (self.work / "www").mkdir()
+        (self.work / "www" / "small").write_bytes(b"x" * 100)
+        with open(self.work / "www" / "big", "wb") as f:
+            f.truncate(100 * 1024 * 1024)
+        _, cert = self_signed([NAME], str(self.work))
+        conf = self.work / "nginx.conf"
+        conf.write_text(f"""
+daemon off; worker_processes 1; pid {self.work}/nginx.pid; error_log {self.work}/nginx-error.log;
+events {{ worker_connections 8192; }}
+http {{
+  access_log off; sendfile on; keepalive_requests 1000000; keepalive_timeout 120;
+  client_body_temp_path {self.work}/nb; proxy_temp_path {self.work}/np; fastcgi_temp_path {self.work}/nf;
+  uwsgi_temp_path {self.work}/nu; scgi_temp_path {self.work}/ns;
+  server {{ listen {UPSTREAM_IP}:{self.http_port}; root {self.work}/www; }}
+  server {{ listen {UPSTREAM_IP}:{self.tls_port} ssl; root {self.work}/www;
+           ssl_certificate {cert}; ssl_certificate_key {self.work}/key.pem; }}
+}}
+""")
+        self.nginx = self._spawn(["nginx", "-c", str(conf), "-e", str(self.work / "nginx-error.log")], "nginx")
+        wait_port(UPSTREAM_IP, self.http_port)
+        wait_port(UPSTREAM_IP, self.tls_port)
+
+    def _squid(self) -> None:
+        os.chmod(self.work, 0o777)  # squid drops to its own user and must write its logs here
+        hosts = self.work / "hosts"
+        hosts.write_text(f"{UPSTREAM_IP} {NAME}\n")
+        conf = self.work / "squid.conf"
+        conf.write_text(f"""
+http_port 127.0.0.1:{self.squid_port}
+pid_filename {self.work}/squid.pid
+cache deny all
+cache_mem 0 MB
+access_log stdio:{self.work}/squid-access.log
+cache_log {self.work}/squid-cache.log
+hosts_file {hosts}
+dns_nameservers 127.0.0.1
+acl SSL_ports port {self.tls_port}
+acl Safe_ports port {self.http_port} {self.tls_port}
+acl CONNECT method CONNECT
+http_access deny !Safe_ports
+http_access deny CONNECT !SSL_ports
+http_access allow all
+shutdown_lifetime 1 seconds
+max_filedescriptors 65536
+""")
+        self.squid = self._spawn(["squid", "-N", "-f", str(conf)], "squid")
+        wait_port("127.0.0.1", self.squid_port, 30)
+
+    def _egresswall(self) -> None:
+        policy = self.work / "policy.yaml"
+        allow = "\n".join(f"    - .site{i}.example.org" for i in range(1000))
+        policy.write_text(f"""version: 1
+mode: enforce
+default: deny
+hosts:
+  deny:
+    - "*.ads.example.com"
+  allow:
+{allow}
+    - {NAME}
+addresses:
+  allow: [{UPSTREAM_IP}/32]
+ports:
+  http: [80, {self.http_port}]
+  connect: [443, {self.tls_port}]
+resolver:
+  nameservers: ["{self.dns.address}"]
+limits:
+  max_connections: 20000
+  max_connections_per_client: 20000
+""")
+        self.egresswall = self._spawn([sys.executable, "-m", "proxy.cli", "run", "--policy", str(policy),
+                                       "--listen", f"127.0.0.1:{self.ew_port}", "--admin",
+                                       f"127.0.0.1:{self.ew_admin}", "--log", str(self.work / "audit.jsonl")],
+                                      "egresswall", cwd=ROOT)
+        wait_port("127.0.0.1", self.ew_port, 30)
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        self.dns.__exit__()
+
+    def proxies(self) -> dict[str, tuple[str, int] | None]:
+        return {"direct": None, "squid": ("127.0.0.1", self.squid_port), "egresswall": ("127.0.0.1", self.ew_port)}
+
+    def pid(self, target: str) -> int:
+        return {"squid": self.squid.pid, "egresswall": self.egresswall.pid}[target]
+
+
+# ---- workloads -----------------------------------------------------------------------------------
+
+WRK_LUA = """
+wrk.method = "GET"
+wrk.path = "{path}"
+wrk.headers["Host"] = "{host}"
+"""
+
+
+def plain_http(stack: Stack, proxy: tuple[str, int] | None, connections: int, seconds: float) -> dict[str, float]:
+    host = f"{NAME}:{stack.http_port}"
+    if proxy is None:
+        url, path = f"http://{UPSTREAM_IP}:{stack.http_port}/small", "/small"
+    else:
+        url, path = f"http://{proxy[0]}:{proxy[1]}/", f"http://{host}/small"
+    script = stack.work / "wrk.lua"
+    script.write_text(WRK_LUA.format(path=path, host=host))
+    threads = 1 if connections == 1 else 2
+    run = subprocess.run(["wrk", "-t", str(threads), "-c", str(connections), "-d", f"{int(seconds)}s", "--latency",
+                          "-s", str(script), url], capture_output=True, text=True, timeout=seconds + 60)
+    out = run.stdout
+    found = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    if not found:
+        raise RuntimeError(f"wrk failed via {proxy}: {out}{run.stderr}")
+    rps = float(found.group(1))
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    if errors:
+        raise RuntimeError(f"wrk saw {errors.group(1)} error responses via {proxy}:\n{out}")
+    return {"rps": rps, "p50_ms": _latency(out, "50%"), "p99_ms": _latency(out, "99%")}
+
+
+def _latency(out: str, pct: str) -> float:
+    value, unit = re.search(rf"{re.escape(pct)}\s+([\d.]+)(us|ms|s)", out).groups()
+    return float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
+
+
+async def _open_tunnel(stack: Stack, proxy: tuple[str, int] | None):
+    if proxy is None:
+        return await asyncio.open_connection(UPSTREAM_IP, stack.tls_port)
+    reader, writer = await asyncio.open_connection(*proxy)
+    writer.write(f"CONNECT {NAME}:{stack.tls_port} HTTP/1.1\r\nHost: {NAME}:{stack.tls_port}\r\n\r\n".encode())
+    head = await reader.readuntil(b"\r\n\r\n")
+    if b" 200 " not in head.split(b"\r\n", 1)[0]:
+        raise RuntimeError(f"CONNECT refused: {head[:200]!r}")
+    return reader, writer
+
+
+def _client_tls() -> ssl.SSLContext:
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+async def _one_tunnel_request(stack: Stack, proxy, context: ssl.SSLContext) -> None:
+    reader, writer = await _open_tunnel(stack, proxy)
+    await writer.start_tls(context, server_hostname=NAME)
+    writer.write(f"GET /small HTTP/1.1\r\nHost: {NAME}\r\nConnection: close\r\n\r\n".encode())
+    await reader.read()
+    writer.close()
+
+
+def tunnel_setups(stack: Stack, proxy, seconds: float, workers: int = 8) -> dict[str, float]:
+    async def run() -> int:
+        context, done, deadline = _client_tls(), 0, time.monotonic() + seconds
+
+        async def worker() -> None:
+            nonlocal done
+            while time.monotonic() < deadline:
+                await _one_tunnel_request(stack, proxy, context)
+                done += 1
+
+        await asyncio.gather(*(worker() for _ in range(workers)))
+        return done
+
+    start = time.monotonic()
+    count = asyncio.run(run())
+    return {"tunnels_per_s": count / (time.monotonic() - start)}
+
+
+def tunnel_throughput(stack: Stack, proxy) -> dict[str, float]:
+    async def run() -> float:
+        reader, writer = await _open_tunnel(stack, proxy)
+        await writer.start_tls(_client_tls(), server_hostname=NAME)
+        writer.write(f"GET /big HTTP/1.1\r\nHost: {NAME}\r\nConnection: close\r\n\r\n".encode())
+        start, received = time.monotonic(), 0
+        while chunk := await reader.read(1 << 20):
+            received += len(chunk)
+        writer.close()
+        if received < 100 * 1024 * 1024:
+            raise RuntimeError(f"short download: {received} bytes")
+        return received / (time.monotonic() - start) / 1e6
+
+    return {"MB_per_s": asyncio.run(run())}
+
+
+def memory(stack: Stack, target: str, tunnels: int) -> dict[str, float]:
+    pid = stack.pid(target)
+    idle = rss_kib(pid)
+
+    async def hold() -> int:
+        opened = await asyncio.gather(*(_open_tunnel(stack, stack.proxies()[target]) for _ in range(tunnels)))
+        await asyncio.sleep(1.0)
+        loaded = rss_kib(pid)
+        for _, writer in opened:
+            writer.close()
+        return loaded
+
+    loaded = asyncio.run(hold())
+    return {"rss_idle_MiB": idle / 1024, "rss_tunnels_MiB": loaded / 1024,
+            "KiB_per_tunnel": (loaded - idle) / tunnels}
+
+
+def policy_figures(sizes: list[int]) -> list[tuple[int, float, float]]:
+    """(entries, µs per decision, reload seconds) — in this process, with the real loader."""
+    from policy.decision import Request, precheck
+    from policy.hosts import parse_url
+    from policy.loader import parse_policy
+
+    rows = []
+    for size in sizes:
+        text = "version: 1\ndefault: deny\nhosts:\n  allow:\n" + "".join(
+            f"    - .h{i}.example{i % 97}.org\n" for i in range(size))
+        start = time.perf_counter()
+        policy = parse_policy(text, f"<{size} entries>")
+        reload_s = time.perf_counter() - start
+        requests = [Request(parse_url(f"https://{host}/"), "CONNECT", tunnel=True) for host in (
+            f"www.h{size // 2}.example{(size // 2) % 97}.org", "a.b.c.d.miss.example.net", f"h{size - 1}.example"
+            f"{(size - 1) % 97}.org")]
+        rounds = 20000
+        start = time.perf_counter()
+        for i in range(rounds):
+            precheck(policy, requests[i % 3])
+        rows.append((size, (time.perf_counter() - start) / rounds * 1e6, reload_s))
+        del policy
+    return rows
+
+
+# ---- the run -------------------------------------------------------------------------------------
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="one short round per figure (under two minutes)")
+    parser.add_argument("--rounds", type=int, default=None)
+    args = parser.parse_args()
+    for tool in ("nginx", "squid", "wrk"):
+        if not shutil.which(tool):
+            print(f"bench: {tool} is not installed (ci/install.sh --bench installs it)", file=sys.stderr)
+            return 2
+    raise_fd_limit()
+    rounds = args.rounds or (1 if args.quick else 3)
+    seconds = 2.0 if args.quick else 5.0
+    tunnel_count = 300 if args.quick else 1000
+    sizes = [10, 10_000] + ([] if args.quick else [1_000_000])
+    targets = ["direct", "squid", "egresswall"]
+    results: dict[tuple[str, str], list[float]] = {}
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="ew-bench-", delete=not os.environ.get("BENCH_KEEP")) as tmp:
+        stack = Stack(Path(tmp))
+        try:
+            stack.start()
+            for round_no in range(rounds):
+                order = targets[round_no % 3:] + targets[:round_no % 3]  # alternate who goes first
+                for target in order:
+                    proxy = stack.proxies()[target]
+                    for conns in (1, 32):
+                        for key, value in plain_http(stack, proxy, conns, seconds).items():
+                            results.setdefault((f"http c={conns} {key}", target), []).append(value)
+                    for key, value in tunnel_setups(stack, proxy, seconds).items():
+                        results.setdefault((f"tls tunnel setups/s", target), []).append(value)
+                        _ = key
+                    for key, value in tunnel_throughput(stack, proxy).items():
+                        results.setdefault(("tunnel throughput MB/s", target), []).append(value)
+                        _ = key
+            for target in ("squid", "egresswall"):
+                for key, value in memory(stack, target, tunnel_count).items():
+                    label = key.replace("tunnels", f"{tunnel_count}_tunnels")
+                    results.setdefault((label, target), []).append(value)
+        finally:
+            stack.stop()
+    print_table(results, targets)
+    print("\npolicy (in process, real loader): entries | µs/decision | load+index s")
+    for size, micros, reload_s in policy_figures(sizes):
+        print(f"  {size:>9,} | {micros:10.2f} | {reload_s:8.2f}")
+    print(f"\n{rounds} round(s), medians; {time.monotonic() - started:.0f}s in all; "
+          f"{os.cpu_count()} CPUs; squid {squid_version()}")
+    return 0
+
+
+def print_table(results: dict[tuple[str, str], list[float]], targets: list[str]) -> None:
+    metrics = list(dict.fromkeys(metric for metric, _ in results))
+    print(f"\n{'figure':<30}" + "".join(f"{t:>13}" for t in targets) + f"{'ew/squid':>10}{'ew/direct':>11}")
+    for metric in metrics:
+        cells, medians = "", {}
+        for target in targets:
+            values = results.get((metric, target))
+            if values:
+                medians[target] = statistics.median(values)
+                cells += f"{medians[target]:>13.2f}"
+            else:
+                cells += f"{'-':>13}"
+        ratio = lambda a, b: f"{medians[a] / medians[b]:.2f}" if a in medians and medians.get(b) else "-"  # noqa: E731
+        print(f"{metric:<30}{cells}{ratio('egresswall', 'squid'):>10}{ratio('egresswall', 'direct'):>11}")
+
+
+def squid_version() -> str:
+    out = subprocess.run(["squid", "-v"], capture_output=True, text=True).stdout
+    match = re.search(r"Version (\S+)", out)
+    return match.group(1) if match else "?"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
