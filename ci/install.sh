@@ -8,7 +8,7 @@
 # --browser: Debian's chromium (Playwright drives it; nothing downloads a browser build).
 # --squid:   Debian's squid (benchmarks and the differential test compare against it).
 # --lab:     iproute2, nftables and tcpdump for the network-namespace containment lab.
-# --bench:   squid, nginx-light and wrk for the side-by-side benchmark (make bench).
+# --bench:   squid, nginx-light, wrk and curl for the side-by-side benchmark (make bench).
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -21,7 +21,7 @@ for arg in "$@"; do
     --browser) apt_packages+=(chromium fonts-liberation) ;;
     --squid) apt_packages+=(squid) ;;
     --lab) apt_packages+=(iproute2 nftables tcpdump) ;;
-    --bench) apt_packages+=(squid nginx-light wrk) ;;
+    --bench) apt_packages+=(squid nginx-light wrk curl) ;;
     --all) apt_packages+=(chromium fonts-liberation squid iproute2 nftables tcpdump) ;;
     --no-venv) want_venv=0 ;;
     --venv=*) venv="${arg#--venv=}" ;;
