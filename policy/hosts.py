@@ -109,7 +109,14 @@ def _is_control(ch: str) -> bool:
 # it, which differs from the text after Unicode mapping).
 
 
+def _plain_ascii(text: str) -> bool:
+    """Printable ASCII has no controls and no whitespace but ' ': the common case, checked at C speed."""
+    return text.isascii() and text.isprintable()
+
+
 def _check_controls(text: str, what: str, shown: str) -> None:
+    if _plain_ascii(text):
+        return
     for ch in text:
         if _is_space(ch):
             continue  # reported as "space" by the caller that cares where spaces may be
@@ -118,6 +125,8 @@ def _check_controls(text: str, what: str, shown: str) -> None:
 
 
 def _check_spaces(text: str, what: str, shown: str) -> None:
+    if _plain_ascii(text) and " " not in text:
+        return
     for ch in text:
         if _is_space(ch):
             raise _refuse("space", f"the {what} contains whitespace {ch!r}", shown)

@@ -1,5 +1,6 @@
-"""A DNS server the tests start on loopback: answers from a table, logs every query, and can
-misbehave on purpose (SERVFAIL, silence, garbage, truncation, answers that change: rebinding).
+"""A DNS server the tests start on loopback (or on a lab address inside a namespace): answers from a
+table, logs every query, and can misbehave on purpose (SERVFAIL, silence, garbage, truncation, answers
+that change: rebinding).
 
 Real sockets and real DNS messages (dnspython builds and parses them), so the resolver under test
 talks to it exactly as it would to a nameserver.
@@ -41,19 +42,33 @@ class Behaviour:
 
 
 class DnsLab:
-    def __init__(self, zone: dict[str, Behaviour | list[Record]] | None = None) -> None:
+    def __init__(self, zone: dict[str, Behaviour | list[Record]] | None = None, host: str = "127.0.0.1",
+                 port: int = 0) -> None:
         self.zone: dict[str, Behaviour] = {}
         for name, behaviour in (zone or {}).items():
             self.set(name, behaviour)
         self.queries: list[tuple[str, str]] = []  # (name, type) in arrival order
         self._counts: dict[str, int] = {}
         self._lock = threading.Lock()
-        self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.udp.bind(("127.0.0.1", 0))
-        self.port = self.udp.getsockname()[1]
-        self.tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.tcp.bind(("127.0.0.1", self.port))
+        # ``host`` is the address to serve on: loopback for the proxy tests, a lab address when the
+        # server runs inside a network namespace (the containment lab, ci/containment/).
+        self.host = host
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        # UDP and TCP must share a port; a random UDP port may be taken for TCP, so try again.
+        for attempt in range(20):
+            self.udp = socket.socket(family, socket.SOCK_DGRAM)
+            self.udp.bind((host, port))
+            self.port = self.udp.getsockname()[1]
+            self.tcp = socket.socket(family, socket.SOCK_STREAM)
+            self.tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                self.tcp.bind((host, self.port))
+                break
+            except OSError:
+                self.udp.close()
+                self.tcp.close()
+                if port or attempt == 19:
+                    raise
         self.tcp.listen(16)
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._serve_udp, daemon=True),
@@ -61,7 +76,7 @@ class DnsLab:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
     def set(self, name: str, behaviour: Behaviour | list[Record]) -> None:
         if isinstance(behaviour, list):
