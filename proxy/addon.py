@@ -61,8 +61,9 @@ class Tunnel:
 
 class EgressWall:
     def __init__(self, holder: PolicyHolder, audit: AuditLog, metrics: Metrics | None = None,
-                 resolver: Resolver | None = None) -> None:
+                 resolver: Resolver | None = None, share: int = 1) -> None:
         self.holder = holder
+        self.share = share  # with N workers on one port, each enforces 1/N of the connection caps
         self.audit = audit
         self.metrics = metrics or Metrics()
         self._resolver = resolver
@@ -130,17 +131,20 @@ class EgressWall:
 
     def _cap_refusal(self, policy: Policy, client: connection.Client) -> http.Response | None:
         limits = policy.limits
+        max_total = -(-limits.max_connections // self.share)
+        max_per_client = -(-limits.max_connections_per_client // self.share)
         if self.draining:
             return self._refuse_other(503, "shutdown", "egresswall is shutting down; retry on another instance")
-        if self.open_connections > limits.max_connections:
+        if self.open_connections > max_total:
             return self._refuse_other(503, "limits.max_connections",
                                       f"egresswall has {self.open_connections} open connections, more than its limit "
-                                      f"of {limits.max_connections}")
+                                      f"of {max_total}" + _per_worker(self.share, limits.max_connections))
         count = self.per_client[client.peername[0]]
-        if count > limits.max_connections_per_client:
+        if count > max_per_client:
             return self._refuse_other(429, "limits.max_connections_per_client",
                                       f"client {client.peername[0]} has {count} open connections, more than its "
-                                      f"limit of {limits.max_connections_per_client}")
+                                      f"limit of {max_per_client}"
+                                      + _per_worker(self.share, limits.max_connections_per_client))
         return None
 
     def _refuse_other(self, status: int, rule: str, reason: str) -> http.Response:
@@ -454,6 +458,10 @@ class EgressWall:
     def _write(self, record: dict[str, Any]) -> None:
         if not self.audit.write(record):
             self.metrics.audit_failures += 1
+
+
+def _per_worker(share: int, limit: int) -> str:
+    return f" (this worker's share of {limit} over {share} workers)" if share > 1 else ""
 
 
 def _flow_id(flow: http.HTTPFlow) -> str:

@@ -33,6 +33,7 @@ class AuditLog:
         self.failures = 0  # lines that could not be written; readiness fails while the last write failed
         self.healthy = True
         self.written = 0
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []  # in-process readers (the page reader)
         self._fd: int | None = None
         self._lock = threading.Lock()
         self.reopen()
@@ -48,6 +49,8 @@ class AuditLog:
                 os.close(old)
 
     def write(self, record: dict[str, Any]) -> bool:
+        for listener in self.listeners:
+            listener(record)
         if self.select is not None and not self.select(record):
             return True
         line = (self.formatter(record).replace("\n", " ") + "\n").encode("utf-8", "backslashreplace")

@@ -147,6 +147,7 @@ def _optional_commands():
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.raw_argv = list(argv if argv is not None else sys.argv[1:])  # for commands that start copies of themselves
     try:
         return args.func(args)
     except PolicyError as err:

@@ -33,17 +33,55 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--log", metavar="FILE", help="audit log file (default: standard output); SIGUSR1 reopens it")
     run.add_argument("--log-format", choices=["json", "squid"], default="json")
     run.add_argument("--confdir", help="mitmproxy's configuration directory (its CA, for interception)")
+    run.add_argument("--workers", type=int, default=1, metavar="N",
+                     help="proxy processes sharing the listen port (SO_REUSEPORT); default 1")
+    # Set by the supervisor for its workers; not for operators.
+    run.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
+    run.add_argument("--worker-count", type=int, default=1, help=argparse.SUPPRESS)
+    run.add_argument("--also-self", type=parse_hostport, action="append", default=[], help=argparse.SUPPRESS)
     run.set_defaults(func=cmd_run)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from .cli import overrides_from
 
+    if args.workers < 1:
+        raise ValueError("--workers must be at least 1")
+    if args.workers > 1:
+        return _run_supervisor(args)
     logging.basicConfig(level=logging.INFO, format="egresswall: %(message)s")
     logging.getLogger("mitmproxy").setLevel(logging.WARNING)  # one line per connection is not for operators
     config = RunConfig(policy_path=args.policy, overrides=overrides_from(args), listen=args.listen,
                        admin=None if args.no_admin else args.admin, log_path=args.log, log_format=args.log_format,
-                       confdir=args.confdir)
+                       confdir=args.confdir, reuse_port=args.reuse_port, worker_count=args.worker_count,
+                       extra_self_endpoints=tuple(args.also_self))
     runner = ProxyRunner(config)
     asyncio.run(runner.run())
     return 0
+
+
+def _run_supervisor(args: argparse.Namespace) -> int:
+    """Start N workers with the same policy options; the supervisor keeps the admin listener."""
+    from .cli import load_from_args
+    from .workers import Supervisor
+
+    load_from_args(args)  # a policy that does not load fails here, once, with its file:line:column
+    argv = _worker_argv(args.raw_argv)
+    return asyncio.run(Supervisor(argv, args.workers, args.listen, None if args.no_admin else args.admin).run())
+
+
+def _worker_argv(argv: list[str]) -> list[str]:
+    """The command line minus what the supervisor decides for each worker."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in ("--workers", "--listen", "--admin"):
+            skip = "=" not in arg
+            continue
+        if name == "--no-admin":
+            continue
+        out.append(arg)
+    return out

@@ -37,7 +37,11 @@ class RunConfig:
     log_path: str | None = None
     log_format: str = "json"
     confdir: str | None = None  # where mitmproxy keeps its CA (interception only)
+    upstream_ca: str | None = None  # extra CA bundle to verify intercepted upstreams with (labs, private CAs)
     watch_interval: float = 0.25
+    reuse_port: bool = False  # a worker of several sharing the listen port (proxy/workers.py)
+    worker_count: int = 1  # connection caps are shared out between this many workers
+    extra_self_endpoints: tuple[tuple[str, int], ...] = ()  # e.g. the supervisor's admin listener
 
 
 class ProxyRunner:
@@ -46,7 +50,9 @@ class ProxyRunner:
         self.metrics = Metrics()
         self.holder = PolicyHolder(config.policy_path, config.overrides, on_reload=self._on_reload)
         self.audit = AuditLog(config.log_path, *_log_format(config.log_format))
-        self.addon = EgressWall(self.holder, self.audit, self.metrics)
+        self.addon = EgressWall(self.holder, self.audit, self.metrics, share=config.worker_count)
+        for host, port in config.extra_self_endpoints:
+            self.addon.self_endpoints.add((_endpoint_host(host), port))
         self.admin = AdminServer({"/healthz": self._healthz, "/readyz": self._readyz,
                                   "/metrics": self._metrics})
         self.master: Master | None = None
@@ -82,6 +88,8 @@ class ProxyRunner:
     # ---- lifecycle ----------------------------------------------------------------------------
 
     async def run(self) -> None:
+        if self.config.reuse_port:
+            _listen_with_reuse_port()
         opts = mitm_options.Options()
         self.master = Master(opts, event_loop=asyncio.get_running_loop())
         # NextLayer comes before EgressWall: egresswall's next_layer hook runs last and has the final say.
@@ -93,6 +101,8 @@ class ProxyRunner:
                        http3=False)
         if self.config.confdir:
             updates["confdir"] = self.config.confdir
+        if self.config.upstream_ca:
+            updates["ssl_verify_upstream_trusted_ca"] = self.config.upstream_ca
         opts.update(**updates)
         loop = asyncio.get_running_loop()
         for sig, handler in ((signal.SIGTERM, self.request_stop), (signal.SIGINT, self.request_stop),
@@ -147,6 +157,22 @@ class ProxyRunner:
         while self.addon.open_connections > 0 and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
         self.master.shutdown()
+
+
+def _listen_with_reuse_port() -> None:
+    """mitmproxy opens its listener with ``asyncio.start_server`` and no way to pass options; a
+    worker process sets SO_REUSEPORT on every listener it opens so the kernel spreads connections
+    over the workers. Only worker processes call this."""
+    original = asyncio.start_server
+    if getattr(original, "egresswall_reuse_port", False):
+        return
+
+    async def start_server(*args, **kwargs):
+        kwargs.setdefault("reuse_port", True)
+        return await original(*args, **kwargs)
+
+    start_server.egresswall_reuse_port = True  # type: ignore[attr-defined]
+    asyncio.start_server = start_server
 
 
 def _endpoint_host(host: str) -> str:

@@ -365,12 +365,10 @@ def main() -> int:
                     for conns in (1, 32):
                         for key, value in plain_http(stack, proxy, conns, seconds).items():
                             results.setdefault((f"http c={conns} {key}", target), []).append(value)
-                    for key, value in tunnel_setups(stack, proxy, seconds).items():
-                        results.setdefault((f"tls tunnel setups/s", target), []).append(value)
-                        _ = key
-                    for key, value in tunnel_throughput(stack, proxy).items():
-                        results.setdefault(("tunnel throughput MB/s", target), []).append(value)
-                        _ = key
+                    setups = tunnel_setups(stack, proxy, seconds)["tunnels_per_s"]
+                    results.setdefault(("tls tunnel setups/s", target), []).append(setups)
+                    throughput = tunnel_throughput(stack, proxy)["MB_per_s"]
+                    results.setdefault(("tunnel throughput MB/s", target), []).append(throughput)
             for target in ("squid", "egresswall"):
                 for key, value in memory(stack, target, tunnel_count).items():
                     label = key.replace("tunnels", f"{tunnel_count}_tunnels")
@@ -398,8 +396,12 @@ def print_table(results: dict[tuple[str, str], list[float]], targets: list[str])
                 cells += f"{medians[target]:>13.2f}"
             else:
                 cells += f"{'-':>13}"
-        ratio = lambda a, b: f"{medians[a] / medians[b]:.2f}" if a in medians and medians.get(b) else "-"  # noqa: E731
-        print(f"{metric:<30}{cells}{ratio('egresswall', 'squid'):>10}{ratio('egresswall', 'direct'):>11}")
+        print(f"{metric:<30}{cells}{_ratio(medians, 'egresswall', 'squid'):>10}"
+              f"{_ratio(medians, 'egresswall', 'direct'):>11}")
+
+
+def _ratio(medians: dict[str, float], a: str, b: str) -> str:
+    return f"{medians[a] / medians[b]:.2f}" if a in medians and medians.get(b) else "-"
 
 
 def squid_version() -> str:
