@@ -21,7 +21,8 @@ from datetime import UTC, datetime
 import netaddr
 
 from .hosts import HostFormError, Target, normalise_host
-from .model import ALLOW, REPORT, HostRule, HostTable, Policy
+from .model import ALLOW, REPORT, HostRule, HostTable, Policy, Role
+from .ports import ports_text
 
 FORM, SCHEME, PORT, HOST, RESOLVE, ADDRESS = "form", "scheme", "port", "host", "resolve", "address"
 SCHEMES = frozenset({"http", "https", "ws", "wss"})
@@ -85,10 +86,13 @@ def precheck(policy: Policy, request: Request) -> Verdict:
     if target.scheme not in SCHEMES:
         return Verdict(False, SCHEME, "scheme", f"scheme {target.scheme!r} is not http, https, ws or wss",
                        role=role_name)
-    ports, kind = (policy.connect_ports, "CONNECT") if request.tunnel else (policy.http_ports, "plain-HTTP")
+    # An https/wss request that is not itself a CONNECT came through one (intercepted) or will be sent
+    # over TLS: either way it is judged by the CONNECT ports, not the plain-HTTP ones.
+    over_tls = request.tunnel or target.scheme in ("https", "wss")
+    ports, kind = (policy.connect_ports, "CONNECT") if over_tls else (policy.http_ports, "plain-HTTP")
     if target.port not in ports:
-        allowed = ", ".join(map(str, sorted(ports))) or "none"
-        return Verdict(False, PORT, f"ports.{'connect' if request.tunnel else 'http'}",
+        allowed = ports_text(ports) or "none"
+        return Verdict(False, PORT, f"ports.{'connect' if over_tls else 'http'}",
                        f"port {target.port} is not an allowed {kind} port (allowed: {allowed})", role=role_name)
 
     verdict = _host_rules(policy, request, role)
@@ -115,8 +119,9 @@ def decide(policy: Policy, request: Request, resolution: Resolution | None = Non
 def decide_addresses(policy: Policy, verdict: Verdict, addresses: Iterable[str], cnames: Iterable[str]) -> Verdict:
     """Step 5: every name in the CNAME chain and every address must pass; one bad answer refuses."""
     addresses = tuple(addresses)
+    role = next((r for r in policy.roles if r.name == verdict.role), None) if verdict.role else None
     for name in cnames:
-        refusal = _check_cname(policy, name)
+        refusal = _check_cname(policy, role, name)
         if refusal:
             return Verdict(False, RESOLVE, refusal[0], refusal[1], role=verdict.role, addresses=addresses)
     if not addresses:
@@ -187,7 +192,7 @@ def _near_miss(table: HostTable, request: Request) -> str:
         if rule.expired(request.at):
             return f"; rule {rule.pattern.text} ({rule.rule_id}) expired {rule.expires:%Y-%m-%d %H:%M} UTC"
         if rule.ports is not None and request.target.port not in rule.ports:
-            return f"; rule {rule.pattern.text} ({rule.rule_id}) allows only ports {sorted(rule.ports)}"
+            return f"; rule {rule.pattern.text} ({rule.rule_id}) allows only ports [{ports_text(rule.ports)}]"
         if rule.schemes is not None and request.target.scheme not in rule.schemes:
             return f"; rule {rule.pattern.text} ({rule.rule_id}) allows only {sorted(rule.schemes)}"
         if request.websocket and not rule.websocket:
@@ -199,13 +204,15 @@ def _near_miss(table: HostTable, request: Request) -> str:
     return ""
 
 
-def _check_cname(policy: Policy, name: str) -> tuple[str, str] | None:
-    """A CNAME may lead to a name the policy would refuse outright (db.internal, a denied host)."""
+def _check_cname(policy: Policy, role: Role | None, name: str) -> tuple[str, str] | None:
+    """A CNAME may lead to a name the policy would refuse outright (db.internal, a denied host —
+    for a client in a role, one its role denies too)."""
     try:
         host, _ = normalise_host(name.rstrip(".") or name)
     except HostFormError as err:
         return f"cname:{err.form}", f"the name is an alias (CNAME) of {name!r}, which is refused: {err.reason}"
-    for rule in policy.deny.candidates(host):
+    tables = ((role.deny,) if role else ()) + (policy.deny,)
+    for rule in (rule for table in tables for rule in table.candidates(host)):
         if not rule.needs_visible_request and rule.ports is None and rule.schemes is None:
             return rule.rule_id, f"the name is an alias (CNAME) of {host}, refused by deny rule {rule.pattern.text}"
     return None

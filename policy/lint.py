@@ -10,6 +10,7 @@ import netaddr
 
 from .model import ALLOW, DENY, HostRule, HostTable, Origin, Policy
 from .patterns import PatternKind
+from .ports import ports_text
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,8 @@ def _never_matches(policy: Policy, rule: HostRule, now: datetime) -> list[str]:
         usable = policy.connect_ports | policy.http_ports
         dead = sorted(rule.ports - usable)
         if dead:
-            out.append(f"{rule.pattern.text}: port(s) {dead} are in neither ports.connect nor ports.http, so "
-                       "requests to them are refused before host rules")
+            out.append(f"{rule.pattern.text}: port(s) [{ports_text(dead)}] are in neither ports.connect nor "
+                       "ports.http, so requests to them are refused before host rules")
     if rule.needs_visible_request and not rule.intercept and rule.action == ALLOW:
         seen_in_clear = rule.schemes is None or bool(rule.schemes & {"http", "ws"})
         suffix = ("; it matches only plain-HTTP requests" if seen_in_clear

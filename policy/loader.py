@@ -33,6 +33,7 @@ from .model import (
     Role,
 )
 from .patterns import HostPattern
+from .ports import parse_port_list
 
 DEFAULT_POLICY = Path(__file__).with_name("default.yaml")
 Path_ = tuple[str | int, ...]
@@ -330,8 +331,8 @@ def _build(doc: _Document) -> Policy:
         allow=_build_table(doc, ("hosts",), ALLOW, data.get("hosts", {})),
         deny=_build_table(doc, ("hosts",), DENY, data.get("hosts", {})),
         addresses=rules,
-        connect_ports=frozenset(ports.get("connect", [443])),
-        http_ports=frozenset(ports.get("http", [80])),
+        connect_ports=_port_set(doc, ("ports", "connect"), ports.get("connect", [443])),
+        http_ports=_port_set(doc, ("ports", "http"), ports.get("http", [80])),
         roles=roles,
         resolver=ResolverSettings(
             nameservers=tuple(_nameserver(doc, i, ns) for i, ns in enumerate(resolver.get("nameservers", []))),
@@ -343,6 +344,16 @@ def _build(doc: _Document) -> Policy:
         log_query_strings=data.get("log", {}).get("query_strings", False),
         address_rules_text=tuple(address_rules),
     )
+
+
+def _port_set(doc: _Document, path: Path_, values: list[int | str]) -> frozenset[int]:
+    """Port numbers and "LOW-HIGH" ranges (the schema checked their shape) → a set of ports."""
+    for i, value in enumerate(values):
+        try:
+            parse_port_list([value])
+        except ValueError as err:
+            raise doc.error((*path, i), str(err)) from None
+    return parse_port_list(values)
 
 
 def _strict_cidr(text: str) -> None:
@@ -402,7 +413,7 @@ def _build_rule(doc: _Document, path: Path_, action: str, entry: str | dict[str,
         action=action,
         pattern=pattern,
         origin=doc.origin(path),
-        ports=frozenset(raw["ports"]) if "ports" in raw else None,
+        ports=_port_set(doc, (*path, "ports"), raw["ports"]) if "ports" in raw else None,
         schemes=frozenset(raw["schemes"]) if "schemes" in raw else None,
         methods=frozenset(raw["methods"]) if "methods" in raw else None,
         paths=tuple(paths) if paths is not None else None,

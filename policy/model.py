@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -59,11 +60,36 @@ class HostRule:
     def path_matches(self, path: str) -> bool:
         if self.paths is None:
             return True
-        path = path.split("?", 1)[0] or "/"
-        return any(path_pattern_matches(p, path) for p in self.paths)
+        canonical = canonical_path(path.split("?", 1)[0] or "/")
+        if canonical is None:
+            # '/docs/../admin' starts with '/docs/' but the server serves /admin: a path the server may
+            # read as another path is never admitted by an allow rule, and is refused by a deny rule.
+            return self.action == DENY
+        return any(path_pattern_matches(p, canonical) for p in self.paths)
 
     def describe(self) -> str:
         return f"{self.action} {self.pattern.text} ({self.origin})"
+
+
+_ESCAPE = re.compile(r"%([0-9A-Fa-f]{2})")
+_ENCODED_SEPARATOR = re.compile(r"%(?:2f|5c)", re.IGNORECASE)
+
+
+def canonical_path(path: str) -> str | None:
+    """The path as a server reads it, or None when servers may read it differently (dot segments,
+    also percent-encoded or with ';' parameters, encoded slashes, backslashes): such paths are not
+    matched against path rules. Escapes of unreserved characters are decoded (RFC 3986, 6.2.2.2)."""
+
+    def unescape(match: re.Match[str]) -> str:
+        char = chr(int(match.group(1), 16))
+        return char if char.isascii() and (char.isalnum() or char in "-._~") else match.group(0)
+
+    path = _ESCAPE.sub(unescape, path)
+    if "\\" in path or _ENCODED_SEPARATOR.search(path):
+        return None
+    if any(segment.split(";", 1)[0] in (".", "..") for segment in path.split("/")):
+        return None
+    return path
 
 
 def path_pattern_matches(pattern: str, path: str) -> bool:

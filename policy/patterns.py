@@ -77,7 +77,7 @@ def normalise_pattern_host(text: str) -> tuple[str, object]:
     normaliser refuses as "a name without a dot"; a pattern is not a request, so that check is
     skipped for patterns by normalising under a placeholder label.
     """
-    if "." not in text.strip("."):
+    if "." not in text.strip(".") and ":" not in text:  # not for IPv6 literals, which have no dot
         try:
             name, _ = normalise_host("pattern-anchor." + text)
         except HostFormError as err:

@@ -52,6 +52,7 @@ class DnsResolver:
         ttl_floor: int = 0,
         ttl_ceiling: int = 300,
         clock: Callable[[], float] = time.monotonic,
+        max_cache_entries: int = 10_000,
     ) -> None:
         self._resolver = dns.asyncresolver.Resolver(configure=not nameservers)
         if nameservers:
@@ -65,6 +66,7 @@ class DnsResolver:
         self._clock = clock
         self._cache: dict[str, tuple[float, Resolution]] = {}
         self._inflight: dict[str, asyncio.Future[Resolution]] = {}
+        self.max_cache_entries = max_cache_entries
         self.queries = 0  # lookups sent (cache misses), for metrics and tests
 
     @classmethod
@@ -80,24 +82,38 @@ class DnsResolver:
         cached = self._cache.get(name)
         if cached and cached[0] > self._clock():
             return cached[1]
-        if name in self._inflight:  # share one lookup between concurrent requests for a name
-            return await asyncio.shield(self._inflight[name])
-        future: asyncio.Future[Resolution] = asyncio.get_running_loop().create_future()
-        self._inflight[name] = future
-        try:
-            result = await self._lookup(name)
-        except BaseException as err:
-            future.set_exception(err)
-            future.exception()  # mark retrieved: no "never retrieved" warning when nobody else waited
-            raise
-        else:
-            future.set_result(result)
-            ttl = min(max(result.ttl, self.ttl_floor), self.ttl_ceiling)
-            if ttl > 0:
-                self._cache[name] = (self._clock() + ttl, result)
-            return result
-        finally:
+        # Concurrent requests for a name share one lookup. It runs as its own task, so a caller that
+        # gives up (client gone, cancelled) does not cancel the lookup the others are waiting for.
+        task = self._inflight.get(name)
+        if task is None:
+            task = asyncio.ensure_future(self._lookup_and_cache(name))
+            self._inflight[name] = task
+            task.add_done_callback(lambda done: self._finished(name, done))
+        return await asyncio.shield(task)
+
+    def _finished(self, name: str, task: asyncio.Future[Resolution]) -> None:
+        if self._inflight.get(name) is task:
             del self._inflight[name]
+        if not task.cancelled():
+            task.exception()  # mark retrieved: no "never retrieved" warning when every caller gave up
+
+    async def _lookup_and_cache(self, name: str) -> Resolution:
+        result = await self._lookup(name)
+        ttl = min(max(result.ttl, self.ttl_floor), self.ttl_ceiling)
+        if ttl > 0:
+            now = self._clock()
+            if len(self._cache) >= self.max_cache_entries:
+                self._evict(now)
+            self._cache[name] = (now + ttl, result)
+        return result
+
+    def _evict(self, now: float) -> None:
+        """Keep the cache bounded: a page can ask for endless random names. Expired entries go first,
+        then the oldest inserted."""
+        for key in [key for key, (expires, _) in self._cache.items() if expires <= now]:
+            del self._cache[key]
+        while len(self._cache) >= self.max_cache_entries:
+            del self._cache[next(iter(self._cache))]
 
     async def _lookup(self, name: str) -> Resolution:
         self.queries += 1

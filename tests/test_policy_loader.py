@@ -120,9 +120,11 @@ BAD = [
      "version: 1\nroles:\n  - name: ci\n    clients: [10.0.0.0/8]\n    hosts:\n      deny:\n"
      "        - host: a.example.com\n          bogus: 1\n",
      (8, 11), "roles[0].hosts.deny[0].bogus", "unknown key 'bogus'"),
-    ("wrong enum", "version: 1\nmode: enforcing\n", (2, 7), "mode", "got 'enforcing'; expected one of: enforce, report"),
+    ("wrong enum", "version: 1\nmode: enforcing\n", (2, 7), "mode",
+     "got 'enforcing'; expected one of: enforce, report"),
     ("wrong type", "version: 1\nports:\n  connect: 443\n", (3, 12), "ports.connect", "got int 443; expected array"),
-    ("wrong item type", "version: 1\nports:\n  http: ['80']\n", (3, 10), "ports.http[0]", "got str '80'; expected integer"),
+    ("wrong item type", "version: 1\nports:\n  http: ['80']\n", (3, 10), "ports.http[0]",
+     "got str '80'; expected integer"),
     ("port out of range", "version: 1\nports:\n  connect: [70000]\n", (3, 13), "ports.connect[0]",
      "expected a value <= 65535"),
     ("wrong version", "version: 2\n", (1, 10), "version", "got 2; expected 1"),
@@ -242,24 +244,26 @@ def test_not_utf8(tmp_path: Path) -> None:
 
 
 def test_unreadable_file(tmp_path: Path) -> None:
+    """Root reads a mode-000 file anyway; without CAP_DAC_OVERRIDE (dropped from the bounding set of
+    a child process) it cannot, so the child sees exactly what an unprivileged operator would."""
+    import shutil
+    import subprocess
+    import sys
+
     path = tmp_path / "secret.yaml"
     path.write_text("version: 1\n")
     path.chmod(0)
+    command = [sys.executable, "-m", "proxy.cli", "lint", str(path)]
+    if os.geteuid() == 0:
+        assert shutil.which("setpriv"), "setpriv (util-linux) is needed to drop root's file-access override"
+        command = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", *command]
     try:
-        try:
-            with open(path):
-                pass
-        except PermissionError:
-            pass
-        else:
-            pytest.skip("running as root (or with CAP_DAC_OVERRIDE): a mode-000 file is still readable, so "
-                        "'unreadable' cannot be simulated")
-        with pytest.raises(PolicyError) as info:
-            load_policy(path)
-        assert str(info.value).startswith(f"{path}: cannot be read:")
-        assert "Permission denied" in str(info.value)
+        result = subprocess.run(command, capture_output=True, text=True, timeout=60,
+                                cwd=Path(__file__).resolve().parent.parent)
     finally:
         path.chmod(0o600)
+    assert result.returncode == 2
+    assert f"{path}: cannot be read:" in result.stderr and "Permission denied" in result.stderr
 
 
 # --- YAML 1.1 traps ------------------------------------------------------------------------------------
@@ -375,3 +379,14 @@ def test_bad_override_names_the_flag(overrides: Overrides, flag: str) -> None:
 
 def test_mode_override() -> None:
     assert parse_policy(BASE, "p.yaml", Overrides(mode="report")).mode == "report"
+
+
+@pytest.mark.parametrize("written, name", [
+    ("'[2606:4700::1111]'", "2606:4700::1111"),
+    ("'2606:4700::1111'", "2606:4700::1111"),
+    ("'[::ffff:93.184.216.34]'", "93.184.216.34"),
+    ("93.184.216.34", "93.184.216.34"),
+])
+def test_ip_literal_patterns(written: str, name: str) -> None:
+    pattern = parse_policy(f"version: 1\nhosts:\n  allow:\n    - {written}\n").allow.rules[0].pattern
+    assert pattern.kind is PatternKind.EXACT and pattern.name == name

@@ -1,0 +1,213 @@
+"""``egresswall check`` as a user runs it (a subprocess), against a DNS server on loopback.
+
+Every run that may resolve passes ``--nameserver`` pointing at the DnsLab: nothing leaves 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from dnslab import DnsLab, Record
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parent.parent
+
+ZONE = {
+    "mixed.example.com": [Record("A", "93.184.216.34"), Record("A", "10.0.0.5"), Record("A", "1.1.1.1"),
+                          Record("AAAA", "2606:2800:220:1:248:1893:25c8:1946")],
+    "public.example.com": [Record("A", "93.184.216.34"), Record("AAAA", "2606:2800:220:1:248:1893:25c8:1946")],
+    "alias.example.com": [Record("CNAME", "db.internal")],
+    "db.internal": [Record("A", "10.0.0.6")],
+    "lab.example.com": [Record("A", "198.18.0.7"), Record("A", "198.19.1.2")],
+    "denied.example.com": [Record("A", "93.184.216.34")],
+    "unlisted.example.com": [Record("A", "93.184.216.34")],
+    "user.example.com": [Record("A", "93.184.216.34")],
+    "port.example.com": [Record("A", "93.184.216.34")],
+}
+
+
+@pytest.fixture
+def dns():
+    with DnsLab(ZONE) as server:
+        yield server
+
+
+def egresswall(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "proxy.cli", *args], capture_output=True, text=True, cwd=REPO,
+                          timeout=60)
+
+
+def check(dns: DnsLab, *args: str) -> subprocess.CompletedProcess[str]:
+    return egresswall("check", "--nameserver", dns.address, *args)
+
+
+def fields(output: str) -> dict[str, str]:
+    rows = {}
+    for line in output.splitlines():
+        if line.strip():
+            key, _, value = line.partition(" ")
+            rows[key] = value.strip()
+    return rows
+
+
+def test_one_private_address_among_public_ones_is_refused(dns: DnsLab) -> None:
+    result = check(dns, "https://mixed.example.com/")
+    assert result.returncode == 1, result.stdout + result.stderr
+    out = fields(result.stdout)
+    assert out["verdict"] == "REFUSED" and out["stage"] == "address"
+    assert out["rule"] == "special-purpose 10.0.0.0/8"
+    assert "10.0.0.5" in out["reason"] and "10.0.0.0/8" in out["reason"] and "Private-Use" in out["reason"]
+    assert "10.0.0.5" in out["resolved"] and "93.184.216.34" in out["resolved"]
+    assert "connect" not in out
+    assert dns.queried("mixed.example.com")
+
+
+def test_all_public_addresses_are_allowed(dns: DnsLab) -> None:
+    result = check(dns, "https://public.example.com/")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = fields(result.stdout)
+    assert out["verdict"] == "ALLOWED" and out["connect"] == "93.184.216.34"
+    assert out["rule"].startswith("default allow (") and out["rule"].endswith("default.yaml:10)")
+
+
+def test_cname_to_an_internal_name_is_refused(dns: DnsLab) -> None:
+    result = check(dns, "https://alias.example.com/")
+    assert result.returncode == 1, result.stdout + result.stderr
+    out = fields(result.stdout)
+    assert out["verdict"] == "REFUSED" and out["stage"] == "resolve"
+    assert out["rule"] == "cname:local-suffix"
+    assert "db.internal" in out["reason"] and "alias (CNAME)" in out["reason"]
+    assert out["cnames"] == "db.internal"
+    assert "connect" not in out
+
+
+@pytest.mark.parametrize("url, args, stage, rule_words", [
+    ("https://denied.example.com/", ["--deny-host", "denied.example.com"], "host",
+     "command line --deny-host denied.example.com"),
+    ("https://unlisted.example.com/", ["--default", "deny"], "host", "default deny (--default)"),
+    ("https://user:pw@user.example.com/", [], "form", "form:userinfo"),
+    ("https://port.example.com:8443/", [], "port", "ports.connect"),
+    ("https://accounts.google.com/", [], "host", "default.yaml:17"),
+])
+def test_refused_host_is_never_queried(dns: DnsLab, url: str, args: list[str], stage: str, rule_words: str) -> None:
+    result = check(dns, url, *args)
+    assert result.returncode == 1, result.stdout + result.stderr
+    out = fields(result.stdout)
+    assert out["verdict"] == "REFUSED" and out["stage"] == stage
+    assert rule_words in out["rule"]
+    assert "resolved" not in out
+    assert dns.queries == [], dns.queries
+
+
+def test_lab_range_readmitted_by_address_rule(dns: DnsLab, tmp_path: Path) -> None:
+    policy = tmp_path / "lab.yaml"
+    policy.write_text("version: 1\ndefault: deny\nhosts:\n  allow:\n    - .example.com\n")
+    result = check(dns, "--policy", str(policy), "--allow-range", "198.18.0.0/15", "https://lab.example.com/x")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = fields(result.stdout)
+    assert out["verdict"] == "ALLOWED" and out["stage"] == "host"
+    assert out["rule"] == f"{policy}:5"
+    assert out["reason"] == "lab.example.com is allowed by rule .example.com"
+    assert sorted(out["resolved"].split(", ")) == ["198.18.0.7", "198.19.1.2"]
+    assert out["connect"] in ("198.18.0.7", "198.19.1.2")
+
+
+def test_lab_range_without_the_address_rule_is_refused(dns: DnsLab) -> None:
+    result = check(dns, "--allow-host", "lab.example.com", "--default", "deny", "https://lab.example.com/")
+    assert result.returncode == 1
+    out = fields(result.stdout)
+    assert out["rule"] == "special-purpose 198.18.0.0/15" and "Benchmarking" in out["reason"]
+
+
+def test_host_allow_rule_does_not_readmit_a_private_address(dns: DnsLab) -> None:
+    result = check(dns, "--default", "deny", "--allow-host", "mixed.example.com", "https://mixed.example.com/")
+    assert result.returncode == 1
+    assert fields(result.stdout)["stage"] == "address"
+
+
+def test_several_urls_exit_1_when_any_is_refused(dns: DnsLab) -> None:
+    result = check(dns, "https://public.example.com/", "https://mixed.example.com/")
+    assert result.returncode == 1
+    assert result.stdout.count("verdict") == 2
+    assert check(dns, "https://public.example.com/", "https://public.example.com/a").returncode == 0
+
+
+def test_ip_literal_needs_no_nameserver() -> None:
+    # An IP literal is never resolved, so this run may omit --nameserver.
+    result = egresswall("check", "http://169.254.169.254/latest/meta-data/")
+    assert result.returncode == 1
+    out = fields(result.stdout)
+    assert out["rule"] == "cloud-metadata 169.254.169.254/32" and "AWS instance metadata" in out["reason"]
+
+
+def test_json_output_parses(dns: DnsLab) -> None:
+    result = check(dns, "--json", "https://mixed.example.com/", "https://public.example.com/",
+                   "https://alias.example.com/")
+    assert result.returncode == 1
+    lines = result.stdout.splitlines()
+    assert len(lines) == 3
+    mixed, public, alias = (json.loads(line) for line in lines)
+    assert mixed["allowed"] is False and mixed["stage"] == "address" and "10.0.0.5" in mixed["addresses"]
+    assert public == {
+        "url": "https://public.example.com/", "allowed": True, "report_only": False, "stage": "host",
+        "rule": public["rule"], "reason": "public.example.com matches no rule and the policy allows by default",
+        "role": None, "cnames": [], "addresses": public["addresses"], "connect": "93.184.216.34",
+    }
+    assert sorted(public["addresses"]) == ["2606:2800:220:1:248:1893:25c8:1946", "93.184.216.34"]
+    assert alias["allowed"] is False and alias["cnames"] == ["db.internal"] and alias["rule"] == "cname:local-suffix"
+
+
+def test_report_mode_marks_host_refusals(dns: DnsLab) -> None:
+    result = check(dns, "--mode", "report", "--deny-host", "denied.example.com", "https://denied.example.com/")
+    assert result.returncode == 0
+    out = fields(result.stdout)
+    assert out["verdict"] == "ALLOWED (report mode; enforce would refuse)"
+    assert out["reason"].startswith("report mode: would refuse:")
+    refused = check(dns, "--mode", "report", "https://mixed.example.com/")
+    assert refused.returncode == 1
+
+
+def test_client_chooses_a_role(dns: DnsLab, tmp_path: Path) -> None:
+    policy = tmp_path / "roles.yaml"
+    policy.write_text("version: 1\ndefault: allow\nroles:\n  - name: ci\n    clients: [10.20.0.0/16]\n"
+                      "    default: deny\n")
+    result = check(dns, "--policy", str(policy), "--client", "10.20.3.4", "https://public.example.com/")
+    assert result.returncode == 1
+    out = fields(result.stdout)
+    assert out["role"] == "ci" and out["rule"] == f"default deny ({policy}:4)"
+    assert dns.queries == []
+
+
+# --- errors (exit 2) -----------------------------------------------------------------------------------
+
+def test_bad_policy_exits_2_with_position(dns: DnsLab, tmp_path: Path) -> None:
+    policy = tmp_path / "bad.yaml"
+    policy.write_text("version: 1\ndefault: deny\nhosts:\n  allow:\n    - host: a.example.com\n      prot: [443]\n")
+    result = check(dns, "--policy", str(policy), "https://a.example.com/")
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr == (f"egresswall: {policy}:6:7: hosts.allow[0].prot: unknown key 'prot'; expected one of: "
+                             "expires, host, intercept, methods, owner, paths, ports, reason, schemes, websocket\n")
+    assert dns.queries == []
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--allow-range", "10.0.0.1/8"], "command line --allow-range 10.0.0.1/8: addresses.allow[0]: got '10.0.0.1/8'"),
+    (["--deny-host", "a.*.example.com"], "command line --deny-host a.*.example.com: hosts.deny[2]:"),
+    (["--policy", "/nonexistent/policy.yaml"], "/nonexistent/policy.yaml: no such file"),
+])
+def test_bad_flags_exit_2(dns: DnsLab, args: list[str], words: str) -> None:
+    result = check(dns, *args, "https://a.example.com/")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.startswith(f"egresswall: {words}"), result.stderr
+
+
+def test_bad_nameserver_flag_exits_2() -> None:
+    result = egresswall("check", "--nameserver", "127.0.0.1:99999", "https://a.example.com/")
+    assert result.returncode == 2
+    assert "port must be 1-65535" in result.stderr

@@ -1,0 +1,222 @@
+"""``lint``: expired and expiring entries, rules that can never match, shadowed rules, overlapping
+ranges and roles; and the exit codes of ``egresswall lint``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from policy.lint import lint
+from policy.loader import DEFAULT_POLICY, load_policy, parse_policy
+
+NOW = datetime(2030, 1, 1, tzinfo=UTC)
+EXAMPLE = Path(DEFAULT_POLICY).parent / "examples" / "allowlist.yaml"
+REPO = Path(__file__).resolve().parent.parent
+
+
+def warnings(body: str, now: datetime = NOW) -> list[str]:
+    return [str(w) for w in lint(parse_policy("version: 1\n" + body, "p.yaml"), now=now)]
+
+
+def only(body: str, now: datetime = NOW) -> str:
+    found = warnings(body, now)
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_clean_policies_have_no_warnings() -> None:
+    assert lint(load_policy(), now=NOW) == []
+    assert lint(load_policy(EXAMPLE), now=datetime(2026, 1, 1, tzinfo=UTC)) == []
+    body = """\
+default: deny
+hosts:
+  deny: [.ads.example.com]
+  allow:
+    - host: a.example.com
+      ports: [443]
+    - a.example.com
+    - host: api.example.com
+      paths: [/v1/]
+      intercept: true
+    - host: later.example.com
+      expires: '2031-01-01'
+addresses:
+  allow: [198.18.0.0/15]
+  deny: [203.0.113.0/24]
+roles:
+  - name: a
+    clients: [10.0.0.0/16]
+  - name: b
+    clients: [10.1.0.0/16]
+"""
+    assert warnings(body) == []
+
+
+def test_expired_entry() -> None:
+    body = "hosts:\n  allow:\n    - host: old.example.com\n      expires: '2029-12-31T23:59:59Z'\n"
+    assert only(body) == ("p.yaml:4:7: hosts.allow[0]: allow old.example.com expired on 2029-12-31 23:59 UTC "
+                          "and no longer matches")
+
+
+def test_expired_exactly_now() -> None:
+    body = "hosts:\n  deny:\n    - host: old.example.com\n      expires: '2030-01-01'\n"
+    assert "expired on 2030-01-01 00:00 UTC" in only(body)
+
+
+def test_soon_expiring_entry() -> None:
+    body = "hosts:\n  allow:\n    - host: soon.example.com\n      expires: '2030-01-10'\n"
+    assert only(body) == "p.yaml:4:7: hosts.allow[0]: allow soon.example.com expires on 2030-01-10 00:00 UTC"
+    later = "hosts:\n  allow:\n    - host: later.example.com\n      expires: '2030-03-01'\n"
+    assert warnings(later) == []
+
+
+def test_rule_port_not_in_port_lists() -> None:
+    body = ("ports:\n  connect: [443]\n  http: [80]\n"
+            "hosts:\n  allow:\n    - host: p.example.com\n      ports: [80, 8443]\n")
+    message = only(body)
+    assert message.startswith("p.yaml:7:7: hosts.allow[0]: p.example.com: port(s) [8443] are in neither")
+
+
+def test_path_rule_without_intercept() -> None:
+    body = "hosts:\n  allow:\n    - host: path.example.com\n      paths: [/x/]\n"
+    assert only(body).endswith("methods/paths cannot be checked inside a TLS tunnel without intercept: true; "
+                               "it matches only plain-HTTP requests")
+    tls_only = "hosts:\n  allow:\n    - host: m.example.com\n      methods: [GET]\n      schemes: [https]\n"
+    assert only(tls_only).endswith("with only https/wss schemes it can never match")
+    intercepted = "hosts:\n  allow:\n    - host: p.example.com\n      paths: [/x/]\n      intercept: true\n"
+    assert warnings(intercepted) == []
+
+
+@pytest.mark.parametrize("earlier, later", [
+    (".example.com", "a.example.com"),
+    (".example.com", "example.com"),
+    (".example.com", "*.example.com"),
+    (".example.com", ".a.example.com"),
+    ("*.example.com", "a.b.example.com"),
+    ("*.example.com", "*.a.example.com"),
+    ("a.example.com", "A.example.com."),
+])
+def test_shadowed_rule(earlier: str, later: str) -> None:
+    body = f"hosts:\n  allow:\n    - '{earlier}'\n    - '{later}'\n"
+    assert only(body) == (f"p.yaml:5:7: hosts.allow[1]: {later} is shadowed by the earlier rule {earlier} "
+                          "(p.yaml:4), which matches every request it would")
+
+
+@pytest.mark.parametrize("earlier, later", [
+    ("*.example.com", "example.com"),  # the apex is not below itself
+    ("a.example.com", ".a.example.com"),
+    ("example.com", "a.example.com"),
+    (".example.org", "a.example.com"),
+    (".ample.com", "example.com"),  # a suffix, not at a label boundary
+])
+def test_not_shadowed(earlier: str, later: str) -> None:
+    assert warnings(f"hosts:\n  allow:\n    - '{earlier}'\n    - '{later}'\n") == []
+
+
+def test_later_rule_does_not_shadow_an_earlier_one() -> None:
+    assert warnings("hosts:\n  allow:\n    - a.example.com\n    - .example.com\n") == []
+
+
+@pytest.mark.parametrize("condition", ["ports: [443]", "schemes: [https]", "methods: [GET]", "paths: [/x/]",
+                                       "websocket: false", "expires: '2031-01-01'"])
+def test_conditional_earlier_rule_does_not_shadow(condition: str) -> None:
+    body = (f"hosts:\n  allow:\n    - host: .example.com\n      {condition}\n      intercept: true\n"
+            "    - a.example.com\n")
+    assert not any("shadowed" in w for w in warnings(body)), warnings(body)
+
+
+def test_shadowing_in_deny_list_and_in_roles() -> None:
+    deny = "hosts:\n  deny:\n    - .example.com\n    - a.example.com\n"
+    assert only(deny).startswith("p.yaml:5:7: hosts.deny[1]: a.example.com is shadowed by the earlier rule")
+    role = ("roles:\n  - name: ci\n    clients: [10.0.0.0/8]\n    hosts:\n      allow:\n"
+            "        - .pypi.org\n        - files.pypi.org\n")
+    assert only(role).startswith("p.yaml:8:11: roles[0].hosts.allow[1]: role ci: files.pypi.org is shadowed")
+
+
+def test_allow_rule_blocked_by_unconditional_deny() -> None:
+    body = "hosts:\n  deny:\n    - .blocked.example.com\n  allow:\n    - x.blocked.example.com\n"
+    assert only(body) == ("p.yaml:6:7: hosts.allow[0]: allow x.blocked.example.com can never match: deny rule "
+                          ".blocked.example.com (p.yaml:4) refuses every host it names")
+
+
+def test_allow_rule_not_blocked_by_conditional_deny() -> None:
+    body = ("hosts:\n  deny:\n    - host: .blocked.example.com\n      ports: [80]\n"
+            "  allow:\n    - x.blocked.example.com\n")
+    assert warnings(body) == []
+
+
+def test_role_allow_rule_blocked_by_global_deny() -> None:
+    body = ("hosts:\n  deny: [.blocked.example.com]\nroles:\n  - name: ci\n    clients: [10.0.0.0/8]\n"
+            "    hosts:\n      allow: [a.blocked.example.com]\n")
+    assert "role ci: allow a.blocked.example.com can never match: deny rule .blocked.example.com (p.yaml:3)" in only(
+        body)
+
+
+def test_overlapping_cidrs_in_one_list() -> None:
+    body = "addresses:\n  allow:\n    - 198.18.0.0/15\n    - 198.18.4.0/24\n"
+    assert only(body) == "p.yaml:5:7: addresses.allow[1]: addresses.allow 198.18.4.0/24 overlaps 198.18.0.0/15"
+
+
+def test_overlapping_cidrs_allow_and_deny() -> None:
+    body = "addresses:\n  allow: [198.18.0.0/15]\n  deny: [198.19.0.0/16]\n"
+    assert only(body) == ("p.yaml:4:10: addresses.deny[0]: 198.19.0.0/16 is in both addresses.allow and "
+                          "addresses.deny (with 198.18.0.0/15); deny wins")
+
+
+def test_disjoint_and_cross_family_cidrs_do_not_overlap() -> None:
+    body = "addresses:\n  allow: [198.18.0.0/16, 198.19.0.0/16, 'fd00::/8']\n  deny: ['2001:db8::/32']\n"
+    assert warnings(body) == []
+
+
+def test_overlapping_role_clients() -> None:
+    body = ("roles:\n  - name: wide\n    clients: [10.0.0.0/8]\n  - name: narrow\n"
+            "    clients: ['10.1.0.0/16', '192.168.0.0/16']\n")
+    assert only(body) == ("p.yaml:5:5: roles[1]: role narrow's clients overlap role wide's (10.1.0.0/16); "
+                          "the first role, wide, wins")
+
+
+# --- the command ---------------------------------------------------------------------------------------
+
+def run_lint(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "proxy.cli", "lint", *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=60)
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, Path]:
+    clean = tmp_path / "clean.yaml"
+    clean.write_text("version: 1\ndefault: deny\nhosts:\n  allow: [.example.com]\n")
+    warned = tmp_path / "warned.yaml"
+    warned.write_text("version: 1\ndefault: deny\nhosts:\n  allow:\n    - .example.com\n    - a.example.com\n")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: 1\ndefault: deny\nhosts:\n  allow:\n    - a.*.example.com\n")
+    return {"clean": clean, "warned": warned, "bad": bad}
+
+
+@pytest.mark.parametrize("name, strict, code", [
+    ("clean", False, 0), ("clean", True, 0),
+    ("warned", False, 0), ("warned", True, 1),
+    ("bad", False, 2), ("bad", True, 2),
+])
+def test_lint_exit_codes(files: dict[str, Path], name: str, strict: bool, code: int) -> None:
+    result = run_lint(str(files[name]), *(["--strict"] if strict else []))
+    assert result.returncode == code, result.stdout + result.stderr
+    path = files[name]
+    if name == "bad":
+        assert result.stderr.startswith(f"egresswall: {path}:5:7: hosts.allow[0]: host pattern 'a.*.example.com'")
+        assert result.stdout == ""
+    elif name == "warned":
+        assert f"warning: {path}:6:7: hosts.allow[1]: a.example.com is shadowed" in result.stdout
+        assert result.stdout.rstrip().endswith("valid; 2 host rule(s), 0 role(s), 1 warning(s)")
+    else:
+        assert result.stdout == f"{path}: valid; 1 host rule(s), 0 role(s), 0 warning(s)\n"
+
+
+def test_lint_missing_file(tmp_path: Path) -> None:
+    result = run_lint(str(tmp_path / "nope.yaml"))
+    assert result.returncode == 2
+    assert result.stderr == f"egresswall: {tmp_path / 'nope.yaml'}: no such file\n"
