@@ -102,7 +102,7 @@ def precheck(policy: Policy, request: Request) -> Verdict:
         verdict = replace(verdict, allowed=True, report_only=True,
                           reason=f"report mode: would refuse: {verdict.reason}")
     if verdict.allowed and target.ip is not None:
-        return decide_addresses(policy, verdict, (str(target.ip),), ())
+        return decide_addresses(policy, verdict, (str(target.ip),), (), request)
     return verdict
 
 
@@ -113,15 +113,16 @@ def decide(policy: Policy, request: Request, resolution: Resolution | None = Non
         return verdict
     if resolution is None:
         return Verdict(False, RESOLVE, "dns:unresolved", f"{request.target.host} was not resolved", role=verdict.role)
-    return decide_addresses(policy, verdict, resolution.addresses, resolution.cnames)
+    return decide_addresses(policy, verdict, resolution.addresses, resolution.cnames, request)
 
 
-def decide_addresses(policy: Policy, verdict: Verdict, addresses: Iterable[str], cnames: Iterable[str]) -> Verdict:
+def decide_addresses(policy: Policy, verdict: Verdict, addresses: Iterable[str], cnames: Iterable[str],
+                     request: Request | None = None) -> Verdict:
     """Step 5: every name in the CNAME chain and every address must pass; one bad answer refuses."""
     addresses = tuple(addresses)
     role = next((r for r in policy.roles if r.name == verdict.role), None) if verdict.role else None
     for name in cnames:
-        refusal = _check_cname(policy, role, name)
+        refusal = _check_cname(policy, role, name, request)
         if refusal:
             return Verdict(False, RESOLVE, refusal[0], refusal[1], role=verdict.role, addresses=addresses)
     if not addresses:
@@ -204,16 +205,19 @@ def _near_miss(table: HostTable, request: Request) -> str:
     return ""
 
 
-def _check_cname(policy: Policy, role: Role | None, name: str) -> tuple[str, str] | None:
+def _check_cname(policy: Policy, role: Role | None, name: str, request: Request | None) -> tuple[str, str] | None:
     """A CNAME may lead to a name the policy would refuse outright (db.internal, a denied host —
-    for a client in a role, one its role denies too)."""
+    for a client in a role, one its role denies too). A deny rule counts when it would refuse this
+    same request sent to the alias's name (its ports, schemes, methods and paths included)."""
     try:
         host, _ = normalise_host(name.rstrip(".") or name)
     except HostFormError as err:
         return f"cname:{err.form}", f"the name is an alias (CNAME) of {name!r}, which is refused: {err.reason}"
+    aliased = replace(request, target=replace(request.target, host=host)) if request is not None else None
     tables = ((role.deny,) if role else ()) + (policy.deny,)
     for rule in (rule for table in tables for rule in table.candidates(host)):
-        if not rule.needs_visible_request and rule.ports is None and rule.schemes is None:
+        unconditional = not rule.needs_visible_request and rule.ports is None and rule.schemes is None
+        if unconditional or (aliased is not None and _conditions_hold(rule, aliased)):
             return rule.rule_id, f"the name is an alias (CNAME) of {host}, refused by deny rule {rule.pattern.text}"
     return None
 

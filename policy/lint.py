@@ -69,6 +69,10 @@ def _never_matches(policy: Policy, rule: HostRule, now: datetime) -> list[str]:
                   else "; with only https/wss schemes it can never match")
         out.append(f"{rule.pattern.text}: methods/paths cannot be checked inside a TLS tunnel without "
                    f"intercept: true{suffix}")
+    if rule.needs_visible_request and rule.action == DENY and not any(
+            r.intercept for r in policy.allow.candidates(rule.pattern.name)):
+        out.append(f"deny {rule.pattern.text}: its methods/paths are checked only in plain HTTP; HTTPS to this host "
+                   "passes through a TLS tunnel unchecked unless an allow rule intercepts it (intercept: true)")
     return out
 
 

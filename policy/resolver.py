@@ -176,4 +176,4 @@ async def resolve_and_decide(
         resolution = await resolver.resolve(request.target.host)
     except ResolveError as err:
         return refuse_resolution(err.kind, err.reason, verdict), None
-    return decide_addresses(policy, verdict, resolution.addresses, resolution.cnames), resolution
+    return decide_addresses(policy, verdict, resolution.addresses, resolution.cnames, request), resolution

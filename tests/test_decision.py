@@ -679,3 +679,17 @@ def test_decide_never_allows_a_refused_address(pol: Policy, host: str, bad: str,
     verdict = decide(pol, url(f"https://{host}/"), Resolution(host, addresses))
     assert not verdict.allowed, (bad, verdict)
     assert verdict.pinned is None
+
+
+def test_cname_to_a_host_denied_only_on_some_ports_is_refused_on_those_ports() -> None:
+    from policy.decision import Request, Resolution, decide
+    from policy.hosts import parse_url
+    from policy.loader import parse_policy
+
+    policy = parse_policy("version: 1\ndefault: allow\nports: {connect: [443, 8443]}\n"
+                          "hosts:\n  deny:\n    - host: accounts.example.com\n      ports: [443]\n")
+    alias = Resolution("alias.example.net", ("93.184.216.34",), cnames=("accounts.example.com",))
+    on_443 = decide(policy, Request(parse_url("https://alias.example.net/"), "CONNECT", tunnel=True), alias)
+    assert not on_443.allowed and "accounts.example.com" in on_443.reason
+    on_8443 = decide(policy, Request(parse_url("https://alias.example.net:8443/"), "CONNECT", tunnel=True), alias)
+    assert on_8443.allowed

@@ -220,3 +220,14 @@ def test_lint_missing_file(tmp_path: Path) -> None:
     result = run_lint(str(tmp_path / "nope.yaml"))
     assert result.returncode == 2
     assert result.stderr == f"egresswall: {tmp_path / 'nope.yaml'}: no such file\n"
+
+
+def test_deny_rule_with_paths_on_a_host_that_is_not_intercepted_is_flagged() -> None:
+    from policy.lint import lint
+    from policy.loader import parse_policy
+
+    text = "version: 1\ndefault: allow\nhosts:\n  deny:\n    - host: a.example.com\n      paths: [/admin]\n"
+    messages = [w.message for w in lint(parse_policy(text, "p.yaml"))]
+    assert any("checked only in plain HTTP" in m for m in messages)
+    intercepted = text + "  allow:\n    - host: a.example.com\n      intercept: true\n"
+    assert not any("checked only in plain HTTP" in w.message for w in lint(parse_policy(intercepted, "p.yaml")))
