@@ -164,6 +164,13 @@ def normalise_host(host: str) -> tuple[str, ipaddress.IPv4Address | ipaddress.IP
         raise _refuse("empty-host", "the host is empty", host)
     if len(host) > MAX_INPUT:
         raise _refuse("too-long", f"the host is longer than {MAX_INPUT} characters", host)
+    if _FAST_NAME.fullmatch(host) and "xn--" not in host:
+        # Already a lower-case LDH name (the overwhelming case, and every entry of a big allowlist):
+        # nothing to map or encode. The name rules still apply; so does "ends in a number".
+        name = host[:-1] if host.endswith(".") else host
+        if not _ends_in_number([name.rpartition(".")[2]]):
+            _check_name_rules(name, host)
+            return name, None
     _check_host_characters(host, "host", host)
     if "[" in host or "]" in host:
         return _bracketed_ipv6(host)
@@ -199,10 +206,8 @@ def _normalise_name(host: str) -> tuple[str, ipaddress.IPv4Address | None]:
     # UTS-46 mapping first, exactly as a browser does: it lower-cases, folds full-width forms (so
     # U+3002/U+FF0E/U+FF61 become '.', and '１２７' becomes '127') and drops ignorable code points. Only
     # the mapped text says which host a browser would connect to, so every later rule judges that.
-    try:
-        mapped = idna.uts46_remap(host, std3_rules=False, transitional=False)
-    except (idna.IDNAError, UnicodeError, ValueError) as err:
-        raise _refuse("non-ascii", f"the host has a code point IDNA 2008 disallows ({err})", host) from None
+    # For letters, digits, '-' and '.' UTS-46 mapping is exactly lower-casing: skip the table walk.
+    mapped = host.lower() if _PLAIN_LDH.fullmatch(host) else _uts46(host)
     # Full-width '＠', '％', '＼' map to their ASCII forms: the same tricks, spelt wider. (For ASCII
     # input this finds nothing new: the raw text passed the same check.)
     _check_host_characters(mapped, "host (after Unicode mapping)", host)
@@ -218,11 +223,25 @@ def _normalise_name(host: str) -> tuple[str, ipaddress.IPv4Address | None]:
     if _ends_in_number(labels):
         return _dotted_quad(labels, host)
 
-    name = ".".join(_a_label(label, host) for label in labels)
+    if "xn--" in name or not _LDH_NAME.fullmatch(name):
+        name = ".".join(_a_label(label, host) for label in labels)  # label by label, with reasons
     if len(name) > MAX_NAME:
         raise _refuse("too-long", f"the name is {len(name)} octets; the limit is {MAX_NAME}", host)
     _check_name_rules(name, host)
     return name, None
+
+
+def _uts46(host: str) -> str:
+    try:
+        return idna.uts46_remap(host, std3_rules=False, transitional=False)
+    except (idna.IDNAError, UnicodeError, ValueError) as err:
+        raise _refuse("non-ascii", f"the host has a code point IDNA 2008 disallows ({err})", host) from None
+
+
+_PLAIN_LDH = re.compile(r"[A-Za-z0-9.-]+")
+_FAST_NAME = re.compile(r"(?=.{1,253}\.?$)(?!-)[a-z0-9-]{1,63}(?<!-)(?:\.(?!-)[a-z0-9-]{1,63}(?<!-))*\.?")
+# A whole name of valid LDH labels (1-63 octets, no hyphen at either end) is its own A-label form.
+_LDH_NAME = re.compile(r"(?!-)[a-z0-9-]{1,63}(?<!-)(?:\.(?!-)[a-z0-9-]{1,63}(?<!-))*")
 
 
 def _ends_in_number(labels: list[str]) -> bool:

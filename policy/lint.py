@@ -63,13 +63,14 @@ def _never_matches(policy: Policy, rule: HostRule, now: datetime) -> list[str]:
         if dead:
             out.append(f"{rule.pattern.text}: port(s) [{ports_text(dead)}] are in neither ports.connect nor "
                        "ports.http, so requests to them are refused before host rules")
-    if rule.needs_visible_request and not rule.intercept and rule.action == ALLOW:
+    plain_only = rule.schemes is not None and rule.schemes <= {"http", "ws"}  # says itself it is plain-HTTP only
+    if rule.needs_visible_request and not rule.intercept and rule.action == ALLOW and not plain_only:
         seen_in_clear = rule.schemes is None or bool(rule.schemes & {"http", "ws"})
         suffix = ("; it matches only plain-HTTP requests" if seen_in_clear
                   else "; with only https/wss schemes it can never match")
         out.append(f"{rule.pattern.text}: methods/paths cannot be checked inside a TLS tunnel without "
                    f"intercept: true{suffix}")
-    if rule.needs_visible_request and rule.action == DENY and not any(
+    if rule.needs_visible_request and rule.action == DENY and not plain_only and not any(
             r.intercept for r in policy.allow.candidates(rule.pattern.name)):
         out.append(f"deny {rule.pattern.text}: its methods/paths are checked only in plain HTTP; HTTPS to this host "
                    "passes through a TLS tunnel unchecked unless an allow rule intercepts it (intercept: true)")

@@ -7,7 +7,9 @@ reading it is an operator mid-edit who wants to fix the line, not read a traceba
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime
@@ -83,6 +85,13 @@ _StrictLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?
                                     list("-+0123456789"))
 
 
+class _StrictCLoader(yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoader):  # type: ignore[misc]
+    """The same rules, with libyaml doing the parsing: a million-entry allowlist composes in seconds."""
+
+
+_StrictCLoader.yaml_implicit_resolvers = _StrictLoader.yaml_implicit_resolvers
+
+
 @cache
 def schema() -> dict[str, Any]:
     return json.loads(resources.files("policy").joinpath("schema.json").read_text())
@@ -93,7 +102,7 @@ def load_policy(path: str | Path | None = None, overrides: Overrides | None = No
     path = Path(path) if path is not None else DEFAULT_POLICY
     source = str(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = _read_regular_file(path)
     except IsADirectoryError:
         raise PolicyError(source, 0, 0, "", "is a directory, not a policy file") from None
     except FileNotFoundError:
@@ -101,6 +110,26 @@ def load_policy(path: str | Path | None = None, overrides: Overrides | None = No
     except (OSError, UnicodeDecodeError) as err:
         raise PolicyError(source, 0, 0, "", f"cannot be read: {err}") from None
     return parse_policy(text, source, overrides)
+
+
+def _read_regular_file(path: Path) -> str:
+    """The file's text, refusing anything that is not a regular file. A FIFO would block the open (and
+    with it the proxy's event loop, which reloads in place) until a writer comes; a device such as
+    /dev/zero would be read forever. O_NONBLOCK makes opening a FIFO return at once, and fstat on
+    the opened descriptor judges what was opened, not what the name pointed to a moment before."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(str(path))
+        if not stat.S_ISREG(mode):
+            raise OSError(f"{path} is not a regular file (a FIFO, socket or device)")
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    return b"".join(chunks).decode("utf-8")
 
 
 def parse_policy(text: str, source: str = "<policy>", overrides: Overrides | None = None) -> Policy:
@@ -121,7 +150,7 @@ class _Document:
     @classmethod
     def parse(cls, text: str, source: str) -> _Document:
         try:
-            root = yaml.compose(text, Loader=_StrictLoader)
+            root = _compose(text)
         except yaml.MarkedYAMLError as err:
             mark = err.problem_mark or err.context_mark
             line, col = (mark.line + 1, mark.column + 1) if mark else (0, 0)
@@ -154,6 +183,17 @@ class _Document:
         mark = node.start_mark if node is not None else None
         return Origin(self.source, mark.line + 1 if mark else 0, mark.column + 1 if mark else 0, _dotted(path))
 
+    def origins_of_items(self, path: Path_, count: int) -> list[Origin]:
+        """The origins of items 0..count-1 of the list at path."""
+        node = self.root
+        for step in path:
+            node = _child(node, step) if node is not None else None
+        if not isinstance(node, yaml.SequenceNode) or any((*path, i) in self.extra_origins for i in range(count)):
+            return [self.origin((*path, i)) for i in range(count)]
+        dotted = _dotted(path)
+        return [Origin(self.source, item.start_mark.line + 1, item.start_mark.column + 1, f"{dotted}[{i}]")
+                for i, item in enumerate(node.value[:count])]
+
     def error(self, path: Path_, message: str) -> PolicyError:
         origin = self.origin(path)  # a value added by a flag names the flag, not the file
         return PolicyError(origin.source, origin.line, origin.column, _dotted(path), message)
@@ -170,11 +210,22 @@ class _Document:
         return self.error(path, message)
 
     def validate(self) -> None:
-        validator = jsonschema.Draft202012Validator(schema())
-        errors = sorted(validator.iter_errors(self.data), key=lambda e: (len(e.absolute_path), str(e.path)))
+        """The whole document against schema.json. Host lists can hold a million plain strings, so
+        they are checked apart: a non-empty string is a valid entry by the schema's own rule (its
+        pattern is judged later, with a reason), and only mapping entries go through the validator."""
+        slim, host_lists = _without_host_entries(self.data)
+        self._raise_first(_document_validator().iter_errors(slim), ())
+        entry_validator = _entry_validator()
+        for path, entries in host_lists:
+            for i, entry in enumerate(entries):
+                if not (isinstance(entry, str) and entry):
+                    self._raise_first(entry_validator.iter_errors(entry), (*path, i))
+
+    def _raise_first(self, errors: Iterable[jsonschema.ValidationError], prefix: Path_) -> None:
+        errors = sorted(errors, key=lambda e: (len(e.absolute_path), str(e.path)))
         if errors:
             err = _most_specific(errors[0])
-            path = tuple(err.absolute_path)
+            path = (*prefix, *err.absolute_path)
             if err.validator == "additionalProperties" and isinstance(err.instance, dict):
                 known = err.schema.get("properties", {})
                 unknown = [key for key in err.instance if key not in known]  # in file order
@@ -213,6 +264,50 @@ class _Document:
             data["resolver"]["nameservers"] = list(overrides.nameservers)
             for i in range(len(overrides.nameservers)):
                 self.extra_origins[("resolver", "nameservers", i)] = Origin("command line --nameserver")
+
+
+def _compose(text: str) -> yaml.Node | None:
+    """libyaml for speed; on an error, the pure-Python parser again for its more precise message."""
+    try:
+        return yaml.compose(text, Loader=_StrictCLoader)
+    except yaml.YAMLError:
+        return yaml.compose(text, Loader=_StrictLoader)
+
+
+@cache
+def _document_validator() -> jsonschema.Draft202012Validator:
+    return jsonschema.Draft202012Validator(schema())
+
+
+@cache
+def _entry_validator() -> jsonschema.Draft202012Validator:
+    return jsonschema.Draft202012Validator({"$ref": "#/$defs/hostEntry", "$defs": schema()["$defs"]})
+
+
+def _without_host_entries(data: Any) -> tuple[Any, list[tuple[Path_, list[Any]]]]:
+    """A shallow copy of the document with every host list emptied, and the lists taken out."""
+    lists: list[tuple[Path_, list[Any]]] = []
+
+    def strip(hosts: Any, at: Path_) -> Any:
+        if not isinstance(hosts, dict):
+            return hosts
+        out = dict(hosts)
+        for action in ("allow", "deny"):
+            if isinstance(out.get(action), list):
+                lists.append(((*at, action), out[action]))
+                out[action] = []
+        return out
+
+    if not isinstance(data, dict):
+        return data, lists
+    slim = dict(data)
+    if "hosts" in slim:
+        slim["hosts"] = strip(slim["hosts"], ("hosts",))
+    if isinstance(slim.get("roles"), list):
+        slim["roles"] = [
+            {**role, "hosts": strip(role["hosts"], ("roles", i, "hosts"))} if isinstance(role, dict) and "hosts" in role
+            else role for i, role in enumerate(slim["roles"])]
+    return slim, lists
 
 
 def _refuse_duplicate_keys(node: yaml.Node, source: str) -> None:
@@ -391,11 +486,13 @@ def _build_role(doc: _Document, i: int, raw: dict[str, Any]) -> Role:
 
 
 def _build_table(doc: _Document, at: Path_, action: str, hosts: dict[str, Any]) -> HostTable:
-    rules = [_build_rule(doc, (*at, action, i), action, entry) for i, entry in enumerate(hosts.get(action, []))]
+    entries = hosts.get(action, [])
+    origins = doc.origins_of_items((*at, action), len(entries))  # one walk for the list, not one per entry
+    rules = [_build_rule(doc, (*at, action, i), action, entry, origins[i]) for i, entry in enumerate(entries)]
     return HostTable.build(rules)
 
 
-def _build_rule(doc: _Document, path: Path_, action: str, entry: str | dict[str, Any]) -> HostRule:
+def _build_rule(doc: _Document, path: Path_, action: str, entry: str | dict[str, Any], origin: Origin) -> HostRule:
     raw = {"host": entry} if isinstance(entry, str) else entry
     key = path if isinstance(entry, str) else (*path, "host")
     try:
@@ -412,7 +509,7 @@ def _build_rule(doc: _Document, path: Path_, action: str, entry: str | dict[str,
     return HostRule(
         action=action,
         pattern=pattern,
-        origin=doc.origin(path),
+        origin=origin,
         ports=_port_set(doc, (*path, "ports"), raw["ports"]) if "ports" in raw else None,
         schemes=frozenset(raw["schemes"]) if "schemes" in raw else None,
         methods=frozenset(raw["methods"]) if "methods" in raw else None,

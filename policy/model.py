@@ -143,6 +143,10 @@ class Limits:
     idle_timeout: float = 120.0
     max_request_body: int = 10 * 1024 * 1024
     tunnel_grace: float = 10.0
+    # A request or response head (start line and headers) may be at most this big and must arrive
+    # within header_timeout of its first byte: mitmproxy itself bounds neither (proxy/bounds.py).
+    max_header_bytes: int = 64 * 1024
+    header_timeout: float = 30.0
 
 
 @dataclass(frozen=True)
