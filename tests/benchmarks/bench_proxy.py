@@ -85,8 +85,9 @@ def rss_kib(pid: int) -> int:
 class Stack:
     """nginx upstream, squid, egresswall and a DNS server, started once for the whole run."""
 
-    def __init__(self, work: Path) -> None:
+    def __init__(self, work: Path, ew_workers: int) -> None:
         self.work = work
+        self.ew_workers = ew_workers
         self.procs: list[subprocess.Popen] = []
         self.http_port, self.tls_port = free_port(UPSTREAM_IP), free_port(UPSTREAM_IP)
         self.squid_port, self.ew_port, self.ew_admin = free_port(), free_port(), free_port()
@@ -178,9 +179,11 @@ limits:
 """)
         self.egresswall = self._spawn([sys.executable, "-m", "proxy.cli", "run", "--policy", str(policy),
                                        "--listen", f"127.0.0.1:{self.ew_port}", "--admin",
-                                       f"127.0.0.1:{self.ew_admin}", "--log", str(self.work / "audit.jsonl")],
+                                       f"127.0.0.1:{self.ew_admin}", "--log", str(self.work / "audit.jsonl"),
+                                       "--workers", str(self.ew_workers)],
                                       "egresswall", cwd=ROOT)
-        wait_port("127.0.0.1", self.ew_port, 30)
+        wait_port("127.0.0.1", self.ew_port, 60)
+        time.sleep(1.0 if self.ew_workers > 1 else 0)  # let every worker bind, not just the first
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
@@ -341,6 +344,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one short round per figure (under two minutes)")
     parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                        help="egresswall worker processes (default: one per CPU)")
     args = parser.parse_args()
     for tool in ("nginx", "squid", "wrk", "curl"):
         if not shutil.which(tool):
@@ -355,7 +360,7 @@ def main() -> int:
     results: dict[tuple[str, str], list[float]] = {}
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ew-bench-", delete=not os.environ.get("BENCH_KEEP")) as tmp:
-        stack = Stack(Path(tmp))
+        stack = Stack(Path(tmp), args.workers)
         try:
             stack.start()
             for round_no in range(rounds):
@@ -380,7 +385,7 @@ def main() -> int:
     for size, micros, reload_s in policy_figures(sizes):
         print(f"  {size:>9,} | {micros:10.2f} | {reload_s:8.2f}")
     print(f"\n{rounds} round(s), medians; {time.monotonic() - started:.0f}s in all; "
-          f"{os.cpu_count()} CPUs; squid {squid_version()}")
+          f"{os.cpu_count()} CPUs; egresswall with {args.workers} worker(s); squid {squid_version()} (1 worker)")
     return 0
 
 
