@@ -1,0 +1,166 @@
+"""The policy an import produces: a small model, built into an egresswall ``Policy`` (to check it
+decides like squid) and written as YAML whose comments say where each entry came from."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+from policy.addresses import AddressRules
+from policy.model import ALLOW, DENY, HostRule, HostTable, Origin, Policy
+from policy.patterns import HostPattern
+from policy.ports import port_runs
+
+HTTP_SCHEMES = ("http", "ws")
+TLS_SCHEMES = ("https", "wss")
+
+
+@dataclass
+class RuleSpec:
+    pattern: str
+    ports: frozenset[int] | None = None
+    schemes: tuple[str, ...] | None = None
+    methods: tuple[str, ...] | None = None
+    paths: tuple[str, ...] | None = None
+    comment: str = ""
+
+    @property
+    def unconditional(self) -> bool:
+        return self.ports is None and self.schemes is None and self.methods is None and self.paths is None
+
+    def host_rule(self, action: str, source: str = "squid import") -> HostRule:
+        return HostRule(action=action, pattern=HostPattern.parse(self.pattern),
+                        origin=Origin(source, 0, 0, self.pattern),
+                        ports=self.ports, schemes=frozenset(self.schemes) if self.schemes else None,
+                        methods=frozenset(self.methods) if self.methods else None, paths=self.paths)
+
+
+@dataclass
+class ScopeSpec:
+    """The global section (name None) or one role."""
+
+    name: str | None
+    default: str
+    default_comment: str = ""
+    clients: list[str] = field(default_factory=list)
+    comment: str = ""
+    allow: list[RuleSpec] = field(default_factory=list)
+    deny: list[RuleSpec] = field(default_factory=list)
+
+
+@dataclass
+class PolicySpec:
+    header: list[str]
+    connect_ports: frozenset[int]
+    http_ports: frozenset[int]
+    ports_comment: str = ""
+    address_allow: list[tuple[str, str]] = field(default_factory=list)  # (cidr, comment)
+    address_deny: list[tuple[str, str]] = field(default_factory=list)
+    nameservers: list[str] = field(default_factory=list)
+    nameservers_comment: str = ""
+    scopes: list[ScopeSpec] = field(default_factory=list)
+
+    def address_rules(self) -> AddressRules:
+        return AddressRules(allow=[c for c, _ in self.address_allow], deny=[c for c, _ in self.address_deny])
+
+    def scope_policy(self, scope: ScopeSpec, addresses: AddressRules | None = None) -> Policy:
+        """One scope as a policy of its own (a role decides exactly like this when the global section
+        has no deny rules, which is how ``to_yaml`` writes roles)."""
+        return Policy(source="squid import", mode="enforce", default=scope.default,
+                      default_origin=Origin("squid import"),
+                      allow=HostTable.build([rule.host_rule(ALLOW) for rule in scope.allow]),
+                      deny=HostTable.build([rule.host_rule(DENY) for rule in scope.deny]),
+                      addresses=addresses or self.address_rules(), connect_ports=self.connect_ports,
+                      http_ports=self.http_ports)
+
+
+def port_items(ports: frozenset[int]) -> list[int | str]:
+    items: list[int | str] = []
+    for low, high in port_runs(ports):
+        if high - low >= 2:
+            items.append(f"{low}-{high}")
+        else:
+            items.extend(range(low, high + 1))
+    return items
+
+
+def _ports_yaml(ports: frozenset[int]) -> str:
+    return "[" + ", ".join(str(i) if isinstance(i, int) else f'"{i}"' for i in port_items(ports)) + "]"
+
+
+_PLAIN = re.compile(r"^[A-Za-z0-9.][A-Za-z0-9._/-]*$")
+
+
+def _scalar(text: str) -> str:
+    return text if _PLAIN.match(text) and text not in ("true", "false", "null", "yes", "no") else json.dumps(text)
+
+
+def _comment(text: str, indent: str) -> list[str]:
+    return [f"{indent}# {line}".rstrip() for line in text.splitlines()] if text else []
+
+
+def _rule_yaml(rule: RuleSpec, indent: str) -> list[str]:
+    out = _comment(rule.comment, indent)
+    if rule.unconditional:
+        return [*out, f"{indent}- {_scalar(rule.pattern)}"]
+    out.append(f"{indent}- host: {_scalar(rule.pattern)}")
+    if rule.ports is not None:
+        out.append(f"{indent}  ports: {_ports_yaml(rule.ports)}")
+    if rule.schemes is not None:
+        out.append(f"{indent}  schemes: [{', '.join(rule.schemes)}]")
+    if rule.methods is not None:
+        out.append(f"{indent}  methods: [{', '.join(rule.methods)}]")
+    if rule.paths is not None:
+        out.append(f"{indent}  paths: [{', '.join(json.dumps(p) for p in rule.paths)}]")
+    return out
+
+
+def _hosts_yaml(scope: ScopeSpec, indent: str) -> list[str]:
+    if not scope.allow and not scope.deny:
+        return []
+    out = [f"{indent}hosts:"]
+    for key, rules in (("deny", scope.deny), ("allow", scope.allow)):
+        if rules:
+            out.append(f"{indent}  {key}:")
+            for rule in rules:
+                out += _rule_yaml(rule, indent + "    ")
+    return out
+
+
+def to_yaml(spec: PolicySpec) -> str:
+    out = [f"# {line}".rstrip() if line else "#" for line in spec.header]
+    out += ["version: 1", "mode: enforce"]
+    scopes = spec.scopes
+    global_scope = next((s for s in scopes if s.name is None), ScopeSpec(None, DENY,
+                                                                             "every client has a role below"))
+    out += _comment(global_scope.default_comment, "")
+    out.append(f"default: {global_scope.default}")
+    out += _comment(spec.ports_comment, "")
+    out += ["ports:", f"  connect: {_ports_yaml(spec.connect_ports)}", f"  http: {_ports_yaml(spec.http_ports)}"]
+    if spec.address_allow or spec.address_deny:
+        out.append("addresses:")
+        for key, entries in (("allow", spec.address_allow), ("deny", spec.address_deny)):
+            if entries:
+                out.append(f"  {key}:")
+                previous = None
+                for cidr, comment in entries:
+                    if comment != previous:  # one comment for a run of entries with the same origin
+                        out += _comment(comment, "    ")
+                    previous = comment
+                    out.append(f"    - {_scalar(cidr)}")
+    if spec.nameservers:
+        out += _comment(spec.nameservers_comment, "")
+        out += ["resolver:", f"  nameservers: [{', '.join(json.dumps(ns) for ns in spec.nameservers)}]"]
+    out += _hosts_yaml(global_scope, "")
+    roles = [s for s in scopes if s.name is not None]
+    if roles:
+        out.append("roles:")
+        for role in roles:
+            out += _comment(role.comment, "  ")
+            out.append(f"  - name: {_scalar(role.name or '')}")
+            out.append(f"    clients: [{', '.join(_scalar(c) for c in role.clients)}]")
+            out += _comment(role.default_comment, "    ")
+            out.append(f"    default: {role.default}")
+            out += _hosts_yaml(role, "    ")
+    return "\n".join(out) + "\n"

@@ -1,0 +1,222 @@
+"""``egresswall squid export``: a squid.conf access-control section enforcing a policy as closely as squid can.
+
+The http_access program has the policy's order of decision: refused addresses, then ports and schemes,
+then the global deny rules (every client), then each role (its deny rules, its allow rules, its default),
+then the global allow rules and default. Host patterns use ``-n`` (no reverse lookups, as egresswall).
+What squid cannot express is said in a comment where it applies; where squid cannot be exact, the
+export refuses more than the policy, never less.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import netaddr
+
+from policy.model import ALLOW, DENY, HostRule, Policy, Role
+from policy.patterns import PatternKind
+from policy.ports import port_runs
+
+from . import addrsets
+
+VALUES_PER_LINE = 8
+
+
+@dataclass
+class _Writer:
+    lines: list[str] = field(default_factory=list)
+    counter: int = 0
+    defined: set[str] = field(default_factory=set)
+
+    def shared_acl(self, name: str, type_: str, values: list[str]) -> str:
+        """An ACL several rules use, written once (before the first line that needs it)."""
+        if name not in self.defined:
+            self.defined.add(name)
+            self.acl(name, type_, values)
+        return name
+
+    def comment(self, text: str) -> None:
+        self.lines += [f"# {line}".rstrip() for line in text.splitlines()]
+
+    def blank(self) -> None:
+        self.lines.append("")
+
+    def acl(self, name: str, type_: str, values: list[str], flags: str = "") -> None:
+        flags = f"{flags} " if flags else ""
+        for i in range(0, max(len(values), 1), VALUES_PER_LINE):
+            self.lines.append(f"acl {name} {type_} {flags}{' '.join(values[i:i + VALUES_PER_LINE])}".rstrip())
+
+    def access(self, action: str, *acls: str) -> None:
+        self.lines.append(f"http_access {action} {' '.join(acls)}".rstrip())
+
+    def name(self, stem: str) -> str:
+        self.counter += 1
+        return f"ew_{stem}{self.counter}"
+
+
+def export_policy(policy: Policy, now: datetime | None = None) -> str:
+    now = now or datetime.now(UTC)
+    out = _Writer()
+    out.comment(f"squid.conf access control written by `egresswall squid export` from {policy.source}.\n"
+                "Put it before any other http_access line (squid uses the first line that matches).\n\n"
+                "What squid cannot express, and how this file deals with it:\n"
+                "- pinning: egresswall connects only to an address it checked; squid resolves the name again\n"
+                "  when it connects. The address list below refuses a name when ANY of its addresses is refused,\n"
+                "  which is egresswall's 'every address must pass', but squid may still reach a new answer.\n"
+                "- IPv6 wrappings: egresswall judges the IPv4 inside ::ffff:0:0/96 (IPv4-mapped); squid stores\n"
+                "  IPv4 addresses as IPv4-mapped IPv6, so 'dst ::ffff:0:0/96' would match EVERY IPv4 address and is\n"
+                "  never written: the IPv4 ranges below cover mapped addresses. NAT64 (64:ff9b::/96), 6to4\n"
+                "  (2002::/16) and Teredo (2001::/32) are refused whole, as egresswall does.\n"
+                "- host forms: egresswall refuses userinfo, numeric IPv4 spellings, names without a dot, .local,\n"
+                "  .internal and more before any rule; squid has no such check.\n"
+                "- names that do not resolve: egresswall refuses them; squid answers with its own error page.\n"
+                "- CNAME chains: egresswall refuses a name whose CNAME leads to a refused name; squid does not\n"
+                "  look at the chain.\n"
+                "- limits (connections, request body size) and the resolver settings are not access control and\n"
+                "  are not written.")
+    if policy.mode != "enforce":
+        out.comment(f"- mode: {policy.mode}: squid has no report mode; this file enforces the host rules.")
+    out.blank()
+    _prologue(policy, out)
+    for rule in policy.deny.rules:
+        _rule(out, DENY, rule, None, now)
+    roles = _effective_roles(policy)
+    for role, clients in roles:
+        out.blank()
+        out.comment(f"role {role.name} ({role.origin})")
+        if not clients:
+            out.comment(f"every client of role {role.name} is in an earlier role; nothing to write")
+            continue
+        src = out.name(f"role_{_slug(role.name)}_")
+        out.acl(src, "src", addrsets.cidrs(clients))
+        for rule in role.deny.rules:
+            _rule(out, DENY, rule, src, now)
+        for rule in role.allow.rules:
+            _rule(out, ALLOW, rule, src, now)
+        default = role.default or policy.default
+        out.comment(f"role {role.name}: default {default}" + ("" if role.default else " (the policy's)"))
+        out.access(default, src)
+    out.blank()
+    if policy.allow.rules:
+        out.comment("clients in no role" if roles else "allow rules")
+    for rule in policy.allow.rules:
+        _rule(out, ALLOW, rule, None, now)
+    out.comment(f"default {policy.default} ({policy.default_origin})")
+    out.access(policy.default, "all")
+    return "\n".join(out.lines) + "\n"
+
+
+def _prologue(policy: Policy, out: _Writer) -> None:
+    allow = [cidr for action, cidr, _ in policy.address_rules_text if action == ALLOW]
+    deny = [cidr for action, cidr, _ in policy.address_rules_text if action == DENY]
+    refused = addrsets.refused(allow, deny, policy.addresses.refuse_cloud_metadata)
+    out.comment("Addresses egresswall refuses: every non-global range (IANA special-purpose registries),"
+                + (" cloud metadata," if policy.addresses.refuse_cloud_metadata else "")
+                + " and addresses.deny" + (", less addresses.allow" if allow else "") + ".")
+    if allow:
+        out.comment("re-admitted by addresses.allow: " + ", ".join(allow)
+                    + f"\n(to import this file back: egresswall squid import --readmit {' --readmit '.join(allow)})")
+    out.acl("ew_refused_addresses", "dst", addrsets.cidrs(refused))
+    out.acl("ew_connect", "method", ["CONNECT"])
+    out.acl("ew_connect_ports", "port", _port_values(policy.connect_ports) or ["0"])
+    out.acl("ew_http_ports", "port", _port_values(policy.http_ports) or ["0"])
+    out.acl("ew_http", "proto", ["HTTP"])
+    out.acl("ew_https", "proto", ["HTTPS"])
+    out.acl("ew_tls", "any-of", ["ew_connect", "ew_https"])
+    out.access(DENY, "ew_refused_addresses")
+    out.comment("ports: a CONNECT and an absolute-form https:// request by ports.connect, plain HTTP by ports.http;\n"
+                "no scheme but http and https (ws/wss travel as http/https or CONNECT)")
+    out.access(DENY, "ew_tls", "!ew_connect_ports")
+    out.access(DENY, "!ew_tls", "!ew_http")
+    out.access(DENY, "ew_http", "!ew_http_ports")
+
+
+def _effective_roles(policy: Policy) -> list[tuple[Role, netaddr.IPSet]]:
+    """Each role with only the clients no earlier role has: egresswall uses the first matching role."""
+    taken = netaddr.IPSet()
+    out = []
+    for role in policy.roles:
+        clients = role.clients - taken
+        # A client in ::ffff:0:0/96 is judged as its IPv4 address by egresswall and stored so by squid.
+        clients -= netaddr.IPSet([addrsets.MAPPED])
+        out.append((role, clients))
+        taken |= role.clients
+    return out
+
+
+def _rule(out: _Writer, action: str, rule: HostRule, src: str | None, now: datetime) -> None:
+    notes = [f"{action} {rule.pattern.text} ({rule.origin})" + (f": {rule.reason}" if rule.reason else "")]
+    if rule.expires is not None:
+        if rule.expired(now):
+            out.comment(notes[0] + f"\nexpired {rule.expires:%Y-%m-%d %H:%M} UTC: not written")
+            return
+        notes.append(f"expires {rule.expires:%Y-%m-%d %H:%M} UTC: squid has no date ACL; remove this rule by then")
+    if rule.intercept:
+        notes.append("intercept: true: squid (without ssl_bump) sees only the CONNECT, not the requests inside; "
+                     "method and path conditions then refuse the tunnel")
+    conditions = [src] if src else []
+    conditions.append(_host_acl(out, rule))
+    methods = sorted(rule.methods - {"CONNECT"}) if rule.methods is not None else None
+    if rule.methods is not None and not methods:
+        out.comment(notes[0] + "\nmethods only CONNECT, which egresswall never sees as a request method: never matches")
+        return
+    if rule.ports is not None:
+        name = out.name("ports")
+        out.acl(name, "port", _port_values(rule.ports) or ["0"])
+        conditions.append(name)
+    if rule.schemes is not None:
+        tls, plain = bool(rule.schemes & {"https", "wss"}), bool(rule.schemes & {"http", "ws"})
+        if not (tls and plain):
+            conditions.append("ew_tls" if tls else "ew_http")
+        if rule.schemes <= {"ws", "wss"}:
+            notes.append("schemes ws/wss only: squid cannot tell a WebSocket upgrade apart; written for http/https")
+    if methods:
+        name = out.name("methods")
+        out.acl(name, "method", methods)
+        conditions.append(name)
+    if not rule.websocket:
+        conditions.append("!" + out.shared_acl("ew_websocket", "req_header", ["Upgrade", "-i", "^websocket$"]))
+    for note in notes:
+        out.comment(note)
+    if rule.paths is not None:
+        name = out.name("paths")
+        out.acl(name, "urlpath_regex", [_path_regex(p) for p in rule.paths])
+        out.shared_acl("ew_ambiguous_path", "urlpath_regex",
+                       [r"(^|/)(\.|%2[eE]){1,2}(/|;|$)", r"%2[fF]", r"%5[cC]", r"\\"])
+        if action == ALLOW:
+            # egresswall admits no path a server may read as another one (/docs/../admin).
+            out.access(action, *conditions, name, "!ew_ambiguous_path")
+        else:
+            out.access(action, *conditions, name)
+            out.access(action, *conditions, "ew_ambiguous_path")
+        return
+    out.access(action, *conditions)
+
+
+def _host_acl(out: _Writer, rule: HostRule) -> str:
+    pattern = rule.pattern
+    name = out.name("host")
+    if pattern.kind is PatternKind.SUBDOMAINS:
+        out.acl(name, "dstdom_regex", ["\\." + re.escape(pattern.name).replace("\\-", "-") + "$"], "-n")
+    elif ":" in pattern.name:
+        out.acl(name, "dstdomain", [f"[{pattern.name}]"], "-n")
+    else:
+        out.acl(name, "dstdomain", [("." if pattern.kind is PatternKind.DOMAIN else "") + pattern.name], "-n")
+    return name
+
+
+def _path_regex(pattern: str) -> str:
+    """egresswall path patterns: a prefix, or a glob over the whole path when it has '*'."""
+    if "*" in pattern:
+        return "^" + ".*".join(re.escape(part) for part in pattern.split("*")) + "$"
+    return "^" + re.escape(pattern)
+
+
+def _port_values(ports: frozenset[int]) -> list[str]:
+    return [str(low) if low == high else f"{low}-{high}" for low, high in port_runs(ports)]
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", name)

@@ -1,0 +1,263 @@
+"""The ACL types that look at the request's host name: ``dstdomain`` and ``dstdom_regex``.
+
+Their values are also the *anchors* that cut the host space into regions (see ``space``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from policy.hosts import HostFormError
+from policy.patterns import PatternKind, normalise_pattern_host
+
+from .acls import EXACT, IP_ANY, Acl, Context, HostRef, Probe, Tri, ip_text, parse_ip, t_or
+from .report import NOTE, Note, Where
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """A name the host space is cut at: every dstdomain value and every host pattern a regex maps to."""
+
+    name: str
+    ip: bool = False
+
+
+@dataclass
+class DomainValue:
+    kind: PatternKind  # EXACT or DOMAIN (squid's leading dot)
+    name: str
+    where: Where
+    undecided: bool = False  # written with a trailing dot: squid never matches it; the intent is unclear
+
+
+class DomainAcl(Acl):
+    """``dstdomain``: indexed by name, so a list of many thousand domains costs one lookup per label."""
+
+    host_dependent = True
+
+    def __init__(self, name: str, type_: str) -> None:
+        super().__init__(name, type_)
+        self.values: list[DomainValue] = []
+        self._exact: dict[str, list[DomainValue]] = {}
+        self._domain: dict[str, list[DomainValue]] = {}
+        self.ips: set[str] = set()
+        self.no_lookup = False
+        self.none_listed = False  # squid names a failed reverse lookup "none"
+
+    def add(self, flags: list[str], values: list[tuple[str, Where]], notes: list[Note]) -> None:
+        self.no_lookup = self.no_lookup or "-n" in flags
+        for raw, where in values:
+            self._add_value(raw, where, notes)
+
+    def _add_value(self, raw: str, where: Where, notes: list[Note]) -> None:
+        text = raw.lower()
+        if text == "none":
+            self.none_listed = True
+            return
+        if text.startswith("[") and text.endswith("]"):
+            try:
+                self.ips.add(ip_text(parse_ip(text[1:-1], unwrap=True)))
+            except ValueError:
+                notes.append(Note(where, f"acl {self.name} dstdomain {raw}: not an IPv6 address; it never matches",
+                                  "never-matches", NOTE))
+            return
+        if ":" in text:
+            notes.append(Note(where, f"acl {self.name} dstdomain {raw}: squid compares IPv6 URL hosts in brackets "
+                                     f"([{raw}]), so this value never matches; translated as never matching",
+                              "never-matches"))
+            return
+        undecided = text.endswith(".") and not text.endswith("..")
+        if undecided:
+            text = text[:-1]
+            notes.append(Note(where, f"acl {self.name} dstdomain {raw}: squid strips the trailing dot from request "
+                                     "hosts but not from ACL values, so squid never matches this value; where it "
+                                     f"would decide, egresswall refuses (undecided: did you mean {text}?)",
+                              "trailing-dot"))
+        kind = PatternKind.DOMAIN if text.startswith(".") else PatternKind.EXACT
+        body = text[1:] if kind is PatternKind.DOMAIN else text
+        if not raw.isascii():
+            notes.append(Note(where, f"acl {self.name} dstdomain {raw}: squid compares it byte for byte with the "
+                                     "A-label (xn--) host clients send, so it never matches; translated as never "
+                                     "matching", "never-matches"))
+            return
+        try:
+            name, ip = normalise_pattern_host(body)
+        except HostFormError as err:
+            notes.append(Note(where, f"acl {self.name} dstdomain {raw}: no host egresswall accepts can match it "
+                                     f"({err.reason}); translated as never matching", "never-matches", NOTE))
+            return
+        if ip is not None:
+            if kind is PatternKind.DOMAIN:
+                notes.append(Note(where, f"acl {self.name} dstdomain {raw}: a leading dot before an address "
+                                         "matches nothing but the address", "never-matches", NOTE))
+            self.ips.add(name)
+            return
+        value = DomainValue(kind, name, where, undecided)
+        self.values.append(value)
+        (self._domain if kind is PatternKind.DOMAIN else self._exact).setdefault(name, []).append(value)
+
+    def anchors(self) -> Iterable[Anchor]:
+        for value in self.values:
+            yield Anchor(value.name)
+        for ip in self.ips:
+            yield Anchor(ip, ip=True)
+
+    def matching(self, host: str) -> list[DomainValue]:
+        found = list(self._exact.get(host, ())) + list(self._domain.get(host, ()))
+        suffix = host
+        while (dot := suffix.find(".")) != -1:
+            suffix = suffix[dot + 1:]
+            found += self._domain.get(suffix, ())
+        return found
+
+    def _evaluate(self, probe: Probe, ctx: Context) -> Tri:
+        host = probe.host
+        if host.region == IP_ANY or host.ip is not None:
+            if host.ip is not None and host.name in self.ips:
+                return True
+            # squid would try the reverse (PTR) name of the address; egresswall never trusts one. A
+            # failed lookup is called "none" by squid: listed, the ACL is undecided for IP literals.
+            return None if self.none_listed and not self.no_lookup else False
+        found = self.matching(host.name)
+        if any(not value.undecided for value in found):
+            return True
+        return None if found else False
+
+
+@dataclass
+class RegexValue:
+    pattern: str
+    icase: bool
+    where: Where
+    compiled: re.Pattern[str] | None
+    mapped: tuple[PatternKind, str] | None = None  # equivalent host pattern
+    confined: str | None = None  # the regex can only match names below this one
+    never: bool = False
+
+
+_LITERAL = r"(?:[A-Za-z0-9-]|\\\.)+"
+_DOMAIN_PREFIXES = (r"(.*\.)?", r"(.+\.)?", r"([^.]+\.)*", r"([a-z0-9-]+\.)*", r"([-a-z0-9]+\.)*",
+                    r"([a-z0-9-]*\.)*", r"(.*\.|)", r"(|.*\.)", r"(.*\.)*")
+_SUBDOMAIN_PREFIXES = (r".*\.", r".+\.", r"(.*\.)+", r"(.+\.)+", r"([^.]+\.)+", r"([a-z0-9-]+\.)+")
+
+
+def analyse_regex(pattern: str, icase: bool) -> tuple[tuple[PatternKind, str] | None, str | None, bool]:
+    """(mapped host pattern, confining suffix, never matches) for a dstdom_regex value.
+
+    Simple anchored regexes are host patterns: ``^example\\.com$`` is example.com, ``^(.*\\.)?example\\.com$``
+    and ``(^|\\.)example\\.com$`` are .example.com, ``\\.example\\.com$`` is *.example.com. Otherwise a
+    regex that ends in a literal ``\\.name$`` can only match hosts below name ("confined"): undecided
+    there, and known not to match elsewhere.
+    """
+    if not pattern.endswith("$") or pattern.endswith("\\$"):
+        return None, None, False
+    body = pattern[:-1]
+    anchored = body.startswith("^")
+    if anchored:
+        body = body[1:]
+    kind, rest = None, None
+    if not anchored and body.startswith("(^|\\.)"):
+        kind, rest = PatternKind.DOMAIN, body[len("(^|\\.)"):]
+    elif anchored:
+        for prefix in _DOMAIN_PREFIXES:
+            if body.startswith(prefix):
+                kind, rest = PatternKind.DOMAIN, body[len(prefix):]
+                break
+        else:
+            for prefix in _SUBDOMAIN_PREFIXES:
+                if body.startswith(prefix):
+                    kind, rest = PatternKind.SUBDOMAINS, body[len(prefix):]
+                    break
+            else:
+                kind, rest = PatternKind.EXACT, body
+    elif body.startswith("\\.") and re.fullmatch(_LITERAL, body[2:]):
+        kind, rest = PatternKind.SUBDOMAINS, body[2:]
+    if kind is not None and rest and re.fullmatch(_LITERAL, rest):
+        name = rest.replace("\\.", ".")
+        if not icase and name != name.lower():
+            return None, None, True  # squid lower-cases hosts: an upper-case literal never matches
+        return (kind, name.lower()), None, False
+    tail = re.search(r"\\\.(" + _LITERAL + r")$", body)
+    if tail:
+        name = tail.group(1).replace("\\.", ".")
+        if not icase and name != name.lower():
+            return None, None, True
+        return None, name.lower(), False
+    return None, None, False
+
+
+class DomainRegexAcl(Acl):
+    """``dstdom_regex``: host patterns where the regex is one, confined or undecided otherwise."""
+
+    host_dependent = True
+
+    def __init__(self, name: str, type_: str) -> None:
+        super().__init__(name, type_)
+        self.values: list[RegexValue] = []
+        self.no_lookup = False
+
+    def add(self, flags: list[str], values: list[tuple[str, Where]], notes: list[Note]) -> None:
+        self.no_lookup = self.no_lookup or "-n" in flags
+        icase = False
+        for raw, where in values:
+            if raw == "-i":
+                icase = True
+                continue
+            if raw == "+i":
+                icase = False
+                continue
+            try:
+                compiled = re.compile(raw, re.IGNORECASE if icase else 0)
+            except re.error as err:
+                compiled = None
+                notes.append(Note(where, f"acl {self.name} dstdom_regex {raw}: not a regular expression Python "
+                                         f"reads ({err}); undecided for every host", "regex"))
+            mapped, confined, never = analyse_regex(raw, icase)
+            value = RegexValue(raw, icase, where, compiled, mapped, confined, never)
+            self.values.append(value)
+            if never:
+                notes.append(Note(where, f"acl {self.name} dstdom_regex {raw}: squid matches lower-case hosts, so "
+                                         "this case-sensitive regex with upper-case letters never matches (add -i?)",
+                                  "never-matches"))
+            elif mapped is None and compiled is not None:
+                scope = f"hosts below {confined}" if confined else "every host"
+                notes.append(Note(where, f"acl {self.name} dstdom_regex {raw}: not a host pattern egresswall can "
+                                         f"express; undecided for {scope} (write it as ^(.*\\.)?name$, ^name$ or "
+                                         "\\.name$ to translate it exactly)", "regex"))
+
+    def anchors(self) -> Iterable[Anchor]:
+        for value in self.values:
+            if value.mapped is not None:
+                yield Anchor(value.mapped[1])
+            elif value.confined is not None:
+                yield Anchor(value.confined)
+
+    def _value(self, value: RegexValue, host: HostRef) -> Tri:
+        if value.never:
+            return False
+        if value.compiled is None:
+            return None
+        if host.region == EXACT:
+            return bool(value.compiled.search(host.squid_text))
+        if host.region == IP_ANY:
+            if value.mapped is not None:
+                return False
+            if value.confined is not None and not value.confined.rsplit(".", 1)[-1].isdigit():
+                return False
+            return None
+        if value.mapped is not None:
+            kind, name = value.mapped
+            below = host.name.endswith("." + name)
+            if kind is PatternKind.EXACT:
+                return host.name == name
+            if kind is PatternKind.SUBDOMAINS:
+                return below
+            return below or host.name == name
+        if value.confined is not None:
+            return None if host.name.endswith("." + value.confined) else False
+        return None
+
+    def _evaluate(self, probe: Probe, ctx: Context) -> Tri:
+        return t_or(self._value(value, probe.host) for value in self.values)

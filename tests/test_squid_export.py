@@ -1,0 +1,193 @@
+"""egresswall policy → squid.conf: what is written, what squid accepts, and the round trip
+import(export(P)) deciding like P on a corpus."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from datetime import UTC, datetime
+from itertools import product
+from pathlib import Path
+
+import netaddr
+import pytest
+from squid_compat.addrsets import MAPPED
+from squid_compat.exporter import export_policy
+from squid_compat.importer import import_text
+
+from policy.decision import Request, Resolution, decide
+from policy.hosts import HostFormError, parse_authority, parse_url
+from policy.loader import parse_policy
+
+SQUID = shutil.which("squid") or ("/usr/sbin/squid" if Path("/usr/sbin/squid").exists() else None)
+
+ALLOWLIST = """\
+version: 1
+default: deny
+hosts:
+  deny:
+    - "*.ads.example.com"
+  allow:
+    - .wikipedia.org
+    - docs.python.org
+    - "*.githubusercontent.com"
+    - host: api.example.com
+      ports: [443, 8443]
+    - host: soon.example
+      expires: 2999-01-01
+    - host: gone.example
+      expires: 2001-01-01
+ports: {connect: [443, 8443], http: [80, 8080]}
+"""
+
+OPEN_WEB_WITH_ROLES = """\
+version: 1
+default: allow
+addresses:
+  deny: [93.184.216.0/24]
+hosts:
+  deny:
+    - .ads.example.com
+    - host: tracker.example.net
+      ports: [443]
+roles:
+  - name: ci
+    clients: [10.20.0.0/16]
+    default: deny
+    hosts: {allow: [.pypi.org, files.pythonhosted.org]}
+  - name: builders
+    clients: [10.20.5.0/24, 10.30.0.0/16]
+    default: allow
+    hosts: {deny: [.social.example]}
+ports: {connect: [443], http: [80, "1025-65535"]}
+"""
+
+METHODS_AND_SCHEMES = """\
+version: 1
+default: deny
+addresses:
+  allow: [127.0.0.2/32]
+hosts:
+  allow:
+    - host: api.example.com
+      methods: [GET, HEAD]
+    - host: .static.example
+      schemes: [https, wss]
+    - host: plain.example
+      schemes: [http]
+    - 93.184.216.34
+    - lab.example
+ports: {connect: [443], http: [80]}
+"""
+
+POLICIES = {"allowlist": ALLOWLIST, "open-web-with-roles": OPEN_WEB_WITH_ROLES, "methods": METHODS_AND_SCHEMES}
+
+HOSTS = ["www.wikipedia.org", "wikipedia.org", "docs.python.org", "x.docs.python.org", "raw.githubusercontent.com",
+         "githubusercontent.com", "api.example.com", "x.ads.example.com", "ads.example.com", "tracker.example.net",
+         "files.pythonhosted.org", "pypi.org", "www.pypi.org", "plain.example", "a.static.example",
+         "static.example", "other.example", "soon.example", "gone.example", "www.social.example", "lab.example",
+         "93.184.216.34", "1.1.1.1", "127.0.0.2"]
+KINDS = [("CONNECT", 443), ("CONNECT", 8443), ("GET", 80), ("POST", 80), ("HEAD", 80), ("GET", 8080),
+         ("GET", 443), ("GET", 2000)]
+CLIENTS = ["10.20.1.1", "10.20.5.5", "10.30.1.1", "198.51.100.9"]
+ANSWERS = [("1.1.1.1",), ("93.184.216.34",), ("127.0.0.2",), ("1.1.1.1", "127.0.0.3")]
+
+
+def decision(policy, host: str, method: str, port: int, client: str, answers: tuple[str, ...]) -> bool:
+    try:
+        if method == "CONNECT":
+            target = parse_authority(f"{host}:{port}")
+        else:
+            target = parse_url(f"{'https' if port == 443 else 'http'}://{host}:{port}/")
+    except HostFormError:
+        return False
+    request = Request(target, method, client, tunnel=method == "CONNECT")
+    resolution = None if target.ip is not None else Resolution(target.host, answers)
+    return decide(policy, request, resolution).allowed
+
+
+def round_trip(text: str):
+    policy = parse_policy(text, "policy.yaml")
+    exported = export_policy(policy)
+    readmit = [cidr for action, cidr, _ in policy.address_rules_text if action == "allow"]
+    return policy, exported, import_text(exported, "exported.conf", readmit=readmit)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_round_trip_decides_like_the_policy(name: str) -> None:
+    policy, exported, back = round_trip(POLICIES[name])
+    differences = []
+    total = 0
+    for host, (method, port), client, answers in product(HOSTS, KINDS, CLIENTS, ANSWERS):
+        total += 1
+        want = decision(policy, host, method, port, client, answers)
+        got = decision(back.policy, host, method, port, client, answers)
+        if want != got:
+            differences.append(f"{method} {host}:{port} from {client} via {answers}: policy {want}, round trip {got}")
+    assert total >= 3000
+    assert not differences, "\n".join(differences[:20]) + "\n\n" + exported + "\n" + back.yaml
+
+
+def test_export_never_writes_the_ipv4_mapped_range() -> None:
+    for text in POLICIES.values():
+        exported = export_policy(parse_policy(text, "p.yaml"))
+        for line in exported.splitlines():
+            if not line.startswith("acl ") or " dst " not in line and " src " not in line:
+                continue
+            for value in line.split()[3:]:
+                network = netaddr.IPNetwork(value)
+                assert not (network.version == 6 and network.first <= MAPPED.first and MAPPED.last <= network.last), \
+                    line
+                assert "::ffff:" not in value, line
+    everything_v6 = parse_policy("version: 1\naddresses:\n  deny: ['::/0']\n", "p.yaml")
+    written = [line for line in export_policy(everything_v6).splitlines() if not line.startswith("#")]
+    assert not any("::ffff:" in line for line in written)
+    assert "acl ew_refused_addresses dst" in "\n".join(written) and "8000::/1" in "\n".join(written)
+
+
+def test_export_comments_on_what_squid_cannot_express() -> None:
+    text = ALLOWLIST + "  # appended\n"
+    text = text.replace("    - host: soon.example\n", "    - host: secret.example\n      paths: [/v1/]\n"
+                                                       "      intercept: true\n    - host: soon.example\n")
+    exported = export_policy(parse_policy(text, "p.yaml"), now=datetime(2026, 1, 1, tzinfo=UTC))
+    assert "pinning" in exported and "IPv4-mapped" in exported
+    assert "expires 2999-01-01 00:00 UTC: squid has no date ACL" in exported
+    assert "expired 2001-01-01 00:00 UTC: not written" in exported and "gone.example\n" not in exported.split(
+        "not written")[1].split("\n# ")[0]
+    assert "intercept: true: squid (without ssl_bump) sees only the CONNECT" in exported
+    assert "urlpath_regex ^/v1/" in exported
+
+
+def test_roles_become_disjoint_src_acls_in_first_match_order() -> None:
+    exported = export_policy(parse_policy(OPEN_WEB_WITH_ROLES, "p.yaml"))
+    ci = next(line for line in exported.splitlines() if line.startswith("acl ew_role_ci_"))
+    builders = next(line for line in exported.splitlines() if line.startswith("acl ew_role_builders_"))
+    assert ci.split()[3:] == ["10.20.0.0/16"]
+    assert builders.split()[3:] == ["10.30.0.0/16"]  # 10.20.5.0/24 belongs to ci, the first role
+
+
+def test_report_mode_is_noted() -> None:
+    exported = export_policy(parse_policy("version: 1\nmode: report\n", "p.yaml"))
+    assert "squid has no report mode" in exported
+
+
+@pytest.mark.skipif(SQUID is None, reason="squid is not installed (make test installs it)")
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_squid_accepts_the_export(name: str, tmp_path: Path) -> None:
+    conf = tmp_path / "squid.conf"
+    conf.write_text(export_policy(parse_policy(POLICIES[name], "p.yaml")))
+    done = subprocess.run([SQUID, "-k", "parse", "-f", str(conf)], capture_output=True, text=True, timeout=60)
+    problems = [line for line in (done.stdout + done.stderr).splitlines()
+                if any(word in line for word in ("ERROR", "FATAL", "WARNING", "Bungled"))]
+    assert done.returncode == 0 and not problems, "\n".join(problems)
+
+
+def test_cli_export(tmp_path: Path) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(ALLOWLIST)
+    out = tmp_path / "squid.conf"
+    done = subprocess.run([sys.executable, "-m", "proxy.cli", "squid", "export", str(policy), "-o", str(out)],
+                          capture_output=True, text=True, timeout=60, cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0, done.stderr
+    assert "http_access deny ew_refused_addresses" in out.read_text()

@@ -1,0 +1,488 @@
+"""squid.conf → egresswall policy: each ACL type, http_access semantics, includes, warnings, and the
+rule that an import never admits what squid refuses (checked on random configurations too)."""
+
+from __future__ import annotations
+
+import ipaddress
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from squid_compat.conf import ConfError
+from squid_compat.importer import import_conf, import_text
+from squid_compat.losses import CONDITIONAL_DEFAULT, DENY_OVERLAP, HTTPS_FORM
+
+from policy.decision import Request, Resolution, decide
+from policy.hosts import HostFormError, parse_authority, parse_url
+from policy.lint import lint
+from policy.loader import load_policy
+
+PUBLIC = ("93.184.216.34",)
+CLIENT = "203.0.113.50"
+
+
+def allowed(result, target: str, method: str = "GET", client: str = CLIENT, addresses=PUBLIC) -> bool:
+    """egresswall's decision on the imported policy, with the name resolving to ``addresses``."""
+    try:
+        parsed = parse_authority(target) if method == "CONNECT" else parse_url(target)
+    except HostFormError:
+        return False
+    request = Request(parsed, method, client, tunnel=method == "CONNECT")
+    resolution = None if parsed.ip is not None else Resolution(parsed.host, tuple(addresses))
+    return decide(result.policy, request, resolution).allowed
+
+
+def imported(text: str, **kwargs):
+    return import_text(text, "squid.conf", **kwargs)
+
+
+def warnings_text(result) -> str:
+    return "\n".join(str(note) for note in result.warnings)
+
+
+# ---- dstdomain ---------------------------------------------------------------------------------------
+
+def test_dstdomain_leading_dot_is_domain_and_subdomains_no_dot_is_exact() -> None:
+    result = imported("acl d dstdomain .example.com exact.org\nhttp_access allow d\n")
+    assert allowed(result, "http://example.com/")
+    assert allowed(result, "http://www.example.com/")
+    assert allowed(result, "http://a.b.example.com/")
+    assert not allowed(result, "http://notexample.com/")
+    assert allowed(result, "http://exact.org/")
+    assert not allowed(result, "http://www.exact.org/")
+    assert not allowed(result, "http://other.net/")
+    assert "- .example.com" in result.yaml and "- exact.org" in result.yaml
+
+
+def test_dstdomain_is_case_insensitive_and_ignores_the_request_trailing_dot() -> None:
+    result = imported("acl d dstdomain .Example.COM\nhttp_access allow d\n")
+    assert allowed(result, "http://EXAMPLE.com/")
+    assert allowed(result, "http://www.example.com./")
+    assert allowed(result, "www.Example.com.:443", "CONNECT")
+
+
+def test_dstdomain_value_with_trailing_dot_never_matches_in_squid_so_it_is_undecided() -> None:
+    # squid 5 strips the dot from request hosts but not from ACL values: the value never matches.
+    allow = imported("acl d dstdomain trail.example.\nhttp_access allow d\n")
+    assert not allowed(allow, "http://trail.example/")
+    assert "squid.conf:1: warning: acl d dstdomain trail.example.: squid strips the trailing dot" in \
+        warnings_text(allow)
+    # In a deny line the intent was to refuse it: egresswall refuses (stricter than squid, which would not).
+    deny = imported("acl d dstdomain bad.example.\nhttp_access deny d\nhttp_access allow all\n")
+    assert not allowed(deny, "http://bad.example/")
+    assert allowed(deny, "http://good.example/")
+
+
+def test_dstdomain_ip_values_match_ip_literal_urls_only() -> None:
+    result = imported("acl d dstdomain 93.184.216.34 [2606:2800:220:1::1] 2606:2800:220:1::2\n"
+                      "http_access allow d\n")
+    assert allowed(result, "http://93.184.216.34/")
+    assert allowed(result, "http://[2606:2800:220:1::1]/")
+    assert not allowed(result, "http://[2606:2800:220:1::2]/")  # squid compares IPv6 hosts in brackets
+    assert not allowed(result, "http://example.com/", addresses=("93.184.216.34",))  # a name is not its address
+    assert "never matches" in warnings_text(result)
+
+
+def test_names_egresswall_never_accepts_are_noted_not_dropped() -> None:
+    result = imported("acl d dstdomain .example.com under_score.example.org *.wild.example\nhttp_access allow d\n")
+    notes = "\n".join(map(str, result.notes))
+    assert "squid.conf:1: note: acl d dstdomain under_score.example.org: no host egresswall accepts" in notes
+    assert "*.wild.example: no host egresswall accepts" in notes
+    assert allowed(result, "http://www.example.com/")
+
+
+def test_ip_literal_urls_do_not_match_names_and_the_output_says_squid_would_try_ptr() -> None:
+    result = imported("acl d dstdomain .example.com\nhttp_access deny d\nhttp_access allow all\n")
+    assert allowed(result, "http://93.184.216.34/")  # squid might refuse it by its PTR name; egresswall never asks
+    assert "reverse (PTR)" in result.yaml
+
+
+# ---- dstdom_regex --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("regex, pattern", [
+    (r"^(.*\.)?rx\.example$", ".rx.example"),
+    (r"(^|\.)rx\.example$", ".rx.example"),
+    (r"^rx\.example$", "rx.example"),
+    (r"\.rx\.example$", '"*.rx.example"'),
+    (r"^.*\.rx\.example$", '"*.rx.example"'),
+])
+def test_anchored_regexes_become_host_patterns(regex: str, pattern: str) -> None:
+    result = imported(f"acl r dstdom_regex {regex}\nhttp_access allow r\n")
+    assert f"- {pattern}\n" in result.yaml
+    assert not result.warnings
+
+
+def test_regex_case_flags() -> None:
+    upper = imported("acl r dstdom_regex ^RX\\.example$\nhttp_access allow r\n")
+    assert not allowed(upper, "http://rx.example/")  # squid lower-cases hosts: never matches without -i
+    assert "never matches" in warnings_text(upper)
+    insensitive = imported("acl r dstdom_regex -i ^RX\\.example$\nhttp_access allow r\n")
+    assert allowed(insensitive, "http://rx.example/")
+
+
+def test_regex_that_is_no_host_pattern_is_a_warning_and_undecided() -> None:
+    text = "acl r dstdom_regex ^www[0-9]+\\.\nhttp_access deny r\nhttp_access allow all\n"
+    result = imported(text)
+    assert "squid.conf:1: warning: acl r dstdom_regex ^www[0-9]+\\.: not a host pattern" in warnings_text(result)
+    # squid may refuse any host by it; egresswall cannot tell which, so it refuses them all (stricter).
+    assert not allowed(result, "http://www1.example/")
+    assert not allowed(result, "http://example.org/")
+
+
+def test_regex_confined_to_a_domain_is_undecided_only_there() -> None:
+    result = imported("acl r dstdom_regex ^ads[0-9]+\\.example\\.net$\nhttp_access deny r\nhttp_access allow all\n")
+    assert not allowed(result, "http://ads1.example.net/")
+    assert not allowed(result, "http://cdn.example.net/")  # same domain: undecided, refused
+    assert allowed(result, "http://example.net/")
+    assert allowed(result, "http://example.org/")
+
+
+# ---- ports, methods, clients ---------------------------------------------------------------------------
+
+DEBIAN = """\
+acl localnet src 10.0.0.0/8 192.168.0.0/16
+acl SSL_ports port 443
+acl Safe_ports port 80 21 443 70 210 1025-65535 280 488 591 777
+acl CONNECT method CONNECT
+http_access deny !Safe_ports
+http_access deny CONNECT !SSL_ports
+http_access allow localhost manager
+http_access deny manager
+http_access allow localnet
+http_access allow localhost
+http_access deny all
+http_port 3128
+"""
+
+
+def test_safe_ports_and_ssl_ports_idiom_becomes_the_port_lists() -> None:
+    result = imported(DEBIAN)
+    assert result.policy.connect_ports == frozenset({443})
+    assert result.policy.http_ports == frozenset({21, 70, 80, 210, 280, 443, 488, 591, 777} | set(range(1025, 65536)))
+    assert 'http: [21, 70, 80, 210, 280, 443, 488, 591, 777, "1025-65535"]' in result.yaml
+    lan = "10.1.2.3"
+    assert allowed(result, "example.com:443", "CONNECT", client=lan)
+    assert not allowed(result, "example.com:8443", "CONNECT", client=lan)
+    assert allowed(result, "http://example.com:8080/", client=lan)
+    assert not allowed(result, "http://example.com:25/", client=lan)
+    assert not allowed(result, "http://example.com/", client="198.51.100.7")  # not localnet, not localhost
+
+
+def test_src_acls_become_roles_and_the_rest_the_global_section() -> None:
+    result = imported(DEBIAN)
+    roles = {role.name: role for role in result.policy.roles}
+    # localhost and localnet are treated alike, so they share one role; everyone else is the global section.
+    assert set(roles) == {"localhost_localnet"}
+    assert result.policy.default == "deny" and roles["localhost_localnet"].default == "allow"
+    assert allowed(result, "http://example.com/", client="127.0.0.1")
+    assert allowed(result, "http://example.com/", client="::1")
+    assert lint(result.policy) == []
+
+
+def test_roles_keep_per_client_allowlists() -> None:
+    result = imported("acl lan src 10.0.0.0/8\nacl ops src 10.9.0.0/16\nacl d dstdomain .docs.example\n"
+                      "http_access allow ops\nhttp_access allow lan d\nhttp_access deny all\n")
+    assert allowed(result, "http://anything.example/", client="10.9.1.1")
+    assert allowed(result, "http://www.docs.example/", client="10.1.1.1")
+    assert not allowed(result, "http://anything.example/", client="10.1.1.1")
+    assert not allowed(result, "http://www.docs.example/", client="192.168.1.1")
+    assert lint(result.policy) == []
+
+
+def test_port_ranges_and_and_within_a_line() -> None:
+    result = imported("acl p port 8000-8010\nacl d dstdomain api.example\n"
+                      "http_access allow d p\nhttp_access deny all\n")
+    assert allowed(result, "http://api.example:8005/")
+    assert not allowed(result, "http://api.example:8011/")
+    assert not allowed(result, "http://api.example:80/")
+    assert not allowed(result, "http://other.example:8005/")
+    assert allowed(result, "api.example:8000", "CONNECT")
+    assert result.policy.connect_ports == frozenset(range(8000, 8011))
+
+
+def test_methods_and_connect() -> None:
+    result = imported("acl g method GET HEAD\nacl d dstdomain .example.com\n"
+                      "http_access allow CONNECT d\nhttp_access allow g d\nhttp_access deny all\n")
+    assert allowed(result, "http://www.example.com/", "GET")
+    assert allowed(result, "http://www.example.com/", "HEAD")
+    assert not allowed(result, "http://www.example.com/", "POST")
+    assert not allowed(result, "http://www.example.com/", "FROBNICATE")
+    assert allowed(result, "www.example.com:443", "CONNECT")
+    assert not allowed(result, "other.example:443", "CONNECT")
+
+
+def test_proto_acl_tells_connect_http_and_https_apart() -> None:
+    result = imported("acl h proto HTTP\nacl d dstdomain .example.com\nhttp_access allow h d\nhttp_access deny all\n")
+    assert allowed(result, "http://www.example.com/")
+    assert not allowed(result, "www.example.com:443", "CONNECT")  # squid's proto of a CONNECT is NONE
+    assert not allowed(result, "https://www.example.com/")
+
+
+# ---- http_access semantics -----------------------------------------------------------------------------
+
+def test_values_and_repeated_acl_lines_are_ored() -> None:
+    result = imported("acl d dstdomain a.example\nacl d dstdomain b.example c.example\nhttp_access allow d\n")
+    assert all(allowed(result, f"http://{h}.example/") for h in "abc")
+    assert not allowed(result, "http://d.example/")
+
+
+def test_first_match_wins_where_egresswall_can_express_it() -> None:
+    result = imported("acl one dstdomain x.example\nacl whole dstdomain .example\nacl other dstdomain .org\n"
+                      "http_access allow one\nhttp_access deny whole\nhttp_access allow other\n"
+                      "http_access deny all\n")
+    assert allowed(result, "http://x.example/")
+    assert not allowed(result, "http://y.example/")
+    assert allowed(result, "http://www.example.org/")
+    assert not allowed(result, "http://example.net/")
+    assert {loss.category for loss in result.losses} == {"host-form"}  # http://org/ itself: no dot, refused
+
+
+def test_first_match_wins_and_egresswall_is_stricter_where_it_cannot() -> None:
+    # squid allows x.example before refusing .example, then allows everything else. egresswall needs a deny
+    # rule for .example (its default is allow) and checks deny rules first: x.example is refused, and said.
+    result = imported("acl one dstdomain x.example\nacl whole dstdomain .example\n"
+                      "http_access allow one\nhttp_access deny whole\nhttp_access allow all\n")
+    assert not allowed(result, "http://x.example/")
+    assert not allowed(result, "http://y.example/")
+    assert allowed(result, "http://example.org/")
+    assert {loss.category for loss in result.losses} == {DENY_OVERLAP}
+    assert any(str(note.where) == "squid.conf:3" and note.category == DENY_OVERLAP for note in result.warnings)
+
+
+def test_negation() -> None:
+    result = imported("acl d dstdomain .example.com\nhttp_access deny !d\nhttp_access allow all\n")
+    assert allowed(result, "http://www.example.com/")
+    assert not allowed(result, "http://example.org/")
+    flipped = imported("acl blocked dstdomain .ads.example\nhttp_access allow !blocked\n")
+    assert allowed(flipped, "http://example.org/")
+    assert not allowed(flipped, "http://x.ads.example/")
+
+
+@pytest.mark.parametrize("text, host, expected", [
+    ("acl d dstdomain a.example\nhttp_access allow d\n", "a.example", True),  # last line allow: default deny
+    ("acl d dstdomain a.example\nhttp_access allow d\n", "b.example", False),
+    ("acl d dstdomain a.example\nhttp_access deny d\n", "a.example", False),  # last line deny: default allow
+    ("acl d dstdomain a.example\nhttp_access deny d\n", "b.example", True),
+    ("acl d dstdomain a.example\n", "a.example", False),  # no http_access at all: deny
+])
+def test_implicit_default_is_the_opposite_of_the_last_line(text: str, host: str, expected: bool) -> None:
+    assert allowed(imported(text), f"http://{host}/") is expected
+
+
+def test_default_that_depends_on_method_cannot_be_expressed_and_is_refused() -> None:
+    result = imported("acl post method POST\nhttp_access deny post\nhttp_access allow all\n")
+    assert not allowed(result, "http://example.org/", "GET")
+    assert not allowed(result, "http://example.org/", "POST")
+    assert CONDITIONAL_DEFAULT in {loss.category for loss in result.losses}
+    assert "default cannot depend on port, method or scheme" in warnings_text(result)
+
+
+def test_absolute_form_https_is_judged_by_connect_ports() -> None:
+    result = imported(DEBIAN)
+    assert not allowed(result, "https://example.com:8080/", client="10.1.1.1")
+    assert HTTPS_FORM in {loss.category for loss in result.losses}
+
+
+# ---- dst -----------------------------------------------------------------------------------------------
+
+def test_deny_dst_becomes_an_address_rule_and_any_matches_like_every() -> None:
+    result = imported("acl bad dst 93.184.216.0/24\nacl priv dst 10.0.0.0/8\n"
+                      "http_access deny bad\nhttp_access deny priv\nhttp_access allow all\n")
+    assert [cidr for _, cidr, _ in result.policy.address_rules_text] == ["93.184.216.0/24"]
+    assert not allowed(result, "http://example.com/", addresses=("93.184.216.34",))
+    assert not allowed(result, "http://example.com/", addresses=("1.1.1.1", "93.184.216.34"))
+    assert allowed(result, "http://example.com/", addresses=("1.1.1.1",))
+    assert not allowed(result, "http://93.184.216.34/")
+    assert "10.0.0.0/8" in result.yaml  # said in a comment: egresswall refuses it without a rule
+
+
+def test_allow_dst_means_every_address_must_be_listed() -> None:
+    result = imported("acl ok dst 93.184.216.0/24\nhttp_access allow ok\nhttp_access deny all\n")
+    assert allowed(result, "http://example.com/", addresses=("93.184.216.34",))
+    assert not allowed(result, "http://example.com/", addresses=("1.1.1.1",))
+    # squid would allow this (ANY answer listed); egresswall requires EVERY answer to pass.
+    assert not allowed(result, "http://example.com/", addresses=("93.184.216.34", "1.1.1.1"))
+    assert "ANY address" in result.yaml and "EVERY address" in result.yaml
+
+
+def test_squid_ipv6_ranges_over_mapped_space_cover_ipv4() -> None:
+    # squid keeps IPv4 as ::ffff:a.b.c.d, so 'dst ::/0' refuses every IPv4 destination too.
+    result = imported("acl v6 dst ::/0\nhttp_access deny v6\nhttp_access allow all\n")
+    assert not allowed(result, "http://example.com/", addresses=("1.1.1.1",))
+    assert not allowed(result, "http://1.1.1.1/")
+
+
+def test_conditional_dst_is_undecided_for_names() -> None:
+    result = imported("acl net dst 93.184.216.0/24\nacl d dstdomain .example.com\n"
+                      "http_access deny d net\nhttp_access allow all\n")
+    assert not allowed(result, "http://www.example.com/", addresses=("1.1.1.1",))  # which answers? undecided
+    assert allowed(result, "http://example.org/")
+
+
+def test_readmit_adds_addresses_allow() -> None:
+    result = imported("http_access allow all\n", readmit=["127.0.0.2/32"])
+    assert allowed(result, "http://lab.example/", addresses=("127.0.0.2",))
+    assert not allowed(result, "http://lab.example/", addresses=("127.0.0.3",))
+
+
+# ---- predefined ACLs, groups, unknown types ------------------------------------------------------------
+
+def test_predefined_to_localhost_and_all() -> None:
+    result = imported("http_access deny to_localhost\nhttp_access allow all\n", readmit=["127.0.0.0/8"])
+    assert not allowed(result, "http://127.0.0.2/")
+    assert allowed(result, "http://example.com/")
+
+
+def test_any_of_and_all_of() -> None:
+    text = ("acl a dstdomain a.example\nacl b dstdomain b.example\nacl g method GET\n"
+            "acl either any-of a b\nacl both all-of either g\nhttp_access allow both\n")
+    result = imported(text)
+    assert allowed(result, "http://a.example/") and allowed(result, "http://b.example/")
+    assert not allowed(result, "http://a.example/", "POST")
+    assert not allowed(result, "http://c.example/")
+
+
+def test_untranslatable_acl_types_are_warnings_and_refuse_where_they_decide() -> None:
+    text = "acl hours time MTWHF 08:00-17:00\nacl d dstdomain .example.com\nhttp_access allow d hours\n"
+    result = imported(text)
+    assert "squid.conf:3: warning: http_access allow d hours: acl hours is undecided (the acl type time" in \
+        warnings_text(result)
+    assert not allowed(result, "http://www.example.com/")
+
+
+def test_undefined_acl_is_reported() -> None:
+    result = imported("http_access allow nosuch\n")
+    assert "squid.conf:1: warning: http_access allow nosuch: acl nosuch is not defined" in warnings_text(result)
+    assert not allowed(result, "http://example.com/")
+
+
+def test_directives_that_are_not_access_control_are_noted() -> None:
+    result = imported("http_port 3128\nhosts_file /etc/hosts\ncache_dir ufs /var/spool/squid 100 16 256\n"
+                      "http_access allow all\n")
+    notes = "\n".join(map(str, result.notes))
+    assert "squid.conf:1: note: http_port: not access control" in notes
+    assert "squid.conf:2: warning: hosts_file:" in notes
+    assert "squid.conf:3: note: cache_dir: not access control" in notes
+
+
+def test_adapted_http_access_denials_apply_too() -> None:
+    result = imported("acl d dstdomain bad.example\nhttp_access allow all\nadapted_http_access deny d\n"
+                      "adapted_http_access allow all\n")
+    assert not allowed(result, "http://bad.example/")
+    assert allowed(result, "http://good.example/")
+
+
+# ---- files: include, value files, continuation ---------------------------------------------------------
+
+def test_include_value_files_and_warnings_with_their_file_and_line(tmp_path: Path) -> None:
+    (tmp_path / "conf.d").mkdir()
+    (tmp_path / "sites.txt").write_text("# allowed sites\n.example.com\ndocs.example.org   trailing words ignored\n"
+                                        "trail.example.\n")
+    (tmp_path / "conf.d" / "10-acl.conf").write_text(
+        f'acl sites dstdomain "{tmp_path / "sites.txt"}"\n'
+        "acl ports port 80 \\\n    443   # a continued line, and a comment\n")
+    (tmp_path / "conf.d" / "20-access.conf").write_text("http_access allow sites ports\nacl late proxy_auth REQUIRED\n"
+                                                        "http_access allow late\n")
+    main = tmp_path / "squid.conf"
+    main.write_text(f"include {tmp_path}/conf.d/*.conf\nhttp_access deny all\n")
+    result = import_conf(main)
+    assert allowed(result, "http://www.example.com/")
+    assert allowed(result, "http://docs.example.org/")
+    assert not allowed(result, "http://other.example.org/")
+    assert result.policy.http_ports == frozenset({80, 443})
+    text = warnings_text(result)
+    assert f"{tmp_path / 'sites.txt'}:4: warning: acl sites dstdomain trail.example.:" in text
+    assert f"{tmp_path / 'conf.d' / '20-access.conf'}:3: warning: http_access allow late" in text
+
+
+def test_relative_include_and_missing_include(tmp_path: Path) -> None:
+    (tmp_path / "extra.conf").write_text("acl d dstdomain a.example\nhttp_access allow d\n")
+    main = tmp_path / "squid.conf"
+    main.write_text("include extra.conf\n")
+    assert allowed(import_conf(main), "http://a.example/")
+    main.write_text("include /nonexistent/squid/extra.conf\n")
+    with pytest.raises(ConfError, match="squid.conf:1: include /nonexistent/squid/extra.conf: no such file"):
+        import_conf(main)
+
+
+def test_conditional_sections_are_refused() -> None:
+    with pytest.raises(ConfError, match="squid.conf:1: conditional sections"):
+        imported("if ${process_number} = 1\nhttp_access allow all\nendif\n")
+
+
+# ---- the output ----------------------------------------------------------------------------------------
+
+def test_output_loads_lints_clean_and_carries_the_warnings_as_comments(tmp_path: Path) -> None:
+    result = imported(DEBIAN)
+    path = tmp_path / "policy.yaml"
+    path.write_text(result.yaml)
+    policy = load_policy(path)
+    assert lint(policy) == []
+    assert "# Warnings (also printed on stderr):" in result.yaml
+    assert "#   squid.conf:7: warning: http_access allow localhost manager" in result.yaml
+
+
+def test_cli_import_writes_yaml_and_prints_warnings(tmp_path: Path) -> None:
+    conf = tmp_path / "squid.conf"
+    conf.write_text("acl d dstdomain .example.com bad.example.\nhttp_access allow d\n")
+    out = tmp_path / "policy.yaml"
+    done = subprocess.run([sys.executable, "-m", "proxy.cli", "squid", "import", str(conf), "-o", str(out)],
+                          capture_output=True, text=True, timeout=60, cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0, done.stderr
+    assert f"{conf}:1: warning: acl d dstdomain bad.example.:" in done.stderr
+    lint_run = subprocess.run([sys.executable, "-m", "proxy.cli", "lint", str(out), "--strict"],
+                              capture_output=True, text=True, timeout=60, cwd=Path(__file__).parent.parent)
+    assert lint_run.returncode == 0, lint_run.stdout + lint_run.stderr
+
+
+# ---- never more than squid: random configurations --------------------------------------------------------
+
+NAMES = ["a.example", "b.a.example", "example", "c.example", "x.org"]
+VALUES = [".a.example", "a.example", "b.a.example", ".example", "c.example", ".x.org", "x.org"]
+ACLS = {
+    "d1": ("dstdomain", VALUES), "d2": ("dstdomain", VALUES), "p1": ("port", ["80", "443", "8000-8100"]),
+    "m1": ("method", ["GET", "POST", "CONNECT"]), "s1": ("src", ["10.0.0.0/8", "10.1.0.0/16"]),
+    "r1": ("dstdom_regex", [r"^(.*\.)?a\.example$", r"\.x\.org$", r"^www[0-9]\."]),
+    "n1": ("dst", ["93.184.216.0/24", "1.1.1.0/24"]),
+}
+REQUESTS = [(h, m, p) for h in [*NAMES, "www.x.org", "q.b.a.example", "www1.example", "93.184.216.34"]
+            for m, p in [("GET", 80), ("POST", 80), ("GET", 8050), ("CONNECT", 443), ("CONNECT", 8050),
+                         ("GET", 443)]]
+
+
+@st.composite
+def configurations(draw):
+    lines = []
+    for name, (type_, values) in ACLS.items():
+        chosen = draw(st.lists(st.sampled_from(values), min_size=1, max_size=3, unique=True))
+        lines.append(f"acl {name} {type_} {' '.join(chosen)}")
+    for _ in range(draw(st.integers(1, 5))):
+        action = draw(st.sampled_from(["allow", "deny"]))
+        literals = draw(st.lists(st.sampled_from(list(ACLS) + ["all"]), min_size=1, max_size=3, unique=True))
+        lines.append(f"http_access {action} " + " ".join(("!" if draw(st.booleans()) else "") + x for x in literals))
+    return "\n".join(lines) + "\n"
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(configurations(), st.sampled_from(["10.1.2.3", "10.9.9.9", "192.0.2.77"]),
+       st.sampled_from([("93.184.216.34",), ("1.1.1.1",), ("93.184.216.34", "1.1.1.1")]))
+def test_an_import_never_admits_what_squid_refuses(text: str, client: str, addresses: tuple[str, ...]) -> None:
+    result = imported(text)
+    for host, method, port in REQUESTS:
+        is_ip = host[0].isdigit()
+        target = f"{host}:{port}" if method == "CONNECT" else f"{'https' if port == 443 else 'http'}://{host}:{port}/"
+        if not allowed(result, target, method, client, addresses):
+            continue
+        kind = "connect" if method == "CONNECT" else ("https" if port == 443 else "http")
+        # squid's answer for this exact request (its dst ACLs match when ANY answer of the name is listed).
+        outcome = result.squid_outcome(client, kind, method, port, host, () if is_ip else addresses)
+        assert outcome.allowed, f"{text}\n{target} {method} from {client} via {addresses}"
+
+
+def test_squid_outcome_helper_parses_ip_literals() -> None:
+    result = imported("acl d dstdomain 93.184.216.34\nhttp_access allow d\n")
+    assert result.squid_outcome(CLIENT, "http", "GET", 80, "93.184.216.34").allowed
+    assert ipaddress.ip_address("93.184.216.34")
