@@ -1,0 +1,1 @@
+"""The contained Chromium: launcher, page reader, browser server, containment probe (see README.md)."""

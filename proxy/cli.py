@@ -142,6 +142,12 @@ def _optional_commands():
     from proxy import run_command
 
     yield run_command.register
+    from browser import cli as browser_cli
+
+    yield browser_cli.register
+    from squid_compat import cli as squid_cli
+
+    yield squid_cli.register
 
 
 def main(argv: Sequence[str] | None = None) -> int:

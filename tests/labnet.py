@@ -4,12 +4,14 @@ logged nothing). Real sockets, real HTTP and TLS."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import http.server
 import socket
 import ssl
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from cryptography import x509
@@ -64,7 +66,20 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         self.server.requests.append((self.command, self.path, dict(self.headers)))
-        if self.path.startswith("/redirect?to="):
+        page = self.server.pages.get(self.path.split("?", 1)[0])
+        if page is not None:
+            self._send(200, page[1], {"Content-Type": page[0]})
+        elif self.path.startswith("/slow/"):  # answers after N seconds (timeouts)
+            time.sleep(float(self.path.split("/")[2]))
+            with contextlib.suppress(OSError):  # the client may have given up waiting
+                self._send(200, b"<html><body><p>slow</p></body></html>", {"Content-Type": "text/html"})
+        elif self.path.startswith("/pdf"):
+            self._send(200, b"%PDF-1.4\n%\xe2\xe3\xcf\xd3\n1 0 obj<<>>endobj\ntrailer<<>>\n%%EOF\n",
+                       {"Content-Type": "application/pdf"})
+        elif self.path.startswith("/status/"):
+            self._send(int(self.path.split("/")[2]), b"<html><body><p>status page</p></body></html>",
+                       {"Content-Type": "text/html"})
+        elif self.path.startswith("/redirect?to="):
             self._send(302, b"", {"Location": self.path.split("=", 1)[1]})
         elif self.path.startswith("/forge"):
             self._send(200, b"forged", {"X-Egresswall-Reason": "forged by upstream"})
@@ -84,6 +99,7 @@ class _Upstream(http.server.ThreadingHTTPServer):
     daemon_threads = True
     requests: list[tuple[str, str, dict[str, str]]]
     name: str
+    pages: dict[str, tuple[str, bytes]]  # path -> (Content-Type, body), registered by tests
 
 
 class Upstream:
@@ -93,6 +109,7 @@ class Upstream:
         self.server = _Upstream((host, 0), _Handler)
         self.server.requests = []
         self.server.name = name
+        self.server.pages = {}
         self.connections = 0
         original = self.server.get_request
 
@@ -106,6 +123,11 @@ class Upstream:
         self.server.get_request = counted
         self.host, self.port = host, self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def serve(self, path: str, body: str | bytes, content_type: str = "text/html; charset=utf-8") -> str:
+        """Serve ``body`` at ``path`` (query strings ignored); returns the path."""
+        self.server.pages[path] = (content_type, body.encode() if isinstance(body, str) else body)
+        return path
 
     @property
     def requests(self) -> list[tuple[str, str, dict[str, str]]]:

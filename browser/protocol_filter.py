@@ -1,0 +1,157 @@
+"""What a remote Playwright client may ask the shared browser: a filter of Playwright's protocol.
+
+A browser server is not contained by its flags alone. Measured: a client's
+``browser.new_context(proxy=...)`` overrides the server's proxy (Chromium's per-context proxy), so the
+page's requests go wherever the client says. The relay in ``server.py`` therefore passes every client
+message through ``ProtocolFilter.from_client`` and refuses:
+
+* any message whose parameters carry a network option: ``proxy`` (a per-context proxy),
+  ``clientCertificates`` (Playwright then puts a proxy of its own, in the driver, in front of the
+  context) or ``socksProxyPort``; launch options (``executablePath``, ``args``, ...); and server-side
+  file paths for the driver to read (``localPaths``, ``localDirectory``);
+* every method of the interfaces that launch or connect browsers or open sockets from the driver
+  process itself: ``BrowserType`` (launch, launchPersistentContext, connectOverCDP), ``LocalUtils``
+  (``connect``), ``Android``/``AndroidDevice`` (adb on localhost:5037), ``Electron``, ``SocksSupport``,
+  ``DebugController``, ``CDPSession``, ``JsonPipe``;
+* raw CDP (``newCDPSession``, ``newBrowserCDPSession``: CDP can create a context with its own proxy),
+  ``Playwright.newRequest`` (an HTTP client in the driver process that no browser flag governs),
+  ``Browser.startServer``/``stopServer`` and ``killForTests``.
+
+Everything else passes unchanged. Object types come from the server's own ``__create__`` messages, so
+a message for an object the filter has not seen created is refused too (fail closed).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+REFUSED_INTERFACES = {
+    "BrowserType": "launching or connecting browsers is the server's business",
+    "LocalUtils": "LocalUtils.connect would open a connection from the server process",
+    "Android": "Android devices are reached over adb from the server process",
+    "AndroidDevice": "Android devices are reached over adb from the server process",
+    "AndroidSocket": "Android devices are reached over adb from the server process",
+    "Electron": "launching Electron is not offered",
+    "ElectronApplication": "launching Electron is not offered",
+    "SocksSupport": "a client-side SOCKS tunnel would carry the browser's traffic past egresswall",
+    "DebugController": "the debug controller is not offered",
+    "CDPSession": "raw CDP can give a context its own proxy",
+    "JsonPipe": "raw protocol pipes are not offered",
+}
+REFUSED_METHODS = {
+    ("Browser", "newBrowserCDPSession"): "raw CDP can give a context its own proxy",
+    ("BrowserContext", "newCDPSession"): "raw CDP can give a context its own proxy",
+    ("Playwright", "newRequest"): "an API request context fetches from the server process, past the browser's proxy",
+    ("Browser", "startServer"): "the browser cannot start servers for clients",
+    ("Browser", "stopServer"): "the browser cannot start servers for clients",
+    ("Browser", "killForTests"): "killing the shared browser is not offered",
+}
+# Anywhere in a message's parameters.
+REFUSED_PARAMS = {
+    "proxy": "a proxy option would override egresswall for this context",
+    "clientCertificates": "client certificates make Playwright proxy the context's traffic itself",
+    "socksProxyPort": "a SOCKS proxy option would carry traffic past egresswall",
+}
+# At the top level of a message's parameters: options of a launch.
+REFUSED_LAUNCH_PARAMS = ("executablePath", "args", "ignoreDefaultArgs", "ignoreAllDefaultArgs", "chromiumSandbox",
+                         "env", "channel", "cdpPort", "endpointURL", "wsEndpoint", "userDataDir")
+# At the top level too: paths on the server that the driver would read (a remote client sends the
+# files' contents instead; these let a client read the server's files and upload them).
+REFUSED_FILE_PARAMS = ("localPaths", "localDirectory")
+
+
+@dataclass(frozen=True)
+class Refusal:
+    message_id: int | str | None
+    reason: str
+
+    def reply(self) -> str | None:
+        """The protocol error the client gets for its call (None when the message had no id)."""
+        if self.message_id is None:
+            return None
+        return json.dumps({"id": self.message_id, "error": {"error": {
+            "name": "Error", "stack": "", "message": f"egresswall browser-server refused this call: {self.reason}"}}})
+
+
+class ProtocolFilter:
+    """Per connection: the object types the server created, and the verdict on each client message."""
+
+    def __init__(self) -> None:
+        self.types: dict[str, str] = {"": "Root"}
+
+    def from_server(self, text: str | bytes) -> None:
+        if isinstance(text, bytes) or "__create__" not in text and "__dispose__" not in text:
+            return
+        try:
+            message = json.loads(text)
+        except ValueError:
+            return
+        method, params = message.get("method"), message.get("params") or {}
+        if method == "__create__" and isinstance(params.get("guid"), str):
+            self.types[params["guid"]] = str(params.get("type"))
+        elif method == "__dispose__" and message.get("guid"):
+            self.types.pop(message["guid"], None)
+
+    def from_client(self, text: str | bytes) -> Refusal | None:
+        if isinstance(text, bytes):
+            return Refusal(None, "binary frames are not part of Playwright's protocol")
+        try:
+            message = json.loads(text)
+        except ValueError:
+            return Refusal(None, "a message that is not JSON")
+        if not isinstance(message, dict):
+            return Refusal(None, "a message that is not a JSON object")
+        message_id = message.get("id") if isinstance(message.get("id"), int | str) else None
+        guid, method = message.get("guid"), message.get("method")
+        if not isinstance(guid, str) or not isinstance(method, str):
+            return Refusal(message_id, "a message without guid and method")
+        interface = self.types.get(guid)
+        if interface is None:
+            return Refusal(message_id, f"{method} on an object this connection was never given ({guid[:80]!r})")
+        if interface in REFUSED_INTERFACES:
+            return Refusal(message_id, f"{interface}.{method}: {REFUSED_INTERFACES[interface]}")
+        if method.startswith("launch") or (method.startswith("connect") and interface != "WebSocketRoute"):
+            return Refusal(message_id, f"{interface}.{method}: launching or connecting browsers is not offered")
+        why = REFUSED_METHODS.get((interface, method))
+        if why:
+            return Refusal(message_id, f"{interface}.{method}: {why}")
+        params = message.get("params")
+        if params is None:
+            return None
+        if not isinstance(params, dict):
+            return Refusal(message_id, f"{interface}.{method} with parameters that are not an object")
+        for name in REFUSED_LAUNCH_PARAMS:
+            if name in params:
+                return Refusal(message_id, f"{interface}.{method} with {name!r}: launch options are fixed by "
+                                           "the server")
+        for name in REFUSED_FILE_PARAMS:
+            if name in params:
+                return Refusal(message_id, f"{interface}.{method} with {name!r}: the driver would read the server's "
+                                           "files; send the files' contents")
+        found = _find_key(params, REFUSED_PARAMS)
+        if found:
+            why = REFUSED_PARAMS.get(found, "parameters nested too deeply to check")
+            return Refusal(message_id, f"{interface}.{method} with {found!r}: {why}")
+        return None
+
+
+def _find_key(value: Any, names: dict[str, str], depth: int = 0) -> str | None:
+    """The first key in ``names`` anywhere in a JSON value. (Playwright serialises page values as
+    ``{"k": name, "v": value}`` lists, so a page's own data never shows up as a key here.)"""
+    if depth > 64:
+        return "(nesting)"
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if key in names and item not in (None, [], {}):
+                return key
+            found = _find_key(item, names, depth + 1)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for item in value:
+            found = _find_key(item, names, depth + 1)
+            if found:
+                return found
+    return None

@@ -1,0 +1,448 @@
+"""The page reader: load a URL in the contained Chromium and return its main content as markdown,
+or say exactly why it could not be read.
+
+Each URL gets a fresh browser context. A URL that cannot be read is reported with its reason and
+never with an invented page:
+
+* ``refused``     egresswall refused it (its rule and reason, from the proxy's own audit record of the
+                  request, or from the refusal the proxy sent) — also when a redirect led there;
+* ``timeout``     no page within the time limit;
+* ``http-status`` the server answered 4xx/5xx;
+* ``non-html``    the response is not an HTML document (a PDF, an image, plain text...);
+* ``empty``       an HTML page without readable text;
+* ``error``       any other network error, with Chromium's own error code.
+
+For a refused CONNECT (https, wss) Chromium shows only ``ERR_TUNNEL_CONNECTION_FAILED`` and hides the
+proxy's 403. The reason then comes from a ``RefusalSource``: ``AuditRefusals`` reads the decision
+records of an in-process proxy; ``ProxyQuery`` asks a running proxy the same CONNECT again and reads
+the rule and reason from its refusal.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+REASON_HEADER = "x-egresswall-reason"
+RULE_HEADER = "x-egresswall-rule"
+HTML_TYPES = ("text/html", "application/xhtml+xml")
+TUNNEL_ERRORS = ("ERR_TUNNEL_CONNECTION_FAILED",)
+
+
+@dataclass(frozen=True)
+class ReadLimits:
+    max_chars: int = 20_000  # characters of content per page
+    timeout: float = 30.0  # seconds per page
+    max_links: int = 10  # URLs per call
+
+    def __post_init__(self) -> None:
+        if self.max_chars < 1 or self.timeout <= 0 or self.max_links < 1:
+            raise ValueError("--max-chars, --timeout and --max-links must be positive")
+
+
+@dataclass
+class PageResult:
+    url: str
+    read: bool
+    final_url: str | None = None
+    status: int | None = None
+    title: str | None = None
+    content: str | None = None
+    chars: int = 0  # the length of the whole content, before any cut
+    truncated: bool = False
+    problem: str | None = None  # refused | timeout | http-status | non-html | empty | error | limit
+    reason: str | None = None
+    rule: str | None = None
+    content_type: str | None = None
+    redirected_from: list[str] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class Refusal:
+    rule: str
+    reason: str
+    url: str  # the URL the refusal was for (after redirects, the one that was refused)
+
+
+class RefusalSource(Protocol):
+    def find(self, url: str, since: float) -> Refusal | None: ...
+
+
+# ---- where refusal reasons come from -------------------------------------------------------------
+
+def _norm_host(host: str | None) -> str:
+    host = (host or "").strip("[]").rstrip(".").lower()
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        try:
+            return host.encode("idna").decode("ascii")
+        except UnicodeError:
+            return host
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return str(address.ipv4_mapped)
+    return str(address)
+
+
+def _host_port(url: str) -> tuple[str, str, int | None]:
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if port is None:
+        port = {"http": 80, "ws": 80, "https": 443, "wss": 443}.get(scheme)
+    return scheme, _norm_host(parts.hostname), port
+
+
+class AuditRefusals:
+    """Collects the refusals an in-process proxy decides (an ``AuditLog`` listener) and finds the one
+    for a URL: same host and port, decided since the page started loading."""
+
+    def __init__(self, keep: int = 5000) -> None:
+        self._records: deque[dict[str, Any]] = deque(maxlen=keep)
+        self._lock = threading.Lock()
+
+    def record(self, record: dict[str, Any]) -> None:
+        if record.get("event") == "decision" and record.get("verdict") == "refuse":
+            with self._lock:
+                self._records.append(record)
+
+    def find(self, url: str, since: float) -> Refusal | None:
+        _, host, port = _host_port(url)
+        path = urlsplit(url).path or "/"
+        with self._lock:
+            recent = [r for r in self._records if r.get("time", 0) >= since - 0.5]
+        best: tuple[int, dict[str, Any]] | None = None
+        for record in recent:
+            score = 0
+            if record.get("host") is not None:
+                if _norm_host(str(record["host"])) != host or record.get("port") != port:
+                    continue
+                score = 2 if record.get("path") in (None, path) else 1
+            elif host and host in str(record.get("url", "")).lower():
+                score = 1  # refused for its form before it had a target (e.g. localhost)
+            else:
+                continue
+            if best is None or score >= best[0]:
+                best = (score, record)
+        if best is None:
+            return None
+        return Refusal(str(best[1].get("rule")), str(best[1].get("reason")), url)
+
+
+class ProxyQuery:
+    """For a proxy egresswall does not run in-process: ask it the refused CONNECT again and read its
+    answer's rule and reason. A refused CONNECT opens nothing upstream."""
+
+    def __init__(self, host: str, port: int, timeout: float = 5.0) -> None:
+        self.host, self.port, self.timeout = host, port, timeout
+
+    def find(self, url: str, since: float) -> Refusal | None:
+        scheme, host, port = _host_port(url)
+        if not host or port is None:
+            return None
+        authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            with socket.create_connection((self.host, self.port), timeout=self.timeout) as sock:
+                sock.sendall(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
+                head = b""
+                while b"\r\n\r\n" not in head and len(head) < 65536:
+                    chunk = sock.recv(4096)
+                    if not chunk:
+                        break
+                    head += chunk
+        except OSError:
+            return None
+        lines = head.split(b"\r\n\r\n", 1)[0].decode("latin-1").split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+        if RULE_HEADER in headers:
+            return Refusal(headers[RULE_HEADER], headers.get(REASON_HEADER, ""), url)
+        return None
+
+
+# ---- the reader ----------------------------------------------------------------------------------
+
+class PageReader:
+    """Reads pages with one (contained) Playwright ``Browser`` (sync API), a fresh context per URL."""
+
+    def __init__(self, browser: Any, refusals: RefusalSource | None = None, limits: ReadLimits | None = None) -> None:
+        self.browser = browser
+        self.refusals = refusals
+        self.limits = limits or ReadLimits()
+
+    def read_all(self, urls: list[str], screenshot: str | None = None) -> list[PageResult]:
+        results = []
+        for index, url in enumerate(urls):
+            if index >= self.limits.max_links:
+                results.append(PageResult(url, False, problem="limit",
+                                          reason=f"not read: over the limit of {self.limits.max_links} links per call"))
+                continue
+            results.append(self.read(url, screenshot_path(screenshot, index, len(urls)) if screenshot else None))
+        return results
+
+    def read(self, url: str, screenshot: str | None = None) -> PageResult:
+        scheme = urlsplit(url).scheme.lower()
+        if scheme not in ("http", "https"):
+            return PageResult(url, False, problem="error", reason=f"not an http or https URL: {url!r}")
+        since = time.time()
+        context = self.browser.new_context(accept_downloads=False, service_workers="block")
+        try:
+            return self._read_in(context, url, since, screenshot)
+        finally:
+            context.close()
+
+    def _read_in(self, context: Any, url: str, since: float, screenshot: str | None) -> PageResult:
+        from playwright.sync_api import Error as PlaywrightError
+        from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+        page = context.new_page()
+        navigation = _Navigation(page)
+        deadline = time.monotonic() + self.limits.timeout
+        response = None
+        failure = None
+        try:
+            response = page.goto(url, timeout=self.limits.timeout * 1000, wait_until="domcontentloaded")
+        except PlaywrightTimeout:
+            if navigation.document is None:
+                return PageResult(url, False, problem="timeout", redirected_from=navigation.chain_before() or None,
+                                  reason=f"no response within {self.limits.timeout:g} seconds")
+        except PlaywrightError as err:
+            failure = str(err).split("\n", 1)[0]
+        if response is None:
+            response = navigation.document
+        if response is None:
+            return self._failed(url, since, navigation, failure or "no response")
+        result = self._judge_response(url, since, response, navigation)
+        if result is not None:
+            return result
+        if failure is not None and "ERR_ABORTED" not in failure:
+            return self._failed(url, since, navigation, failure)
+        self._settle(page, deadline)
+        final_url = page.url
+        title = _safe(lambda: page.title(), "")
+        html = _safe(lambda: page.content(), "")
+        text = extract_markdown(html, final_url) or _safe(
+            lambda: page.evaluate("document.body ? document.body.innerText : ''"), "").strip()
+        if screenshot:
+            _safe(lambda: page.screenshot(path=screenshot, timeout=5000), None)
+        base = PageResult(url, False, final_url=final_url, status=response.status, title=title or None,
+                          content_type=_content_type(response), redirected_from=navigation.chain_before() or None)
+        if not text.strip():
+            base.problem, base.reason = "empty", "the page has no readable text"
+            return base
+        base.read = True
+        base.chars = len(text)
+        base.content, base.truncated = cut_at_paragraph(text, self.limits.max_chars)
+        return base
+
+    def _judge_response(self, url: str, since: float, response: Any, navigation: _Navigation) -> PageResult | None:
+        """A refusal, an error status or a non-HTML document ends the read here."""
+        headers = _safe(lambda: response.all_headers(), {}) or {}
+        status = response.status
+        common = dict(final_url=response.url, status=status, content_type=_content_type(response),
+                      redirected_from=navigation.chain_before() or None)
+        if RULE_HEADER in headers:
+            # egresswall's own refusal (it strips these headers from every upstream response)
+            refusal = self.refusals.find(response.url, since) if self.refusals else None
+            rule = refusal.rule if refusal else headers[RULE_HEADER]
+            reason = refusal.reason if refusal else headers.get(REASON_HEADER, "")
+            return PageResult(url, False, problem="refused", rule=rule, reason=_refused_reason(reason, response.url,
+                                                                                                url), **common)
+        if status >= 400:
+            return PageResult(url, False, problem="http-status", reason=f"HTTP {status} {response.status_text}".strip(),
+                              **common)
+        content_type = common["content_type"] or ""
+        if not any(content_type.startswith(t) for t in HTML_TYPES):
+            return PageResult(url, False, problem="non-html",
+                              reason=f"not an HTML page: {content_type or 'no Content-Type'}", **common)
+        return None
+
+    def _failed(self, url: str, since: float, navigation: _Navigation, failure: str) -> PageResult:
+        failed_url = navigation.failed_url or url
+        code = _net_error(navigation.failure_text or failure)
+        refusal = self.refusals.find(failed_url, since) if self.refusals and _may_be_refusal(code) else None
+        chain = navigation.chain_before() or None
+        if refusal is not None:
+            return PageResult(url, False, final_url=failed_url, problem="refused", rule=refusal.rule,
+                              reason=_refused_reason(refusal.reason, failed_url, url), redirected_from=chain)
+        if navigation.download_type:
+            return PageResult(url, False, final_url=failed_url, problem="non-html",
+                              content_type=navigation.download_type,
+                              reason=f"not an HTML page: {navigation.download_type}", redirected_from=chain)
+        return PageResult(url, False, final_url=failed_url, problem="error", redirected_from=chain,
+                          reason=f"Chromium could not load it: {code or failure}")
+
+    def _settle(self, page: Any, deadline: float) -> None:
+        """Give the page until its load event (and a short quiet period for script-built pages)."""
+        remaining = deadline - time.monotonic()
+        if remaining > 0:
+            _safe(lambda: page.wait_for_load_state("load", timeout=remaining * 1000), None)
+        remaining = min(2.0, deadline - time.monotonic())
+        if remaining > 0:
+            _safe(lambda: page.wait_for_load_state("networkidle", timeout=remaining * 1000), None)
+
+
+class _Navigation:
+    """The main frame's document requests: the redirect chain, the last response, the failure."""
+
+    def __init__(self, page: Any) -> None:
+        self.page = page
+        self.chain: list[str] = []
+        self.document: Any = None
+        self.failed_url: str | None = None
+        self.failure_text: str | None = None
+        self.download_type: str | None = None
+        page.on("request", self._on_request)
+        page.on("requestfailed", self._on_failed)
+        page.on("response", self._on_response)
+
+    def _main(self, request: Any) -> bool:
+        try:
+            return request.is_navigation_request() and request.frame == self.page.main_frame
+        except Exception:
+            return False
+
+    def _on_request(self, request: Any) -> None:
+        if self._main(request):
+            self.chain.append(request.url)
+
+    def _on_failed(self, request: Any) -> None:
+        if self._main(request):
+            self.failed_url, self.failure_text = request.url, request.failure
+
+    def _on_response(self, response: Any) -> None:
+        if self._main(response.request) and not 300 <= response.status < 400:
+            self.document = response
+            content_type = _content_type(response)
+            if content_type and not any(content_type.startswith(t) for t in HTML_TYPES):
+                self.download_type = content_type
+
+    def chain_before(self) -> list[str]:
+        return self.chain[:-1]
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+
+def extract_markdown(html: str, url: str | None) -> str:
+    """The page's main content as markdown (trafilatura), or '' when it finds none."""
+    if not html:
+        return ""
+    import trafilatura
+    from trafilatura.settings import use_config
+
+    config = use_config()
+    config.set("DEFAULT", "MIN_EXTRACTED_SIZE", "1")  # short pages are pages too
+    config.set("DEFAULT", "MIN_OUTPUT_SIZE", "1")
+    config.set("DEFAULT", "EXTRACTION_TIMEOUT", "0")  # its timeout uses signals, which need the main thread
+    text = trafilatura.extract(html, url=url, output_format="markdown", include_links=True, include_tables=True,
+                               include_comments=False, favor_recall=True, config=config)
+    return (text or "").strip()
+
+
+def cut_at_paragraph(text: str, limit: int) -> tuple[str, bool]:
+    """At most ``limit`` characters, cut at the last paragraph break before it (or line break, or
+    space, when no paragraph break falls in the second half)."""
+    if len(text) <= limit:
+        return text, False
+    window = text[:limit]
+    for separator in ("\n\n", "\n", " "):
+        cut = window.rfind(separator)
+        if cut >= limit // 2:
+            return window[:cut].rstrip(), True
+    return window, True
+
+
+def screenshot_path(path: str, index: int, count: int) -> str:
+    if count == 1:
+        return path
+    stem, dot, ext = path.rpartition(".")
+    return f"{stem}-{index + 1}.{ext}" if dot and "/" not in ext else f"{path}-{index + 1}"
+
+
+def _content_type(response: Any) -> str | None:
+    value = _safe(lambda: response.header_value("content-type"), None)
+    return value.split(";", 1)[0].strip().lower() if value else None
+
+
+def _net_error(text: str | None) -> str | None:
+    if not text:
+        return None
+    for word in text.replace(":", " ").split():
+        if word.startswith("net::"):
+            return word[5:]
+        if word.startswith("ERR_"):
+            return word
+    return None
+
+
+def _may_be_refusal(code: str | None) -> bool:
+    # A refused CONNECT is ERR_TUNNEL_CONNECTION_FAILED; a refusal may also abort a navigation.
+    return code is None or code in TUNNEL_ERRORS or code in ("ERR_ABORTED", "ERR_FAILED")
+
+
+def _refused_reason(reason: str, refused_url: str, asked_url: str) -> str:
+    if refused_url.rstrip("/") != asked_url.rstrip("/"):
+        return f"{reason} (after a redirect to {refused_url})"
+    return reason
+
+
+def _safe(call, default):
+    try:
+        return call()
+    except Exception:
+        return default
+
+
+# ---- output --------------------------------------------------------------------------------------
+
+def format_text(result: PageResult) -> str:
+    rows = [("URL", result.url)]
+    if result.final_url and result.final_url != result.url:
+        rows.append(("Final URL", result.final_url))
+    if result.status is not None:
+        rows.append(("Status", str(result.status)))
+    if result.title:
+        rows.append(("Title", result.title))
+    if not result.read:
+        rows.append(("NOT READ", _problem_words(result.problem)))
+        if result.rule:
+            rows.append(("Rule", result.rule))
+        rows.append(("Reason", result.reason or ""))
+        return "\n".join(f"{k + ':':<11}{v}" for k, v in rows) + "\n"
+    body = "\n".join(f"{k + ':':<11}{v}" for k, v in rows) + "\n\n" + (result.content or "") + "\n"
+    return body + (_cut_note(result) + "\n" if result.truncated else "")
+
+
+def format_markdown(result: PageResult) -> str:
+    if not result.read:
+        lines = [f"## Not read: {result.url}", "", f"- **{_problem_words(result.problem)}**"]
+        if result.rule:
+            lines.append(f"- rule: `{result.rule}`")
+        lines.append(f"- reason: {result.reason}")
+        return "\n".join(lines) + "\n"
+    lines = [f"# {result.title or result.final_url}", "", f"<{result.final_url}> · HTTP {result.status}", "",
+             result.content or ""]
+    if result.truncated:
+        lines += ["", f"*{_cut_note(result)}*"]
+    return "\n".join(lines) + "\n"
+
+
+def _cut_note(result: PageResult) -> str:
+    return f"[cut at {len(result.content or '')} of {result.chars} characters; raise --max-chars to read more]"
+
+
+def _problem_words(problem: str | None) -> str:
+    return {"refused": "refused by egresswall", "timeout": "timed out", "http-status": "HTTP error status",
+            "non-html": "not an HTML page", "empty": "empty page", "limit": "over the link limit",
+            "error": "network error"}.get(problem or "", problem or "not read")

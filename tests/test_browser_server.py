@@ -1,0 +1,221 @@
+"""``egresswall browser-server``: the protocol filter on its own, then the real server (the Playwright
+driver's launch-server, the real Chromium, the real proxy) with a Playwright client that tries to get
+around the proxy."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from browser.launch import ContainmentError
+from browser.protocol_filter import ProtocolFilter
+from browser.server import check_bind_address
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---- the filter ----------------------------------------------------------------------------------------
+
+def created(protocol: ProtocolFilter, kind: str, guid: str) -> None:
+    protocol.from_server(json.dumps({"guid": "", "method": "__create__",
+                                     "params": {"type": kind, "guid": guid, "initializer": {}}}))
+
+
+def call(guid: str, method: str, params: dict | None = None, message_id: str = "c@1") -> str:
+    return json.dumps({"id": message_id, "guid": guid, "method": method, "params": params or {}, "metadata": {}})
+
+
+@pytest.fixture
+def protocol() -> ProtocolFilter:
+    protocol = ProtocolFilter()
+    for kind, guid in (("Playwright", "playwright"), ("BrowserType", "browser-type@1"), ("Browser", "browser@1"),
+                       ("BrowserContext", "browser-context@1"), ("Page", "page@1"), ("Frame", "frame@1"),
+                       ("LocalUtils", "utils@1"), ("Android", "android@1"), ("WebSocketRoute", "ws-route@1")):
+        created(protocol, kind, guid)
+    return protocol
+
+
+@pytest.mark.parametrize("guid,method,params,why", [
+    ("browser@1", "newContext", {"proxy": {"server": "http://10.0.0.1:3128"}}, "'proxy'"),
+    ("browser@1", "newContextForReuse", {"proxy": {"server": "socks5://x:1"}}, "'proxy'"),
+    ("browser@1", "newContext", {"clientCertificates": [{"origin": "https://x"}]}, "'clientCertificates'"),
+    ("playwright", "newRequest", {"baseURL": "http://10.0.0.1/"}, "Playwright.newRequest"),
+    ("browser-type@1", "launch", {"executablePath": "/bin/sh"}, "BrowserType.launch"),
+    ("browser-type@1", "connectOverCDP", {"endpointURL": "http://10.0.0.1:9222"}, "BrowserType.connectOverCDP"),
+    ("browser-type@1", "launchPersistentContext", {"userDataDir": "/tmp/x"}, "BrowserType"),
+    ("utils@1", "connect", {"wsEndpoint": "ws://10.0.0.1/"}, "LocalUtils.connect"),
+    ("android@1", "devices", {}, "adb"),
+    ("browser-context@1", "newCDPSession", {"page": {"guid": "page@1"}}, "raw CDP"),
+    ("browser@1", "newBrowserCDPSession", {}, "raw CDP"),
+    ("browser@1", "startServer", {}, "startServer"),
+    ("frame@1", "setInputFiles", {"selector": "input", "localPaths": ["/etc/shadow"]}, "server's files"),
+    ("page@nobody", "goto", {"url": "http://x/"}, "never given"),
+])
+def test_filter_refuses_network_options_launches_and_raw_channels(protocol, guid, method, params, why):
+    refusal = protocol.from_client(call(guid, method, params))
+    assert refusal is not None and why in refusal.reason
+    reply = json.loads(refusal.reply())
+    assert reply["id"] == "c@1" and "egresswall browser-server refused" in reply["error"]["error"]["message"]
+
+
+def test_filter_passes_ordinary_calls(protocol):
+    assert protocol.from_client(call("", "initialize", {"sdkLanguage": "python"})) is None
+    assert protocol.from_client(call("browser@1", "newContext", {"viewport": {"width": 800, "height": 600}})) is None
+    assert protocol.from_client(call("browser-context@1", "newPage")) is None
+    assert protocol.from_client(call("frame@1", "goto", {"url": "http://example.org/"})) is None
+    # a page value that happens to be called "proxy" is serialised as {"k": ..., "v": ...}, not a key
+    arg = {"value": {"o": [{"k": "proxy", "v": {"s": "x"}}]}, "handles": []}
+    assert protocol.from_client(call("frame@1", "evaluateExpression", {"expression": "x => x", "arg": arg})) is None
+    assert protocol.from_client(call("ws-route@1", "connect")) is None  # the page's own WebSocket, in Chromium
+
+
+def test_filter_closes_on_garbage(protocol):
+    for message in (b"\x00binary", "not json", "[1,2]", json.dumps({"id": 1})):
+        refusal = protocol.from_client(message)
+        assert refusal is not None
+    assert protocol.from_client(b"\x00").reply() is None  # no id to answer: the relay closes instead
+
+
+def test_non_loopback_bind_is_refused_without_the_flag():
+    for host in ("127.0.0.1", "::1", "localhost", "127.0.0.5"):
+        check_bind_address(host, False)
+    for host in ("0.0.0.0", "::", "10.1.2.3", "example.org"):
+        with pytest.raises(ContainmentError, match="no authentication"):
+            check_bind_address(host, False)
+        check_bind_address(host, True)
+    done = subprocess.run([sys.executable, "-m", "proxy.cli", "browser-server", "--host", "0.0.0.0", "--proxy",
+                           "127.0.0.1:9"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "refusing to bind 0.0.0.0" in done.stderr
+
+
+# ---- the real server ----------------------------------------------------------------------------------
+
+class ServerProcess:
+    def __init__(self, proxy: str, log: Path) -> None:
+        self.log = log
+        self._err = open(log, "wb")  # noqa: SIM115 - open for the process's life
+        self.process = subprocess.Popen([sys.executable, "-m", "proxy.cli", "browser-server", "--port", "0",
+                                         "--proxy", proxy], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=self._err)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            match = re.search(r"listening on (ws://\S+)", log.read_text(errors="replace"))
+            if match:
+                self.endpoint = match.group(1)
+                return
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"browser-server did not start:\n{log.read_text(errors='replace')}")
+
+    @property
+    def stderr(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._err.close()
+        return self.process.returncode
+
+
+@pytest.fixture
+def server(lab, start_proxy, tmp_path):
+    proxy = start_proxy(lab.policy_text())
+    server = ServerProcess(f"{proxy.host}:{proxy.port}", tmp_path / "server.stderr")
+    server.proxy = proxy
+    yield server
+    assert server.stop() == 0, server.stderr
+
+
+@pytest.mark.integration
+def test_client_cannot_get_around_the_proxy_and_the_stand_in_sees_nothing(lab, server):
+    from playwright.sync_api import Error, sync_playwright
+
+    before = (list(lab.internal.connections), list(lab.internal_tls.connections))
+    port, tls_port = lab.public.port, lab.public_tls.port
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.connect(server.endpoint, timeout=30_000)
+        try:
+            # 1. a context with its own proxy pointing straight at the stand-in
+            with pytest.raises(Error, match="refused this call: Browser.newContext with 'proxy'"):
+                browser.new_context(proxy={"server": f"http://127.0.0.3:{port}"})
+            with pytest.raises(Error, match="clientCertificates"):
+                browser.new_context(client_certificates=[{"origin": "https://x.example", "pfxPath": "/dev/null"}])
+            # the connection survives refusals: the allowed page still loads
+            context = browser.new_context()
+            page = context.new_page()
+            page.goto(f"http://public.lab.example:{port}/hello")
+            assert page.inner_text("body") == "hello from public /hello"
+            # 2. navigation to the internal stand-in, by name, by address, over TLS
+            for target in (f"http://internal.lab.example:{port}/", f"http://127.0.0.3:{port}/",
+                           f"http://[::ffff:127.0.0.3]:{port}/"):
+                response = page.goto(target)
+                assert response.status == 403 and response.headers["x-egresswall-rule"].startswith("special-purpose")
+            with pytest.raises(Error, match="ERR_TUNNEL_CONNECTION_FAILED"):
+                page.goto(f"https://internal.lab.example:{tls_port}/")
+            # 3. the driver-side HTTP client goes through egresswall too, and a standalone one is refused
+            try:
+                api = context.request.get(f"http://127.0.0.3:{port}/")
+            except Error:
+                pass  # the proxy refused the tunnel: no response at all
+            else:
+                assert api.status == 403 and "x-egresswall-rule" in api.headers, (api.status, api.headers)
+            # 4. raw CDP (which can give a context its own proxy) is refused
+            with pytest.raises(Error, match="raw CDP"):
+                context.new_cdp_session(page)
+            context.close()
+        finally:
+            browser.close()
+    # 5. a hand-written client asks for a driver-side HTTP client: refused
+    assert "Playwright.newRequest" in asyncio.run(raw_new_request(server.endpoint))
+    assert (lab.internal.connections, lab.internal_tls.connections) == before
+    refused = [d for d in server.proxy.decisions() if d["verdict"] == "refuse"]
+    assert {d["host"] for d in refused} >= {"internal.lab.example", "127.0.0.3"}
+    # the context's own HTTP client (in the driver process) asked egresswall, which refused it
+    assert any(d["method"] == "CONNECT" and d["host"] == "127.0.0.3" and d["port"] == port for d in refused)
+    assert "refused from" in server.stderr
+
+
+async def raw_new_request(endpoint: str) -> str:
+    """A hand-written client: ask the Playwright object for a driver-side HTTP client, and check that a
+    handshake with an Origin header (a web page) is refused outright."""
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import InvalidStatus
+
+    user_agent = f"Playwright/{_playwright_version()} (x64; test) python/3"
+    with pytest.raises(InvalidStatus) as refused:
+        await connect(endpoint, user_agent_header=user_agent, origin="http://evil.example")
+    assert refused.value.response.status_code == 403
+    async with connect(endpoint, user_agent_header=user_agent, max_size=None) as ws:
+        await ws.send(json.dumps({"id": 1, "guid": "", "method": "initialize",
+                                  "params": {"sdkLanguage": "python"}, "metadata": {}}))
+        playwright_guid = None
+        while playwright_guid is None:
+            message = json.loads(await asyncio.wait_for(ws.recv(), 30))
+            if message.get("method") == "__create__" and message["params"]["type"] == "Playwright":
+                playwright_guid = message["params"]["guid"]
+        await ws.send(json.dumps({"id": 2, "guid": playwright_guid, "method": "newRequest",
+                                  "params": {"baseURL": "http://127.0.0.3/"}, "metadata": {}}))
+        while True:
+            message = json.loads(await asyncio.wait_for(ws.recv(), 30))
+            if message.get("id") == 2:
+                return message["error"]["error"]["message"]
+
+
+def _playwright_version() -> str:
+    from importlib.metadata import version
+
+    return version("playwright")
