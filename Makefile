@@ -23,3 +23,9 @@ bench:
 bench-quick:
 	@ci/install.sh --bench
 	$(PY) tests/benchmarks/bench_proxy.py --quick
+
+# The full hardening load: 1,000 clients for a minute, then kill -9 mid-load; prints its figures
+# (the test run has a 200-client, 10-second version). SOAK_ARGS e.g. "--clients 500 --seconds 30".
+soak:
+	@ci/install.sh
+	$(PY) tests/benchmarks/soak.py $(SOAK_ARGS)

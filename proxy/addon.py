@@ -15,8 +15,11 @@ Hooks, in the order a request meets them:
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ipaddress
 import logging
+import re
 import socket
 import time
 import uuid
@@ -36,7 +39,7 @@ from policy.hosts import HostFormError, Target, host_header_agrees, normalise_ho
 from policy.model import Policy
 from policy.resolver import DnsResolver, Resolver, resolve_and_decide
 
-from . import early_refusal, refusals
+from . import bounds, early_refusal, refusals
 from .audit import AuditLog
 from .metrics import Metrics
 from .reload import PolicyHolder
@@ -44,6 +47,7 @@ from .tunnels import CountedRelay, RefuseTls
 
 log = logging.getLogger("egresswall")
 early_refusal.install()
+bounds.install()
 
 
 @dataclass
@@ -76,6 +80,10 @@ class EgressWall:
         self.per_client: Counter[str] = Counter()
         self.open_connections = 0
         self.metrics.policy_loaded = 1
+        # proxy/bounds.py reads the limits in force and reports refusals made before any flow exists.
+        bounds.current_limits = lambda: self.holder.policy.limits
+        bounds.on_refusal = self._audit_connection_refusal
+        self._audit_probe: asyncio.Task | None = None
 
     # ---- policy and resolver ------------------------------------------------------------------
 
@@ -120,6 +128,7 @@ class EgressWall:
         self.metrics.open_connections = self.open_connections
 
     def client_disconnected(self, client: connection.Client) -> None:
+        bounds.idle_closed.discard(client.id)
         self.open_connections -= 1
         ip = client.peername[0]
         self.per_client[ip] -= 1
@@ -172,9 +181,12 @@ class EgressWall:
             intercept = policy.intercepts(target.host)
             request = Request(target, "CONNECT", _client_ip(flow.client_conn), tunnel=True)
             verdict = await self.decide(policy, request)
-        self._audit_decision(flow_id, flow, policy, target, "CONNECT", verdict)
+        recorded = self._audit_decision(flow_id, flow, policy, target, "CONNECT", verdict)
         if not verdict.allowed:
             flow.response = refusals.from_verdict(verdict)
+            return
+        if not (recorded and self.audit.healthy):
+            flow.response = self._audit_unwritable()
             return
         assert target is not None and verdict.pinned is not None
         self.pins[(flow.client_conn.id, target.host, target.port)] = verdict.pinned
@@ -271,11 +283,23 @@ class EgressWall:
             early_refusal.refuse_before_body(flow, cap)
             self._audit_decision(flow_id, flow, policy, None, flow.request.method, cap_response=cap)
             return
+        malformed = _malformed(flow)
+        if malformed is not None:
+            # Framing mitmproxy already refused (it answers 400 itself), or header values it would
+            # forward as they are: the decision line says refused, with mitmproxy's or our reason.
+            verdict = Verdict(False, "form", *malformed)
+            self._audit_decision(flow_id, flow, policy, None, flow.request.method, verdict, status=400)
+            if flow.error is None:
+                early_refusal.refuse_before_body(flow, refusals.refusal(400, verdict.rule, verdict.reason))
+            return
         websocket = flow.request.headers.get("upgrade", "").lower() == "websocket"
         verdict, target = await self._decide_request(policy, flow, tunnel, websocket)
-        self._audit_decision(flow_id, flow, policy, target, flow.request.method, verdict)
+        recorded = self._audit_decision(flow_id, flow, policy, target, flow.request.method, verdict)
         if not verdict.allowed:
             early_refusal.refuse_before_body(flow, refusals.from_verdict(verdict))
+            return
+        if not (recorded and self.audit.healthy):
+            early_refusal.refuse_before_body(flow, self._audit_unwritable())
             return
         if verdict.pinned and target is not None and tunnel is None:
             self.pins[(flow.client_conn.id, target.host, target.port)] = verdict.pinned
@@ -403,6 +427,10 @@ class EgressWall:
         if verdict is None or flow.metadata.get("egresswall_ended"):
             return  # refused (its decision line says so) or already logged
         flow.metadata["egresswall_ended"] = True
+        if flow.client_conn.id in bounds.idle_closed and flow.response is None:
+            # mitmproxy reports its own idle timeout as "Client disconnected.": say what happened.
+            error = (f"nothing moved for limits.idle_timeout ({self.policy.limits.idle_timeout:g}s): the upstream "
+                     "sent no response, and egresswall closed the connection")
         target = flow.metadata.get("egresswall_target")
         down = flow.metadata.get("egresswall_down", {}).get("bytes", 0)
         up = len(flow.request.raw_content or b"")
@@ -418,7 +446,8 @@ class EgressWall:
     # ---- audit --------------------------------------------------------------------------------
 
     def _audit_decision(self, flow_id: str, flow: http.HTTPFlow, policy: Policy, target: Target | None, method: str,
-                        verdict: Verdict | None = None, cap_response: http.Response | None = None) -> None:
+                        verdict: Verdict | None = None, cap_response: http.Response | None = None,
+                        status: int | None = None) -> bool:
         client = _client_ip(flow.client_conn)
         if verdict is None:
             assert cap_response is not None
@@ -428,10 +457,40 @@ class EgressWall:
         if target is None:
             record["url"] = _safe_text(flow.request.pretty_url if method != "CONNECT" else
                                        (flow.request.data.authority or b"").decode("latin-1"))
-        record["status"] = cap_response.status_code if cap_response else (None if verdict.allowed else 403)
+        record["status"] = status or (cap_response.status_code if cap_response else (None if verdict.allowed else 403))
         verdict_word = "report" if verdict.report_only else ("allow" if verdict.allowed else "refuse")
         self.metrics.decisions[(verdict_word, verdict.rule)] += 1
+        return self._write(record)
+
+    def _audit_connection_refusal(self, conn: connection.Connection, status: int, rule: str, reason: str) -> None:
+        """A refusal proxy/bounds.py made before any flow existed (head too big, too slow, unparseable)."""
+        ip = conn.peername[0] if conn.peername else ""
+        client = ip[7:] if ip.startswith("::ffff:") and "." in ip else ip
+        verdict = Verdict(False, "limits" if rule.startswith("limits.") else "form", rule, reason)
+        record = self._base_record("decision", uuid.uuid4().hex, client, None, None, verdict)
+        record["status"] = status
+        self.metrics.decisions[("refuse", rule)] += 1
+        self.metrics.refusals[rule] += 1
         self._write(record)
+
+    def _audit_unwritable(self) -> http.Response:
+        """Fail closed: a request is let through only once its decision line is written. While the log
+        cannot take lines, allowed requests are refused with 503, /readyz fails, and a probe tries a
+        line every second (README, "Audit log and admin endpoint")."""
+        self._start_audit_probe()
+        return self._refuse_other(503, "audit", "the audit log cannot be written, and egresswall does not let "
+                                                "through what it cannot record")
+
+    def _start_audit_probe(self) -> None:
+        # Started by the failure itself, not by the next request: with /readyz failing, no traffic may
+        # come to notice that the disk has room again.
+        if self._audit_probe is None or self._audit_probe.done():
+            with contextlib.suppress(RuntimeError):  # no event loop (an addon driven by hand)
+                self._audit_probe = asyncio.get_running_loop().create_task(self._probe_audit())
+
+    async def _probe_audit(self) -> None:
+        while not self.audit.probe():
+            await asyncio.sleep(1)
 
     def _audit_refused_tunnel(self, tunnel: Tunnel, rule: str, reason: str) -> None:
         verdict = Verdict(False, "tls", rule, reason, addresses=tunnel.verdict.addresses)
@@ -455,13 +514,34 @@ class EgressWall:
             "stage": verdict.stage, "rule": verdict.rule, "reason": verdict.reason, "mode": policy.mode,
         }
 
-    def _write(self, record: dict[str, Any]) -> None:
+    def _write(self, record: dict[str, Any]) -> bool:
         if not self.audit.write(record):
             self.metrics.audit_failures += 1
+            self._start_audit_probe()
+            return False
+        return True
 
 
 def _per_worker(share: int, limit: int) -> str:
     return f" (this worker's share of {limit} over {share} workers)" if share > 1 else ""
+
+
+# Bytes a header value may not carry (RFC 9110, 5.5): mitmproxy keeps an obs-fold as "\r\n " inside the
+# value and passes a bare CR on, and an upstream may read either as the start of another header.
+_BAD_VALUE_BYTES = re.compile(rb"[\r\n\x00]")
+
+
+def _malformed(flow: http.HTTPFlow) -> tuple[str, str] | None:
+    """(rule, reason) for a request mitmproxy already refused as malformed, or whose header values
+    hold CR, LF (an obs-fold) or NUL; None for a well-formed one."""
+    if flow.error is not None:
+        return "http:invalid-request", _safe_text(f"mitmproxy refused the request: {flow.error.msg}", 400)
+    for name, value in flow.request.headers.fields:
+        if _BAD_VALUE_BYTES.search(value):
+            kind = "a line folded onto the next (obs-fold)" if b"\n" in value else "a bare CR or NUL"
+            return "http:header-value", _safe_text(f"the header {name.decode('latin-1')!r} holds {kind}; "
+                                                   "egresswall does not forward headers an upstream may split", 400)
+    return None
 
 
 def _flow_id(flow: http.HTTPFlow) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import sys
 import threading
 import time
@@ -58,8 +59,9 @@ class AuditLog:
             with self._lock:
                 assert self._fd is not None
                 written = os.write(self._fd, line)
-            if written != len(line):
-                raise OSError(f"short write ({written} of {len(line)} bytes)")
+                if written != len(line):
+                    self._undo_partial(written)
+                    raise OSError(f"short write ({written} of {len(line)} bytes)")
         except OSError as err:
             self.failures += 1
             if self.healthy:
@@ -69,6 +71,37 @@ class AuditLog:
         self.healthy = True
         self.written += 1
         return True
+
+    def _undo_partial(self, written: int) -> None:
+        """A full disk can take part of a line (tmpfs fills page by page). Cut it off again, so the
+        next line does not start in the middle of this one: only when nobody appended after it (the
+        file ends where our write ended), never on a pipe or terminal."""
+        if self.path is None or written <= 0:
+            return
+        try:
+            end = os.lseek(self._fd, 0, os.SEEK_CUR)  # O_APPEND: just past what we wrote
+            if os.fstat(self._fd).st_size == end:
+                os.ftruncate(self._fd, end - written)
+        except OSError:
+            pass
+
+    def probe(self) -> bool:
+        """While writes fail, try one line that says so; True once the log takes lines again. The
+        line records how many lines were lost, in the log itself."""
+        if self.healthy:
+            return True
+        record = {"time": round(time.time(), 6), "event": "audit", "failures": self.failures,
+                  "reason": "the audit log is writable again; 'failures' lines could not be written"}
+        if self.select is None or self.select(record):
+            return self.write(record)
+        # A format with no line for this (squid's): judge the file by its free space instead of writing.
+        try:
+            if stat.S_ISREG(os.fstat(self._fd).st_mode):
+                space = os.fstatvfs(self._fd)
+                self.healthy = space.f_bavail * space.f_frsize >= 64 * 1024
+        except OSError:
+            pass
+        return self.healthy
 
     def close(self) -> None:
         with self._lock:

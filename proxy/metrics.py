@@ -20,6 +20,7 @@ class Metrics:
     bytes_up: int = 0
     bytes_down: int = 0
     open_tunnels: int = 0
+    fast_tunnels: int = 0  # tunnels relayed by the fast path (proxy/fastpath.py)
     open_connections: int = 0
     dns_seconds_sum: float = 0.0
     dns_lookups: int = 0
@@ -45,6 +46,8 @@ class Metrics:
         family("egresswall_refusals_total", "counter", "Refusals that are not policy decisions (caps, timeouts).",
                [({"reason": r}, n) for r, n in sorted(self.refusals.items())])
         family("egresswall_open_tunnels", "gauge", "CONNECT tunnels open now.", [({}, self.open_tunnels)])
+        family("egresswall_fast_tunnels_total", "counter", "Tunnels relayed by the fast path, not mitmproxy.",
+               [({}, self.fast_tunnels)])
         family("egresswall_open_connections", "gauge", "Client connections open now.",
                [({}, self.open_connections)])
         family("egresswall_bytes_total", "counter", "Bytes relayed, by direction.",

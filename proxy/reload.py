@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -54,6 +55,7 @@ class PolicyHolder:
         """Load the file again; keep the last good policy if the new one is invalid."""
         seen = identity(str(self.policy.source))
         try:
+            _check_complete(str(self.policy.source))
             new = load_policy(self.path, self.overrides)
         except PolicyError as err:
             self._seen = seen
@@ -92,6 +94,24 @@ class PolicyHolder:
                         await asyncio.to_thread(self.reload) if _is_large(before) else self.reload()
             except Exception:  # never let the watcher die: a dead watcher means no more reloads
                 log.exception("policy watcher error")
+
+
+def _check_complete(path: str) -> None:
+    """Refuse a reload of a file that does not end with a newline. A file caught half-written almost
+    always ends mid-line, and its first half can be valid YAML that says less (a deny list cut short,
+    a host name cut to another name): the last good policy stays until the write is finished.
+    (Writing policy files atomically, to another name and renamed over, is safe at every byte.)"""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return  # load_policy says why
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_size > 0 and os.pread(fd, 1, st.st_size - 1) != b"\n":
+            raise PolicyError(path, 0, 0, "", "does not end with a newline, so it may be half-written; "
+                                              "keeping the last good policy until it does")
+    finally:
+        os.close(fd)
 
 
 def _is_large(ident: FileIdentity | None) -> bool:

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import sys
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ from policy.loader import Overrides
 from .addon import EgressWall
 from .admin import AdminServer
 from .audit import AuditLog, json_line
+from .fastpath import FastFront
 from .metrics import Metrics
 from .reload import PolicyHolder
 
@@ -40,6 +42,7 @@ class RunConfig:
     upstream_ca: str | None = None  # extra CA bundle to verify intercepted upstreams with (labs, private CAs)
     watch_interval: float = 0.25
     reuse_port: bool = False  # a worker of several sharing the listen port (proxy/workers.py)
+    fast_tunnels: bool = True  # passed-through TLS tunnels relayed by proxy/fastpath.py, not mitmproxy
     worker_count: int = 1  # connection caps are shared out between this many workers
     extra_self_endpoints: tuple[tuple[str, int], ...] = ()  # e.g. the supervisor's admin listener
 
@@ -56,6 +59,7 @@ class ProxyRunner:
         self.admin = AdminServer({"/healthz": self._healthz, "/readyz": self._readyz,
                                   "/metrics": self._metrics})
         self.master: Master | None = None
+        self.front: FastFront | None = None
         self.listen_address: tuple[str, int] | None = None
         self.admin_address: tuple[str, int] | None = None
         self.ready = asyncio.Event()
@@ -96,7 +100,10 @@ class ProxyRunner:
         self.master.addons.add(core.Core(), proxyserver.Proxyserver(), next_layer.NextLayer(), tlsconfig.TlsConfig(),
                                disable_h2c.DisableH2C(), self.addon)
         host, port = self.config.listen
-        updates = dict(listen_host=host, listen_port=port, mode=["regular"], connection_strategy="eager",
+        # With the fast path, egresswall's own front owns the public port and hands mitmproxy what it
+        # does not relay itself; mitmproxy's listener is then an internal one on loopback.
+        mitm_host, mitm_port = ("127.0.0.1", 0) if self.config.fast_tunnels else (host, port)
+        updates = dict(listen_host=mitm_host, listen_port=mitm_port, mode=["regular"], connection_strategy="eager",
                        tcp_timeout=int(self.holder.policy.limits.idle_timeout), stream_large_bodies="1",
                        http3=False)
         if self.config.confdir:
@@ -112,6 +119,10 @@ class ProxyRunner:
                 loop.add_signal_handler(sig, handler)
         master_task = asyncio.create_task(self.master.run())
         await self._wait_listening()
+        if self.config.fast_tunnels:
+            self.front = FastFront(self.addon, self._handoff)
+            self.listen_address = await self.front.start(host, port, reuse_port=self.config.reuse_port)
+            self.addon.self_endpoints.add((_endpoint_host(self.listen_address[0]), self.listen_address[1]))
         if self.config.admin is not None:
             self.admin_address = await self.admin.start(*self.config.admin)
             self.addon.self_endpoints.add((_endpoint_host(self.admin_address[0]), self.admin_address[1]))
@@ -142,6 +153,22 @@ class ProxyRunner:
             await asyncio.sleep(0.05)
         raise RuntimeError(f"proxy did not start listening on {self.config.listen}")
 
+    def _handoff(self, sock: socket.socket) -> None:
+        """Give an accepted connection, unread, to mitmproxy as if its own listener had accepted it."""
+        assert self.master is not None
+        instance = next(iter(self.master.addons.get("proxyserver").servers))
+        loop = asyncio.get_running_loop()
+
+        async def attach() -> None:
+            reader = asyncio.StreamReader(loop=loop)
+            try:
+                await loop.connect_accepted_socket(lambda: asyncio.StreamReaderProtocol(reader, instance.handle_stream),
+                                                   sock)
+            except OSError:
+                sock.close()
+
+        loop.create_task(attach())
+
     def request_stop(self) -> None:
         if not self._stopping:
             self._stopping = True
@@ -151,6 +178,8 @@ class ProxyRunner:
         """Stop accepting, let open tunnels finish for up to the grace period, then close."""
         assert self.master is not None
         self.addon.draining = True
+        if self.front is not None:
+            self.front.stop_accepting()
         self.master.options.update(server=False)  # closes the listening sockets
         grace = self.holder.policy.limits.tunnel_grace
         deadline = asyncio.get_running_loop().time() + grace

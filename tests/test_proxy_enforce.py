@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import ssl
+import uuid
 
 import pytest
 from labnet import PUBLIC_IP
@@ -12,14 +13,17 @@ from labnet import PUBLIC_IP
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def proxy(lab, tmp_path_factory):
+@pytest.fixture(scope="module", params=["fast-tunnels", "mitmproxy-tunnels"])
+def proxy(lab, tmp_path_factory, request):
+    """Every test here runs against both tunnel paths: egresswall's fast relay and mitmproxy's layers."""
     from proxyproc import ProxyProcess
 
     folder = tmp_path_factory.mktemp("enforce")
     policy = folder / "policy.yaml"
     policy.write_text(lab.policy_text("hosts:\n  deny:\n    - denied.lab.example\n"))
-    process = ProxyProcess(["--policy", str(policy)], folder / "audit.jsonl")
+    mode = [] if request.param == "fast-tunnels" else ["--no-fast-tunnels"]
+    process = ProxyProcess(["--policy", str(policy), *mode], folder / "audit.jsonl")
+    process.tunnel_path = request.param
     yield process
     process.stop()
     assert not [e for e in process.outbound() if e["host"] not in (PUBLIC_IP,)], process.outbound()
@@ -87,9 +91,13 @@ def test_redirect_to_internal_host_is_refused_at_the_second_hop(lab, proxy):
 
 def test_dns_rebinding_never_reaches_the_internal_stand_in(lab, proxy):
     # First answer public (TTL 0), every later answer internal: the proxy connects to what it checked.
-    status, _, body = proxy.get(f"http://rebind.lab.example:{lab.public.port}/first")
+    from dnslab import Behaviour, Record
+
+    name = f"rebind-{uuid.uuid4().hex[:8]}.lab.example"
+    lab.dns.set(name, Behaviour(sequence=[[Record("A", PUBLIC_IP, ttl=0)], [Record("A", "127.0.0.3", ttl=0)]]))
+    status, _, body = proxy.get(f"http://{name}:{lab.public.port}/first")
     assert status == 200 and body.endswith(b"/first")
-    status, headers, _ = proxy.get(f"http://rebind.lab.example:{lab.public.port}/second")
+    status, headers, _ = proxy.get(f"http://{name}:{lab.public.port}/second")
     assert status == 403 and "127.0.0.3" in headers["x-egresswall-reason"]
 
 
@@ -135,9 +143,10 @@ def test_connect_to_forbidden_port_is_refused(lab, proxy):
 
 
 def test_denied_host_is_refused_and_never_resolved(lab, proxy):
+    before = len(lab.dns.queries)  # the lab's DNS server is shared by the session: look only at this test
     status, headers, _ = proxy.get(f"http://denied.lab.example:{lab.public.port}/")
     assert status == 403
-    assert not lab.dns.queried("denied.lab.example")
+    assert "denied.lab.example" not in {name for name, _ in lab.dns.queries[before:]}
 
 
 def test_upstream_cannot_forge_egresswall_headers(lab, proxy):
@@ -237,7 +246,18 @@ def test_internal_address_literal_refused_even_when_host_allowed(lab, start_prox
 def test_allowlist_mode_refuses_unlisted_host_without_resolving(lab, start_proxy):
     proxy = start_proxy(lab.policy_text("hosts:\n  allow:\n    - public.lab.example\n", default="deny"))
     assert proxy.get(f"http://public.lab.example:{lab.public.port}/")[0] == 200
+    before = len(lab.dns.queries)  # the lab's DNS server is shared by the session: look only at this test
     status, headers, _ = proxy.get(f"http://other.lab.example:{lab.public.port}/")
     assert status == 403 and headers["x-egresswall-rule"].startswith("default deny")
-    assert not lab.dns.queried("other.lab.example")
+    assert "other.lab.example" not in {name for name, _ in lab.dns.queries[before:]}
 
+
+
+def test_tunnels_take_the_path_the_proxy_was_started_with(lab, proxy):
+    sock, status, _ = proxy.connect(f"public.lab.example:{lab.public_tls.port}")
+    sock.close()
+    assert status == 200
+    _, body = proxy.admin("/metrics")
+    fast = [line for line in body.splitlines() if line.startswith("egresswall_fast_tunnels_total")]
+    count = float(fast[0].split()[-1])
+    assert (count > 0) == (proxy.tunnel_path == "fast-tunnels")
