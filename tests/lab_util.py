@@ -11,11 +11,14 @@ Needs root and iproute2; ``lab_skip_reason()`` says why a lab cannot run here.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
 import shutil
+import signal
 import subprocess
+import time
 from collections.abc import Sequence
 
 PREFIX = "ewt"
@@ -47,11 +50,45 @@ def list_namespaces() -> list[str]:
     return [line.split()[0] for line in out.stdout.splitlines() if line.strip()]
 
 
+def namespace_pids(ns: str) -> list[int]:
+    """The processes running in ``ns`` (``ip netns pids``)."""
+    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=10)
+    return [int(pid) for pid in out.stdout.split() if pid.isdigit()]
+
+
+def kill_namespace_processes(ns: str, grace: float = 3.0) -> None:
+    """Stop every process still running in one of the lab's own namespaces: SIGTERM, then SIGKILL.
+
+    Only ever called on namespaces a lab created (its own, or a stale ``ewt-<dead pid>-*`` one), so
+    every process found there was started by a lab run: a browser's helpers, a capture, a server.
+    """
+    pids = namespace_pids(ns)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace
+        while pids and time.monotonic() < deadline:
+            time.sleep(0.05)
+            pids = [pid for pid in pids if _pid_alive(pid) and not _is_zombie(pid)]
+        if not pids:
+            return
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
 def remove_stale_namespaces() -> None:
     """Delete lab namespaces whose creating process no longer exists (a run that was killed)."""
     for name in list_namespaces():
         match = _STALE.match(name)
         if match and not _pid_alive(int(match.group(1))):
+            kill_namespace_processes(name)
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10)
 
 
@@ -63,6 +100,7 @@ class NetnsLab:
         self.timeout = timeout
         self.namespaces: list[str] = []
         self.processes: list[subprocess.Popen] = []
+        self._groups: set[int] = set()  # pids of processes started as process-group leaders
         remove_stale_namespaces()
 
     def __enter__(self) -> NetnsLab:
@@ -124,28 +162,63 @@ class NetnsLab:
         )
 
     def popen(self, ns: str, argv: Sequence[str], *, uid: int | None = None, **kwargs) -> subprocess.Popen:
-        """Start a long-running process in ``ns``; ``close()`` stops it."""
+        """Start a long-running process in ``ns``; ``close()`` stops it.
+
+        With ``start_new_session=True`` the process leads a process group of its own, and ``stop()``
+        and ``close()`` signal the whole group (a browser and its helpers, a driver and its children).
+        """
         kwargs.setdefault("stdin", subprocess.DEVNULL)
         kwargs.setdefault("cwd", "/")
         proc = subprocess.Popen(self.argv(ns, argv, uid), **kwargs)
+        if kwargs.get("start_new_session"):
+            self._groups.add(proc.pid)
         self.processes.append(proc)
         return proc
+
+    def stop(self, proc: subprocess.Popen, grace: float = 3.0) -> int | None:
+        """Stop one process the lab started (its group too, if it leads one): SIGTERM, then SIGKILL."""
+        self._signal(proc, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            self._signal(proc, signal.SIGKILL)
+            proc.wait(timeout=grace)
+        if proc.pid in self._groups:  # helpers that outlive the leader
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        return proc.returncode
+
+    def _signal(self, proc: subprocess.Popen, sig: int) -> None:
+        if proc.pid in self._groups:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, sig)
+        elif proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(sig)
 
     # -- teardown ----------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the lab's processes, then delete its namespaces (and with them the veth pairs)."""
+        """Stop the lab's processes, then delete its namespaces (and with them the veth pairs).
+
+        Whatever still runs inside a lab namespace after that (a helper that left its process group)
+        is stopped too before the namespace is deleted, so no process keeps a namespace alive.
+        """
         for proc in self.processes:
-            if proc.poll() is None:
-                proc.terminate()
+            self._signal(proc, signal.SIGTERM)
         for proc in self.processes:
             try:
                 proc.wait(timeout=3)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                self._signal(proc, signal.SIGKILL)
                 proc.wait(timeout=3)
+            if proc.pid in self._groups:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
         self.processes.clear()
+        self._groups.clear()
         for ns in reversed(self.namespaces):
+            kill_namespace_processes(ns)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
         self.namespaces.clear()
 

@@ -1,0 +1,5 @@
+import sys
+
+from containment.smoke import main
+
+sys.exit(main())
