@@ -124,13 +124,13 @@ class EgressWall:
 
     def client_connected(self, client: connection.Client) -> None:
         self.open_connections += 1
-        self.per_client[client.peername[0]] += 1
+        self.per_client[_client_ip(client)] += 1  # one key per client, whatever the listener's family
         self.metrics.open_connections = self.open_connections
 
     def client_disconnected(self, client: connection.Client) -> None:
         bounds.idle_closed.discard(client.id)
         self.open_connections -= 1
-        ip = client.peername[0]
+        ip = _client_ip(client)
         self.per_client[ip] -= 1
         if self.per_client[ip] <= 0:
             del self.per_client[ip]
@@ -148,10 +148,11 @@ class EgressWall:
             return self._refuse_other(503, "limits.max_connections",
                                       f"egresswall has {self.open_connections} open connections, more than its limit "
                                       f"of {max_total}" + _per_worker(self.share, limits.max_connections))
-        count = self.per_client[client.peername[0]]
+        ip = _client_ip(client)
+        count = self.per_client[ip]
         if count > max_per_client:
             return self._refuse_other(429, "limits.max_connections_per_client",
-                                      f"client {client.peername[0]} has {count} open connections, more than its "
+                                      f"client {ip} has {count} open connections, more than its "
                                       f"limit of {max_per_client}"
                                       + _per_worker(self.share, limits.max_connections_per_client))
         return None

@@ -134,7 +134,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     for register in _optional_commands():
         register(sub)
+    _no_abbreviations(parser)
     return parser
+
+
+def _no_abbreviations(parser: argparse.ArgumentParser) -> None:
+    """``--no-adm`` must not mean ``--no-admin``: options are spelt out, which also lets the worker
+    supervisor rebuild a worker's command line without guessing."""
+    parser.allow_abbrev = False
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _no_abbreviations(child)
 
 
 def _optional_commands():

@@ -84,7 +84,11 @@ class FastFront:
     async def _serve(self, conn: socket.socket) -> None:
         # Counted from accept, so caps see connections that have not sent a byte yet; a connection
         # handed to mitmproxy is counted there instead (its client_connected hook).
-        client_ip = _client_ip(conn)
+        try:
+            client_ip = _client_ip(conn)
+        except OSError:  # reset before we looked
+            conn.close()
+            return
         self._count(client_ip, +1)
         handed_off = False
         try:
@@ -115,25 +119,25 @@ class FastFront:
         addon.metrics.open_connections = addon.open_connections
 
     async def _peek_head(self, conn: socket.socket) -> bytes:
-        """The first request head, left in the socket for whoever handles the connection."""
+        """The first request head, left in the socket for whoever handles the connection.
+
+        Readiness is level-triggered and MSG_PEEK leaves the bytes queued, so once something has
+        arrived the socket stays readable: from then on, poll on a short timer. A head that is not
+        complete within a second is left to mitmproxy's bounded parser (``b""``); a connection that
+        sends nothing is closed after ``limits.idle_timeout``, as mitmproxy would.
+        """
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.addon.policy.limits.header_timeout if hasattr(
-            self.addon.policy.limits, "header_timeout") else loop.time() + 10
-        data = b""
-        while b"\r\n\r\n" not in data and len(data) < MAX_HEAD:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return b""  # slow: mitmproxy's bounded parser deals with it
-            await asyncio.wait_for(_readable(loop, conn), remaining)
-            peeked = conn.recv(MAX_HEAD, socket.MSG_PEEK)
-            if len(peeked) == len(data):
-                if not peeked:
-                    raise OSError("closed before a request")
-                return b""  # nothing new (only possible at EOF): let mitmproxy see the close
-            data = peeked
-            if not data.startswith(b"CONNECT "[: len(data)]):
-                return b""  # not a CONNECT: no need to wait for the rest
-        return data
+        await asyncio.wait_for(_readable(loop, conn), self.addon.policy.limits.idle_timeout)
+        deadline = loop.time() + 1.0
+        while True:
+            data = conn.recv(MAX_HEAD, socket.MSG_PEEK)
+            if not data:
+                raise OSError("closed before a request")
+            if b"\r\n\r\n" in data:
+                return data
+            if len(data) >= MAX_HEAD or not data.startswith(b"CONNECT "[: len(data)]) or loop.time() > deadline:
+                return b""  # not a CONNECT, too long or too slow: mitmproxy's path
+            await asyncio.sleep(0.002)
 
     async def _tunnel(self, conn: socket.socket, client_ip: str, target, head_length: int) -> None:
         addon, policy, loop = self.addon, self.addon.policy, asyncio.get_running_loop()
@@ -156,17 +160,29 @@ class FastFront:
             if not (recorded and addon.audit.healthy):
                 await _send(loop, conn, assemble_response(addon._audit_unwritable()))
                 return
-            upstream, error = await self._connect(verdict.pinned, target.port, policy.limits.connect_timeout)
             tunnel = Tunnel(flow_id, target, verdict, client_ip, intercept=False)
+            # The guard at connect time, as on mitmproxy's path: the policy in force NOW must still accept
+            # the pinned address (a reload may have landed during the lookup), and it is not ourselves.
+            current = addon.policy
+            checked = current.addresses.check(verdict.pinned)
+            if not checked.allowed or addon._is_self(verdict.pinned, target.port):
+                reason = f"refused connect to {verdict.pinned}: {checked.reason if not checked.allowed else 'self'}"
+                await _send(loop, conn, assemble_response(refusals.refusal(403, checked.rule, reason)))
+                self._tunnel_line(tunnel, 0, 0, reason)
+                return
+            upstream, error = await self._connect(verdict.pinned, target.port, current.limits.connect_timeout)
             if upstream is None:
                 await _send(loop, conn, assemble_response(refusals.refusal(502, "connect", error)))
                 self._tunnel_line(tunnel, 0, 0, error)
                 return
-            await _send(loop, conn, b"HTTP/1.1 200 Connection established\r\n\r\n")
             addon.metrics.open_tunnels += 1
             addon.metrics.fast_tunnels += 1
             try:
+                await _send(loop, conn, b"HTTP/1.1 200 Connection established\r\n\r\n")
                 await self._relay_checked(conn, upstream, tunnel)
+            except (OSError, TimeoutError) as err:
+                # Every allowed tunnel gets its closing line, however it ends.
+                self._tunnel_line(tunnel, 0, 0, _describe(err, policy.limits.idle_timeout))
             finally:
                 addon.metrics.open_tunnels -= 1
         finally:
@@ -198,6 +214,8 @@ class FastFront:
                 self._tunnel_line(tunnel, len(hello), 0, "the client closed the tunnel before a TLS ClientHello")
                 return
             hello += chunk
+            if len(hello) < 5:
+                continue  # a record header is 5 bytes: judge nothing on fewer
             if not starts_like_tls_record(hello):
                 self._refused_tunnel(tunnel, "tls:not-tls", "the tunnel does not start with a TLS ClientHello; "
                                                              "egresswall passes only TLS through CONNECT to this port")
@@ -235,8 +253,13 @@ class FastFront:
                     counts[key] += n
                     last["t"] = time.monotonic()
                     await loop.sock_sendall(dst, view[:n])
+                    last["t"] = time.monotonic()  # a slow reader is not an idle one
             except OSError:
-                pass
+                # One side failed (reset, refused): the tunnel is over both ways, now, not at the idle timeout.
+                for sock in (src, dst):
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
+                return
             with contextlib.suppress(OSError):
                 dst.shutdown(socket.SHUT_WR)
 
@@ -297,6 +320,12 @@ def _parse_connect(head: bytes) -> tuple[str, int] | None:
     if not authority.isprintable():
         return None
     return authority, end + 4
+
+
+def _describe(err: BaseException, idle: float) -> str:
+    if isinstance(err, TimeoutError):
+        return f"nothing moved for limits.idle_timeout ({idle:g}s)"
+    return f"the tunnel failed: {getattr(err, 'strerror', None) or err}"
 
 
 def _target(authority: str):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 
 from .runner import ProxyRunner, RunConfig
@@ -51,6 +52,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ValueError("--workers must be at least 1")
     if args.workers > 1:
         return _run_supervisor(args)
+    if args.reuse_port:
+        _die_with_supervisor()
     logging.basicConfig(level=logging.INFO, format="egresswall: %(message)s")
     logging.getLogger("mitmproxy").setLevel(logging.WARNING)  # one line per connection is not for operators
     config = RunConfig(policy_path=args.policy, overrides=overrides_from(args), listen=args.listen,
@@ -88,3 +91,17 @@ def _worker_argv(argv: list[str]) -> list[str]:
             continue
         out.append(arg)
     return out
+
+
+def _die_with_supervisor() -> None:
+    """A worker must not outlive its supervisor (it would keep serving the port unsupervised): ask the
+    kernel for SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+    import os
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the supervisor died before the request took effect
+        raise SystemExit("egresswall: worker started without its supervisor")

@@ -156,7 +156,11 @@ class ProxyRunner:
     def _handoff(self, sock: socket.socket) -> None:
         """Give an accepted connection, unread, to mitmproxy as if its own listener had accepted it."""
         assert self.master is not None
-        instance = next(iter(self.master.addons.get("proxyserver").servers))
+        instances = list(self.master.addons.get("proxyserver").servers)
+        if not instances:  # shutting down: mitmproxy's listener is gone, and so is this connection
+            sock.close()
+            return
+        instance = instances[0]
         loop = asyncio.get_running_loop()
 
         async def attach() -> None:

@@ -21,7 +21,7 @@ from collections import OrderedDict
 
 from .admin import AdminServer
 
-_STARTED = re.compile(r"proxy on (\S+):(\d+)(?:, admin on http://(\S+):(\d+))?")
+_STARTED = re.compile(r"^egresswall: proxy on (\S+):(\d+), admin on http://(\S+):(\d+),")
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{.*\})?) (\S+)$")
 _ALL_MUST_HOLD = {"egresswall_policy_loaded"}  # gauges where the pool is only as good as its worst worker
 
@@ -32,12 +32,16 @@ class Worker:
         self.process: asyncio.subprocess.Process | None = None
         self.admin: tuple[str, int] | None = None
         self.started = asyncio.Event()
+        self.last_metrics = ""  # what it reported last, carried over when it is restarted
+        self.restarts = 0
 
     async def start(self) -> None:
         self.started.clear()
         self.admin = None
+        # -P: the working directory must not shadow egresswall's packages. A long line must not kill
+        # the relay of this worker's messages (limit).
         self.process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "proxy.cli", *self.argv, stderr=asyncio.subprocess.PIPE)
+            sys.executable, "-P", "-m", "proxy.cli", *self.argv, stderr=asyncio.subprocess.PIPE, limit=1 << 20)
         asyncio.get_running_loop().create_task(self._relay_stderr())
 
     async def _relay_stderr(self) -> None:
@@ -45,8 +49,8 @@ class Worker:
         assert self.process is not None and self.process.stderr is not None
         async for raw in self.process.stderr:
             line = raw.decode(errors="replace").rstrip("\n")
-            match = _STARTED.search(line)
-            if match and match.group(4):
+            match = None if self.started.is_set() else _STARTED.match(line)  # only its first start line
+            if match:
                 self.admin = (match.group(3), int(match.group(4)))
                 self.started.set()
                 continue
@@ -61,9 +65,14 @@ class Supervisor:
         self.admin = AdminServer({"/healthz": lambda: (200, "text/plain", "ok\n"), "/readyz": self._readyz,
                                   "/metrics": self._metrics})
         self.stopping = False
-        self._cached_metrics: tuple[float, str] = (0.0, "")
+        self.carried: dict[str, float] = {}  # counters of workers that were restarted
 
     async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):  # before any worker exists: no window without them
+            loop.add_signal_handler(sig, self._stop)
+        for sig in (signal.SIGHUP, signal.SIGUSR1):
+            loop.add_signal_handler(sig, self._forward, sig)
         host, port = self.listen
         if port == 0:  # every worker must bind the same port: choose it here
             with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
@@ -77,14 +86,16 @@ class Supervisor:
         argv = [*self.worker_argv, "--listen", f"{host}:{port}", "--admin", "127.0.0.1:0", "--reuse-port",
                 "--worker-count", str(self.count), *also_self]
         self.workers = [Worker(i, argv) for i in range(self.count)]
-        for worker in self.workers:
-            await worker.start()
-        await asyncio.wait_for(asyncio.gather(*(w.started.wait() for w in self.workers)), timeout=60)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._stop)
-        for sig in (signal.SIGHUP, signal.SIGUSR1):
-            loop.add_signal_handler(sig, self._forward, sig)
+        try:
+            for worker in self.workers:
+                await worker.start()
+            await asyncio.wait_for(asyncio.gather(*(w.started.wait() for w in self.workers)), timeout=60)
+        except (TimeoutError, OSError) as err:
+            print(f"egresswall: workers did not start ({err or 'timed out'}); stopping them", file=sys.stderr)
+            self._stop()
+            await asyncio.gather(*(w.process.wait() for w in self.workers if w.process))
+            await self.admin.stop()
+            return 1
         print(f"egresswall: proxy on {host}:{port}" + (f", admin on http://{admin[0]}:{admin[1]}" if admin else "")
               + f", {self.count} workers", file=sys.stderr, flush=True)
         await self._supervise()
@@ -102,10 +113,23 @@ class Supervisor:
                 return
             for task in done:
                 worker = waits[task]
-                print(f"egresswall: worker {worker.index} exited with {task.result()}; restarting it",
+                worker.restarts += 1
+                delay = min(30.0, 0.5 * 2 ** min(worker.restarts - 1, 6))  # a worker that keeps failing backs off
+                print(f"egresswall: worker {worker.index} exited with {task.result()}; restarting it in {delay:g}s",
                       file=sys.stderr, flush=True)
-                await asyncio.sleep(0.5)  # a worker that fails at once must not spin the CPU
+                await asyncio.sleep(delay)
+                if self.stopping:  # SIGTERM during the pause: do not start what nobody will stop
+                    break
+                self._carry_over(worker)
                 await worker.start()
+
+    def _carry_over(self, worker: Worker) -> None:
+        """Counters must not go down when a worker restarts from zero: keep what it had counted."""
+        for line in worker.last_metrics.splitlines():
+            match = _SAMPLE.match(line)
+            if match and _is_counter(match.group(1)):
+                self.carried[match.group(1)] = self.carried.get(match.group(1), 0.0) + float(match.group(2))
+        worker.last_metrics = ""
 
     def _stop(self) -> None:
         self.stopping = True
@@ -129,8 +153,13 @@ class Supervisor:
         return 200, "text/plain", f"ready; {self.count} workers\n"
 
     def _metrics(self) -> tuple[int, str, str]:
-        texts = [_fetch(w.admin, "/metrics") for w in self.workers if w.admin]
-        return 200, "text/plain; version=0.0.4; charset=utf-8", sum_metrics(texts)
+        texts = []
+        for worker in self.workers:
+            text = _fetch(worker.admin, "/metrics") if worker.admin else ""
+            if text.startswith("# HELP"):
+                worker.last_metrics = text
+            texts.append(worker.last_metrics)  # an unreachable worker counts with what it last said
+        return 200, "text/plain; version=0.0.4; charset=utf-8", sum_metrics(texts, self.carried)
 
 
 def _fetch(address: tuple[str, int] | None, path: str) -> str:
@@ -138,7 +167,7 @@ def _fetch(address: tuple[str, int] | None, path: str) -> str:
     if address is None:
         return ""
     try:
-        with socket.create_connection(address, timeout=2) as sock:
+        with socket.create_connection(address, timeout=0.5) as sock:  # loopback: anything slower is down
             sock.sendall(f"GET {path} HTTP/1.0\r\n\r\n".encode())
             data = b""
             while chunk := sock.recv(65536):
@@ -148,8 +177,14 @@ def _fetch(address: tuple[str, int] | None, path: str) -> str:
         return f"unreachable: {err}"
 
 
-def sum_metrics(texts: list[str]) -> str:
-    """Add the workers' samples up, series by series; comments come from the first worker."""
+def _is_counter(series: str) -> bool:
+    name = series.split("{", 1)[0]
+    return name.endswith(("_total", "_sum", "_count"))
+
+
+def sum_metrics(texts: list[str], carried: dict[str, float] | None = None) -> str:
+    """Add the workers' samples up, series by series; comments come from the first worker. ``carried``
+    holds the counters of workers that were restarted since."""
     order: OrderedDict[str, list[str]] = OrderedDict()  # family comment lines, in first-seen order
     values: dict[str, list[float]] = {}
     family = ""
@@ -168,6 +203,10 @@ def sum_metrics(texts: list[str]) -> str:
                 order.setdefault(family, [])
                 if key not in order[family]:
                     order[family].append(key)
+    for key in carried or {}:  # a series only a restarted worker had counted still counts
+        if key not in values:
+            values[key] = []
+            order.setdefault(key.split("{", 1)[0], []).append(key)
     out = []
     for fam, lines in order.items():
         for line in lines:
@@ -175,8 +214,8 @@ def sum_metrics(texts: list[str]) -> str:
                 out.append(line)
             else:
                 samples = values[line]
-                total = min(samples) if fam in _ALL_MUST_HOLD else sum(samples)
-                out.append(f"{line} {total:g}")
+                total = min(samples) if fam in _ALL_MUST_HOLD else sum(samples) + (carried or {}).get(line, 0.0)
+                out.append(f"{line} {int(total) if total.is_integer() else repr(total)}")
     return "\n".join(out) + "\n"
 
 

@@ -261,3 +261,32 @@ def test_tunnels_take_the_path_the_proxy_was_started_with(lab, proxy):
     fast = [line for line in body.splitlines() if line.startswith("egresswall_fast_tunnels_total")]
     count = float(fast[0].split()[-1])
     assert (count > 0) == (proxy.tunnel_path == "fast-tunnels")
+
+
+def test_client_hello_split_across_reads_still_passes_through(lab, proxy):
+    """A ClientHello whose first two bytes arrive alone is still a ClientHello (both tunnel paths)."""
+    import time
+
+    sock, status, _ = proxy.connect(f"public.lab.example:{lab.public_tls.port}")
+    assert status == 200
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    context = ssl.create_default_context(cafile=str(lab.cert_file))
+    tls = context.wrap_bio(incoming, outgoing, server_hostname="public.lab.example")
+    with pytest.raises(ssl.SSLWantReadError):
+        tls.do_handshake()
+    hello = outgoing.read()
+    sock.sendall(hello[:2])
+    time.sleep(0.2)
+    sock.sendall(hello[2:])
+    while True:  # finish the handshake over the tunnel by hand
+        try:
+            tls.do_handshake()
+            break
+        except ssl.SSLWantReadError:
+            if data := outgoing.read():
+                sock.sendall(data)
+            chunk = sock.recv(65536)
+            assert chunk, "the tunnel was closed during the handshake"
+            incoming.write(chunk)
+    sock.sendall(outgoing.read())
+    sock.close()
