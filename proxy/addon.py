@@ -61,6 +61,7 @@ class Tunnel:
     intercept: bool
     started: float = field(default_factory=time.time)
     decided_layer: bool = False
+    client_conn_id: str = ""  # mitmproxy's client connection, so a tunnel never outlives it
 
 
 class EgressWall:
@@ -137,6 +138,10 @@ class EgressWall:
         self.metrics.open_connections = self.open_connections
         for key in [k for k in self.pins if k[0] == client.id]:
             del self.pins[key]
+        # Whatever ended this connection, its tunnels end with it: each gets its closing line, and the
+        # open-tunnel gauge cannot drift (a relay that already reported is gone from the table).
+        for server_id in [sid for sid, t in self.tunnels.items() if t.client_conn_id == client.id]:
+            self._tunnel_done(server_id, 0, 0, "the client connection closed")
 
     def _cap_refusal(self, policy: Policy, client: connection.Client) -> http.Response | None:
         limits = policy.limits
@@ -191,7 +196,8 @@ class EgressWall:
             return
         assert target is not None and verdict.pinned is not None
         self.pins[(flow.client_conn.id, target.host, target.port)] = verdict.pinned
-        self.tunnels[flow.server_conn.id] = Tunnel(flow_id, target, verdict, _client_ip(flow.client_conn), intercept)
+        self.tunnels[flow.server_conn.id] = Tunnel(flow_id, target, verdict, _client_ip(flow.client_conn), intercept,
+                                                   client_conn_id=flow.client_conn.id)
         self.metrics.open_tunnels += 1
 
     def next_layer(self, nextlayer: mlayer.NextLayer) -> None:
@@ -400,6 +406,8 @@ class EgressWall:
         original = self.restore.pop(data.server.id, None)
         if original is not None:
             data.server.address = original
+        if data.server.id in self.tunnels:  # the tunnel's connect failed: it ends here, with the reason
+            self._tunnel_done(data.server.id, 0, 0, f"connect failed: {data.server.error or 'unknown error'}")
 
     # ---- responses ----------------------------------------------------------------------------
 
