@@ -256,8 +256,11 @@ class EgressWall:
 
     def _tunnel_done(self, server_id: str, up: int, down: int, error: str | None) -> None:
         tunnel = self._close_tunnel(server_id)
-        if tunnel is None:
-            return
+        if tunnel is not None:
+            self.tunnel_line(tunnel, up, down, error)
+
+    def tunnel_line(self, tunnel: Tunnel, up: int, down: int, error: str | None) -> None:
+        """The closing line of a tunnel, on either tunnel path, with its bytes each way."""
         self.metrics.bytes_up += up
         self.metrics.bytes_down += down
         record = self._base_record("tunnel", tunnel.id, tunnel.client, "CONNECT", tunnel.target, tunnel.verdict)

@@ -296,12 +296,7 @@ class FastFront:
         self._tunnel_line(tunnel, 0, 0, reason)
 
     def _tunnel_line(self, tunnel: Tunnel, up: int, down: int, error: str | None) -> None:
-        self.addon.metrics.bytes_up += up
-        self.addon.metrics.bytes_down += down
-        record = self.addon._base_record("tunnel", tunnel.id, tunnel.client, "CONNECT", tunnel.target, tunnel.verdict)
-        record.update(status=200, bytes_up=up, bytes_down=down, duration=round(time.time() - tunnel.started, 6),
-                      error=error)
-        self.addon._write(record)
+        self.addon.tunnel_line(tunnel, up, down, error)
 
 
 def _parse_connect(head: bytes) -> tuple[str, int] | None:
