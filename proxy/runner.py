@@ -42,7 +42,7 @@ class RunConfig:
     upstream_ca: str | None = None  # extra CA bundle to verify intercepted upstreams with (labs, private CAs)
     watch_interval: float = 0.25
     reuse_port: bool = False  # a worker of several sharing the listen port (proxy/workers.py)
-    fast_tunnels: bool = True  # passed-through TLS tunnels relayed by proxy/fastpath.py, not mitmproxy
+    fast_tunnels: bool = False  # passed-through TLS tunnels relayed by proxy/fastpath.py (opt-in, README)
     worker_count: int = 1  # connection caps are shared out between this many workers
     extra_self_endpoints: tuple[tuple[str, int], ...] = ()  # e.g. the supervisor's admin listener
 
