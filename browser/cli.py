@@ -166,15 +166,10 @@ def cmd_browse(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"egresswall: {err}", file=sys.stderr)
         return EXIT_ERROR
-    embedded = None
-    try:
-        address, embedded, ca_files = _proxy_from_args(args)
-        plan = plan_launch(address, ca_files=ca_files, sandbox=False if args.no_sandbox else None)
-    except ContainmentError as err:
-        if embedded:
-            embedded.stop()
-        print(f"egresswall: {err}", file=sys.stderr)
+    prepared = _prepare(args)
+    if prepared is None:
         return EXIT_ERROR
+    address, embedded, plan = prepared
     host, _, port = address.rpartition(":")
     refusals = embedded.refusals if embedded else ProxyQuery(host.strip("[]"), int(port))
     try:
@@ -201,22 +196,36 @@ def cmd_browse(args: argparse.Namespace) -> int:
     return EXIT_ALL_READ if all(r.read for r in results) else EXIT_NOT_ALL_READ
 
 
-# ---- browser-server ------------------------------------------------------------------------------
-
-def cmd_browser_server(args: argparse.Namespace) -> int:
-    from .server import BrowserServer, check_bind_address
-
-    _logging()
+def _prepare(args: argparse.Namespace):
+    """The proxy (named or embedded) and the launch plan both commands start from; None after an error
+    was printed (an embedded proxy that was started is stopped again)."""
     embedded = None
     try:
-        check_bind_address(args.host, args.allow_non_loopback)
         address, embedded, ca_files = _proxy_from_args(args)
         plan = plan_launch(address, ca_files=ca_files, sandbox=False if args.no_sandbox else None)
     except ContainmentError as err:
         if embedded:
             embedded.stop()
         print(f"egresswall: {err}", file=sys.stderr)
+        return None
+    return address, embedded, plan
+
+
+# ---- browser-server ------------------------------------------------------------------------------
+
+def cmd_browser_server(args: argparse.Namespace) -> int:
+    from .server import BrowserServer, check_bind_address
+
+    _logging()
+    try:
+        check_bind_address(args.host, args.allow_non_loopback)
+    except ContainmentError as err:
+        print(f"egresswall: {err}", file=sys.stderr)
         return EXIT_ERROR
+    prepared = _prepare(args)
+    if prepared is None:
+        return EXIT_ERROR
+    _, embedded, plan = prepared
     server = BrowserServer(plan, args.host, args.port)
     try:
         asyncio.run(server.run())
