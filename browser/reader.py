@@ -110,19 +110,19 @@ class AuditRefusals:
     for a URL: same host and port, decided since the page started loading."""
 
     def __init__(self, keep: int = 5000) -> None:
-        self._records: deque[dict[str, Any]] = deque(maxlen=keep)
+        self._records: deque[tuple[float, dict[str, Any]]] = deque(maxlen=keep)
         self._lock = threading.Lock()
 
     def record(self, record: dict[str, Any]) -> None:
         if record.get("event") == "decision" and record.get("verdict") == "refuse":
             with self._lock:
-                self._records.append(record)
+                self._records.append((time.time(), record))  # when it was decided, on this process's clock
 
     def find(self, url: str, since: float) -> Refusal | None:
         _, host, port = _host_port(url)
         path = urlsplit(url).path or "/"
         with self._lock:
-            recent = [r for r in self._records if r.get("time", 0) >= since - 0.5]
+            recent = [r for seen, r in self._records if seen >= since - 0.5]
         best: tuple[int, dict[str, Any]] | None = None
         for record in recent:
             score = 0

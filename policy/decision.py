@@ -36,6 +36,9 @@ class Request:
     method: str = "GET"
     client: str | None = None  # the client's address, which chooses its role
     tunnel: bool = False  # a CONNECT: method and path are not visible unless intercepted
+    # A CONNECT to a port that is also a plain-HTTP port (Chromium sends ws:// as CONNECT host:80): the
+    # HTTP inside is parsed and each request decided, so rules with method or path conditions may open it.
+    inspected: bool = False
     websocket: bool = False  # an Upgrade: websocket request
     at: datetime = field(default_factory=lambda: datetime.now(UTC))  # for rule expiry
 
@@ -87,7 +90,8 @@ def precheck(policy: Policy, request: Request) -> Verdict:
         return Verdict(False, SCHEME, "scheme", f"scheme {target.scheme!r} is not http, https, ws or wss",
                        role=role_name)
     # An https/wss request that is not itself a CONNECT came through one (intercepted) or will be sent
-    # over TLS: either way it is judged by the CONNECT ports, not the plain-HTTP ones.
+    # over TLS: either way it is judged by the CONNECT ports, not the plain-HTTP ones. Every CONNECT is
+    # judged by the CONNECT ports, also one to a plain-HTTP port whose content egresswall parses.
     over_tls = request.tunnel or target.scheme in ("https", "wss")
     ports, kind = (policy.connect_ports, "CONNECT") if over_tls else (policy.http_ports, "plain-HTTP")
     if target.port not in ports:
@@ -177,9 +181,9 @@ def _conditions_hold(rule: HostRule, request: Request) -> bool:
     if rule.needs_visible_request:
         if request.tunnel:
             # A passed-through tunnel hides method and path. An allow rule that names them may open
-            # the tunnel only when it intercepts (then each request inside is checked); a deny rule
-            # with such conditions refuses only the requests it can see.
-            return rule.action == ALLOW and rule.intercept
+            # the tunnel only when it intercepts or the tunnel carries parsed HTTP (then each request
+            # inside is checked); a deny rule with such conditions refuses only the requests it can see.
+            return rule.action == ALLOW and (rule.intercept or request.inspected)
         if rule.methods is not None and request.method.upper() not in rule.methods:
             return False
         if not rule.path_matches(target.path):

@@ -144,9 +144,12 @@ class Limits:
     max_request_body: int = 10 * 1024 * 1024
     tunnel_grace: float = 10.0
     # A request or response head (start line and headers) may be at most this big and must arrive
-    # within header_timeout of its first byte: mitmproxy itself bounds neither (proxy/bounds.py).
+    # within header_timeout of its first byte: mitmproxy itself bounds neither (proxy/mitm_patches.py).
     max_header_bytes: int = 64 * 1024
     header_timeout: float = 30.0
+    # A connection that has sent nothing at all is closed after this long: silent sockets must not
+    # hold their client's (or everyone's) connection slots until the idle timeout.
+    first_byte_timeout: float = 10.0
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,9 @@ class AuditLog:
         line records how many lines were lost, in the log itself."""
         if self.healthy:
             return True
-        record = {"time": round(time.time(), 6), "event": "audit", "failures": self.failures,
+        from .records import rfc3339
+
+        record = {"time": rfc3339(time.time()), "event": "audit", "failures": self.failures,
                   "reason": "the audit log is writable again; 'failures' lines could not be written"}
         if self.select is None or self.select(record):
             return self.write(record)
@@ -109,6 +111,3 @@ class AuditLog:
                 os.close(self._fd)
             self._fd = None
 
-
-def now() -> float:
-    return time.time()

@@ -1,9 +1,13 @@
-"""Run egresswall's addon inside stock mitmdump:
+"""Run egresswall's addons inside stock mitmdump:
 
     mitmdump -s proxy/mitmdump_addon.py --set egresswall_policy=policy/default.yaml
 
-The embedded runner (``egresswall run``) is faster (fewer addons); this shim is for teams that
-already operate mitmdump. Load it last so its next_layer hook has the final say in tunnels.
+The embedded runner (``egresswall run``) is faster (fewer addons, and its front relays passed-through
+TLS tunnels itself); this shim is for teams that already operate mitmdump. It builds the same gate and
+loads the same addons, so every limit holds here too (``tcp_timeout`` follows ``limits.idle_timeout``,
+the head, body and first-byte bounds are installed). Without the front, a connection over a cap is
+closed at accept without an answer (no request has been read, so its record names no host).
+Load it last so its next_layer hook has the final say in tunnels.
 """
 
 from __future__ import annotations
@@ -14,35 +18,87 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mitmproxy import ctx  # noqa: E402
+from mitmproxy.exceptions import OptionsError  # noqa: E402
 
-from proxy.addon import EgressWall  # noqa: E402
+from policy.loader import PolicyError  # noqa: E402
+from proxy import mitm_patches  # noqa: E402
+from proxy.addons import egresswall_addons  # noqa: E402
 from proxy.audit import AuditLog  # noqa: E402
+from proxy.gate import Gate  # noqa: E402
+from proxy.peers import peer_of  # noqa: E402
 from proxy.reload import PolicyHolder  # noqa: E402
 
 
 class MitmdumpShim:
     def __init__(self) -> None:
-        self.inner: EgressWall | None = None
+        self.gate: Gate | None = None
+        self.inner: list = []
 
     def load(self, loader) -> None:
         loader.add_option("egresswall_policy", str, "", "egresswall policy file (default: the bundled policy)")
         loader.add_option("egresswall_log", str, "", "egresswall audit log file (default: standard output)")
 
     def configure(self, updated) -> None:
-        if self.inner is None or "egresswall_policy" in updated:
+        if self.gate is not None and "egresswall_policy" not in updated and "egresswall_log" not in updated:
+            return
+        try:
             holder = PolicyHolder(ctx.options.egresswall_policy or None)
-            self.inner = EgressWall(holder, AuditLog(ctx.options.egresswall_log or None))
-            ctx.options.update(connection_strategy="eager")
+        except PolicyError as err:
+            raise OptionsError(f"egresswall_policy: {err}") from None
+        self.gate = Gate(holder, AuditLog(ctx.options.egresswall_log or None))
+        gate = self.gate
+        mitm_patches.uninstall()
+        mitm_patches.install(mitm_patches.PatchState(
+            limits=lambda: gate.policy.limits,
+            on_refusal=lambda conn, status, rule, reason: gate.connection_refused(peer_of(conn.peername), status,
+                                                                                   rule, reason),
+            on_body_over_limit=self._body_over_limit))
+        self.inner = egresswall_addons(gate)
+
+    def _body_over_limit(self, flow, limit: int):
+        from proxy.addons.decision import FLOW_ID, TARGET, VERDICT, to_response
+
+        assert self.gate is not None
+        flow.metadata.pop(VERDICT, None)
+        refusal = self.gate.refuse(peer_of(flow.client_conn.peername), flow.request.method, flow.metadata.get(TARGET),
+                                   413, "limits", "limits.max_request_body",
+                                   f"the request body is over the limit of {limit} bytes (limits.max_request_body)",
+                                   flow_id=flow.metadata.get(FLOW_ID), event="response")
+        flow.response = to_response(refusal)
+        return refusal
 
     def running(self) -> None:
-        assert self.inner is not None
-        self.inner.holder.start_watching()
+        assert self.gate is not None
+        self.gate.holder.start_watching()
+        for addon in self.inner:
+            if hasattr(addon, "running"):
+                addon.running()
 
     def __getattr__(self, name: str):
-        # Every other hook goes to the addon; mitmproxy looks hooks up by name.
-        if name.startswith("_") or self.__dict__.get("inner") is None:
+        # Every other hook goes to the addons that have it, in their order; mitmproxy looks hooks up by name.
+        if name.startswith("_") or not self.__dict__.get("inner"):
             raise AttributeError(name)
-        return getattr(self.inner, name)
+        handlers = [getattr(addon, name) for addon in self.__dict__["inner"] if hasattr(addon, name)]
+        if not handlers:
+            raise AttributeError(name)
+        return _chain(handlers)
+
+
+def _chain(handlers):
+    import inspect
+
+    if any(inspect.iscoroutinefunction(h) for h in handlers):
+        async def run_all(*args):
+            for handler in handlers:
+                result = handler(*args)
+                if inspect.isawaitable(result):
+                    await result
+        return run_all
+
+    def run_sync(*args):
+        for handler in handlers:
+            handler(*args)
+    return run_sync
 
 
 addons = [MitmdumpShim()]

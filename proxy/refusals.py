@@ -1,33 +1,39 @@
-"""The responses egresswall sends instead of forwarding: always with a reason a human can read."""
+"""The answer egresswall sends instead of forwarding: always with a reason a human can read.
+
+One rendering for both transports: ``refusal_parts`` gives the status, headers and body; the fast
+front writes ``refusal_bytes``, the mitmproxy addons wrap the same parts in an ``http.Response``.
+"""
 
 from __future__ import annotations
 
-from mitmproxy import http
+from http import HTTPStatus
 
-from policy.decision import Verdict
+from .gate import Refusal
+from .records import rule_id_of
 
 REASON_HEADER = "X-Egresswall-Reason"
 RULE_HEADER = "X-Egresswall-Rule"
+RULE_ID_HEADER = "X-Egresswall-Rule-Id"
 OWN_HEADER_PREFIX = "x-egresswall-"  # headers only egresswall may set; stripped from upstream responses
 
 
-def _one_line(text: str, limit: int = 400) -> str:
+def one_line(text: str, limit: int = 400) -> str:
     text = " ".join(text.split())
     text = text.encode("ascii", "backslashreplace").decode("ascii")
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def refusal(status: int, rule: str, reason: str) -> http.Response:
-    body = f"egresswall refused this request.\nrule: {rule}\nreason: {reason}\n"
-    response = http.Response.make(
-        status,
-        body.encode("utf-8"),
-        {"Content-Type": "text/plain; charset=utf-8", "Cache-Control": "no-store", "Connection": "close"},
-    )
-    response.headers[REASON_HEADER] = _one_line(reason)
-    response.headers[RULE_HEADER] = _one_line(rule, 200)
-    return response
+def refusal_parts(refusal: Refusal) -> tuple[int, list[tuple[str, str]], bytes]:
+    verdict = refusal.verdict
+    body = f"egresswall refused this request.\nrule: {verdict.rule}\nreason: {verdict.reason}\n".encode()
+    headers = [("Content-Type", "text/plain; charset=utf-8"), ("Cache-Control", "no-store"),
+               ("Connection", "close"), (REASON_HEADER, one_line(verdict.reason)),
+               (RULE_HEADER, one_line(verdict.rule, 200)), (RULE_ID_HEADER, one_line(rule_id_of(verdict), 200))]
+    return refusal.status, headers, body
 
 
-def from_verdict(verdict: Verdict) -> http.Response:
-    return refusal(403, verdict.rule, verdict.reason)
+def refusal_bytes(refusal: Refusal) -> bytes:
+    status, headers, body = refusal_parts(refusal)
+    phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "Refused"
+    head = f"HTTP/1.1 {status} {phrase}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers)
+    return (head + f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1") + body

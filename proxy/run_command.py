@@ -34,11 +34,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--log", metavar="FILE", help="audit log file (default: standard output); SIGUSR1 reopens it")
     run.add_argument("--log-format", choices=["json", "squid"], default="json")
     run.add_argument("--confdir", help="mitmproxy's configuration directory (its CA, for interception)")
+    run.add_argument("--upstream-ca", metavar="FILE",
+                     help="CA bundle to verify intercepted upstreams with, besides the system's (private CAs, labs)")
     run.add_argument("--workers", type=int, default=1, metavar="N",
                      help="proxy processes sharing the listen port (SO_REUSEPORT); default 1")
-    run.add_argument("--fast-tunnels", action="store_true",
-                     help="relay passed-through TLS tunnels in egresswall's own front, not through mitmproxy "
-                          "(faster; opt-in while one open question stands, see README)")
+    run.add_argument("--fast-tunnels", action=argparse.BooleanOptionalAction, default=True,
+                     help="relay passed-through TLS tunnels in egresswall's own front rather than through "
+                          "mitmproxy (default: on; --no-fast-tunnels hands them to mitmproxy)")
     # Set by the supervisor for its workers; not for operators.
     run.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
     run.add_argument("--worker-count", type=int, default=1, help=argparse.SUPPRESS)
@@ -59,7 +61,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     logging.getLogger("mitmproxy").setLevel(logging.WARNING)  # one line per connection is not for operators
     config = RunConfig(policy_path=args.policy, overrides=overrides_from(args), listen=args.listen,
                        admin=None if args.no_admin else args.admin, log_path=args.log, log_format=args.log_format,
-                       confdir=args.confdir, reuse_port=args.reuse_port, worker_count=args.worker_count,
+                       confdir=args.confdir, upstream_ca=args.upstream_ca, reuse_port=args.reuse_port,
+                       worker_count=args.worker_count,
                        fast_tunnels=args.fast_tunnels,
                        extra_self_endpoints=tuple(args.also_self))
     runner = ProxyRunner(config)

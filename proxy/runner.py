@@ -1,7 +1,10 @@
 """The embedded proxy: a minimal mitmproxy Master with only the core addons egresswall needs.
 
-mitmdump loads some 36 addons; this loads five, which measured about 1.6x its throughput. One
-Master per process (mitmproxy keeps process-wide state).
+mitmdump loads some 36 addons; this loads five of mitmproxy's core ones and egresswall's own
+(proxy/addons/), which measured about 1.6x its throughput. One Master per process (mitmproxy keeps
+process-wide state, and proxy/mitm_patches.py patches it for this one gate). The public port is the
+front's (proxy/front.py): it admits every connection and either relays a passed-through TLS tunnel
+itself or hands the connection to mitmproxy's listener-less handler.
 """
 
 from __future__ import annotations
@@ -20,11 +23,15 @@ from mitmproxy.master import Master
 
 from policy.loader import Overrides
 
-from .addon import EgressWall
+from . import mitm_patches
+from .addons import egresswall_addons
+from .addons.decision import to_response
 from .admin import AdminServer
 from .audit import AuditLog, json_line
-from .fastpath import FastFront
+from .front import Front
+from .gate import Gate
 from .metrics import Metrics
+from .peers import peer_of
 from .reload import PolicyHolder
 
 log = logging.getLogger("egresswall")
@@ -42,7 +49,7 @@ class RunConfig:
     upstream_ca: str | None = None  # extra CA bundle to verify intercepted upstreams with (labs, private CAs)
     watch_interval: float = 0.25
     reuse_port: bool = False  # a worker of several sharing the listen port (proxy/workers.py)
-    fast_tunnels: bool = False  # passed-through TLS tunnels relayed by proxy/fastpath.py (opt-in, README)
+    fast_tunnels: bool = True  # passed-through TLS tunnels relayed by the front (proxy/front.py), not mitmproxy
     worker_count: int = 1  # connection caps are shared out between this many workers
     extra_self_endpoints: tuple[tuple[str, int], ...] = ()  # e.g. the supervisor's admin listener
 
@@ -53,13 +60,16 @@ class ProxyRunner:
         self.metrics = Metrics()
         self.holder = PolicyHolder(config.policy_path, config.overrides, on_reload=self._on_reload)
         self.audit = AuditLog(config.log_path, *_log_format(config.log_format))
-        self.addon = EgressWall(self.holder, self.audit, self.metrics, share=config.worker_count)
+        self.gate = Gate(self.holder, self.audit, self.metrics, share=config.worker_count)
         for host, port in config.extra_self_endpoints:
-            self.addon.self_endpoints.add((_endpoint_host(host), port))
+            self.gate.self_endpoints.add((_endpoint_host(host), port))
+        self.patch_state = mitm_patches.PatchState(
+            limits=lambda: self.holder.policy.limits, on_refusal=self._connection_refusal,
+            on_body_over_limit=self._body_over_limit, first_byte_timer=False)
         self.admin = AdminServer({"/healthz": self._healthz, "/readyz": self._readyz,
                                   "/metrics": self._metrics})
         self.master: Master | None = None
-        self.front: FastFront | None = None
+        self.front: Front | None = None
         self.listen_address: tuple[str, int] | None = None
         self.admin_address: tuple[str, int] | None = None
         self.ready = asyncio.Event()
@@ -79,7 +89,7 @@ class ProxyRunner:
             problems.append("proxy listener is not up")
         if not self.audit.healthy:
             problems.append("the audit log cannot be written")
-        if self.addon.draining:
+        if self.gate.draining:
             problems.append("shutting down")
         if problems:
             return 503, "text/plain", "not ready: " + "; ".join(problems) + "\n"
@@ -94,18 +104,16 @@ class ProxyRunner:
     async def run(self) -> None:
         if self.config.reuse_port:
             _listen_with_reuse_port()
+        mitm_patches.install(self.patch_state)
         opts = mitm_options.Options()
         self.master = Master(opts, event_loop=asyncio.get_running_loop())
-        # NextLayer comes before EgressWall: egresswall's next_layer hook runs last and has the final say.
+        # mitmproxy's NextLayer comes before egresswall's addons: their next_layer hook has the final say.
         self.master.addons.add(core.Core(), proxyserver.Proxyserver(), next_layer.NextLayer(), tlsconfig.TlsConfig(),
-                               disable_h2c.DisableH2C(), self.addon)
+                               disable_h2c.DisableH2C(), *egresswall_addons(self.gate, fronted=True))
         host, port = self.config.listen
-        # With the fast path, egresswall's own front owns the public port and hands mitmproxy what it
-        # does not relay itself; mitmproxy's listener is then an internal one on loopback.
-        mitm_host, mitm_port = ("127.0.0.1", 0) if self.config.fast_tunnels else (host, port)
-        updates = dict(listen_host=mitm_host, listen_port=mitm_port, mode=["regular"], connection_strategy="eager",
-                       tcp_timeout=int(self.holder.policy.limits.idle_timeout), stream_large_bodies="1",
-                       http3=False)
+        # The front owns the public port and hands mitmproxy what it does not relay itself; mitmproxy's
+        # own listener is an internal one on loopback (and counted as egresswall itself).
+        updates = dict(listen_host="127.0.0.1", listen_port=0, mode=["regular"])
         if self.config.confdir:
             updates["confdir"] = self.config.confdir
         if self.config.upstream_ca:
@@ -118,14 +126,20 @@ class ProxyRunner:
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 loop.add_signal_handler(sig, handler)
         master_task = asyncio.create_task(self.master.run())
-        await self._wait_listening()
-        if self.config.fast_tunnels:
-            self.front = FastFront(self.addon, self._handoff)
+        try:
+            await self._wait_listening()
+            self.front = Front(self.gate, self._handoff, relay_tunnels=self.config.fast_tunnels)
             self.listen_address = await self.front.start(host, port, reuse_port=self.config.reuse_port)
-            self.addon.self_endpoints.add((_endpoint_host(self.listen_address[0]), self.listen_address[1]))
-        if self.config.admin is not None:
-            self.admin_address = await self.admin.start(*self.config.admin)
-            self.addon.self_endpoints.add((_endpoint_host(self.admin_address[0]), self.admin_address[1]))
+            self.gate.self_endpoints.add((_endpoint_host(self.listen_address[0]), self.listen_address[1]))
+            if self.config.admin is not None:
+                self.admin_address = await self.admin.start(*self.config.admin)
+                self.gate.self_endpoints.add((_endpoint_host(self.admin_address[0]), self.admin_address[1]))
+        except BaseException:
+            self.master.shutdown()
+            with contextlib.suppress(BaseException):
+                await master_task
+            mitm_patches.uninstall()
+            raise
         self.holder.start_watching(self.config.watch_interval)
         self.ready.set()
         print(f"egresswall: proxy on {self.listen_address[0]}:{self.listen_address[1]}"
@@ -138,6 +152,7 @@ class ProxyRunner:
             self.holder.stop_watching()
             await self.admin.stop()
             self.audit.close()
+            mitm_patches.uninstall()
 
     async def _wait_listening(self) -> None:
         assert self.master is not None
@@ -145,19 +160,20 @@ class ProxyRunner:
         for _ in range(200):
             addresses = server.listen_addrs() if server else []
             if addresses:
-                host, port = addresses[0][0], addresses[0][1]
-                self.listen_address = (host, port)
                 for address in addresses:
-                    self.addon.self_endpoints.add((_endpoint_host(address[0]), address[1]))
+                    self.gate.self_endpoints.add((_endpoint_host(address[0]), address[1]))
                 return
             await asyncio.sleep(0.05)
-        raise RuntimeError(f"proxy did not start listening on {self.config.listen}")
+        raise RuntimeError("mitmproxy's internal listener did not start")
 
-    def _handoff(self, sock: socket.socket) -> None:
-        """Give an accepted connection, unread, to mitmproxy as if its own listener had accepted it."""
+    def _handoff(self, sock: socket.socket, prefix: bytes) -> None:
+        """Give an accepted connection to mitmproxy as if its own listener had accepted it, with the
+        bytes the front already read put back in front of the rest."""
         assert self.master is not None
         instances = list(self.master.addons.get("proxyserver").servers)
         if not instances:  # shutting down: mitmproxy's listener is gone, and so is this connection
+            self.gate.admission.take_over(_peer(sock))
+            self.gate.release(peer_of(_peer(sock)))
             sock.close()
             return
         instance = instances[0]
@@ -165,6 +181,8 @@ class ProxyRunner:
 
         async def attach() -> None:
             reader = asyncio.StreamReader(loop=loop)
+            if prefix:
+                reader.feed_data(prefix)
             try:
                 await loop.connect_accepted_socket(lambda: asyncio.StreamReaderProtocol(reader, instance.handle_stream),
                                                    sock)
@@ -173,23 +191,48 @@ class ProxyRunner:
 
         loop.create_task(attach())
 
+    # ---- refusals mitmproxy's patched code reports ----------------------------------------------
+
+    def _connection_refusal(self, conn, status: int, rule: str, reason: str) -> None:
+        self.gate.connection_refused(peer_of(conn.peername), status, rule, reason)
+
+    def _body_over_limit(self, flow, limit: int):
+        from .addons.decision import FLOW_ID, STARTED, TARGET, VERDICT
+
+        verdict = flow.metadata.pop(VERDICT, None)  # no response record follows: this is the refusal's
+        target = flow.metadata.get(TARGET)
+        reason = f"the request body is over the limit of {limit} bytes (limits.max_request_body)"
+        refusal = self.gate.refuse(peer_of(flow.client_conn.peername), flow.request.method, target, 413, "limits",
+                                   "limits.max_request_body", reason, flow_id=flow.metadata.get(FLOW_ID),
+                                   event="response")
+        del verdict, STARTED
+        flow.response = to_response(refusal)
+        return refusal
+
     def request_stop(self) -> None:
         if not self._stopping:
             self._stopping = True
             asyncio.get_running_loop().create_task(self.stop())
 
     async def stop(self) -> None:
-        """Stop accepting, let open tunnels finish for up to the grace period, then close."""
+        """Stop accepting, let open connections finish for up to the grace period, then close."""
         assert self.master is not None
-        self.addon.draining = True
+        self.gate.admission.draining = True
         if self.front is not None:
             self.front.stop_accepting()
         self.master.options.update(server=False)  # closes the listening sockets
         grace = self.holder.policy.limits.tunnel_grace
         deadline = asyncio.get_running_loop().time() + grace
-        while self.addon.open_connections > 0 and asyncio.get_running_loop().time() < deadline:
+        while self.gate.admission.total > 0 and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
         self.master.shutdown()
+
+
+def _peer(sock: socket.socket) -> tuple:
+    try:
+        return sock.getpeername()
+    except OSError:
+        return ("", 0)
 
 
 def _listen_with_reuse_port() -> None:

@@ -5,7 +5,9 @@ Upstreams (on 127.0.0.2, "the public web" of the lab, each on its own port):
   ``EndlessHeaders``  answers a status line, then header lines forever (fast, or one per ``interval``);
   ``Silent``          reads the request and never answers;
   ``RedirectLoop``    answers every request with a redirect to the next step of a loop;
-  ``Blackhole``       a listener whose accept queue is full, so a connect to it hangs (SYNs dropped).
+  ``Blackhole``       a listener whose accept queue is full, so a connect to it hangs (SYNs dropped);
+  ``SwitchesProtocols`` answers any request with ``101 Switching Protocols`` and then echoes bytes
+                      (what an upstream does to turn a plain request into a raw relay).
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ from labnet import PUBLIC_IP
 class _Server:
     """Accepts connections on a thread and hands each to ``handle`` on its own thread."""
 
-    def __init__(self, host: str = PUBLIC_IP) -> None:
+    def __init__(self, host: str = PUBLIC_IP, port: int = 0) -> None:
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, 0))
+        self.sock.bind((host, port))
         self.sock.listen(64)
         self.host, self.port = host, self.sock.getsockname()[1]
         self.connections = 0
@@ -57,6 +59,22 @@ class _Server:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
             conn.close()
+
+
+class SwitchesProtocols(_Server):
+    def __init__(self, port: int = 0) -> None:
+        super().__init__(port=port)
+        self.heads: list[bytes] = []
+        self.echoed = 0
+
+    def handle(self, conn: socket.socket, head: bytes) -> None:
+        self.heads.append(head)
+        conn.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                     b"Sec-WebSocket-Accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=\r\n\r\n")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (chunk := conn.recv(65536)):
+            self.echoed += len(chunk)
+            conn.sendall(chunk)
 
 
 def read_head(conn: socket.socket, limit: int = 1 << 20) -> bytes:

@@ -266,7 +266,7 @@ def _path_of(record: dict) -> str:
     if record.get("path"):
         return record["path"]
     parts = (record.get("url") or "").split("/", 3)
-    return "/" + parts[3] if len(parts) == 4 else record.get("url", "")
+    return "/" + parts[3] if len(parts) == 4 else (record.get("url") or "")
 
 
 def audit_matches(records: list[dict], result: LoadResult) -> dict[str, int]:

@@ -64,7 +64,7 @@ def embedded(site, tmp_path_factory):
     yield proxy
     proxy.stop()
     # The in-process proxy has no outbound guard: check every connect it made went to loopback.
-    connects = {r["connect"] for r in records if r.get("connect")}
+    connects = {r["pinned"] for r in records if r.get("pinned")}
     assert all(c.startswith("127.") for c in connects), connects
 
 

@@ -60,7 +60,7 @@ def test_one_decision_line_per_request_under_1000_requests(lab, start_proxy):
     assert allowed == 8 * 42 and by_verdict == {"allow": allowed, "refuse": 1000 - allowed}
     responses = [r for r in records if r["event"] == "response"]
     assert len(responses) == allowed and all(r["status"] == 200 and r["bytes_down"] > 0 for r in responses)
-    required = {"time", "client", "method", "scheme", "host", "port", "path", "addresses", "connect", "verdict",
+    required = {"time", "client", "method", "scheme", "host", "port", "path", "addresses", "pinned", "verdict",
                 "rule", "reason", "mode", "status"}
     assert all(required <= set(r) for r in decisions)
 
@@ -88,7 +88,7 @@ def test_passthrough_tunnel_bytes_are_counted(lab, start_proxy):
     tunnels = [r for r in proxy.audit() if r["event"] == "tunnel"]
     assert len(tunnels) == 1
     assert tunnels[0]["bytes_down"] > 200000 and tunnels[0]["bytes_up"] > 0  # TLS records, counted untouched
-    assert tunnels[0]["connect"] == "127.0.0.2"
+    assert tunnels[0]["pinned"] == "127.0.0.2"
 
 
 def test_metrics_parse_with_prometheus_client(lab, start_proxy):

@@ -21,7 +21,7 @@ def proxy(lab, tmp_path_factory, request):
     folder = tmp_path_factory.mktemp("enforce")
     policy = folder / "policy.yaml"
     policy.write_text(lab.policy_text("hosts:\n  deny:\n    - denied.lab.example\n"))
-    mode = ["--fast-tunnels"] if request.param == "fast-tunnels" else []
+    mode = [] if request.param == "fast-tunnels" else ["--no-fast-tunnels"]
     process = ProxyProcess(["--policy", str(policy), *mode], folder / "audit.jsonl")
     process.tunnel_path = request.param
     yield process

@@ -58,9 +58,10 @@ def test_the_parser_reads_real_squid_lines(line: str) -> None:
     parse(line)
 
 
-BASE = {"time": 1795980076.8679, "id": "f1", "client": "10.1.2.3", "role": None, "method": "GET", "scheme": "http",
+BASE = {"time": "2026-11-29T19:21:16.868Z", "id": "f1",
+        "client": "10.1.2.3", "role": None, "method": "GET", "scheme": "http",
         "host": "example.com", "port": 80, "path": "/index.html", "addresses": ["93.184.216.34"],
-        "connect": None, "verdict": "refuse", "stage": "host", "rule": "p.yaml:3", "reason": "no", "mode": "enforce",
+        "pinned": None, "verdict": "refuse", "stage": "host", "rule": "p.yaml:3", "reason": "no", "mode": "enforce",
         "status": 403}
 
 
@@ -88,8 +89,8 @@ def test_refusal_inside_a_tunnel_after_connect_was_answered() -> None:
 
 
 def test_response() -> None:
-    line = squid_line(record(event="response", verdict="allow", status=200, connect="93.184.216.34",
-                             bytes_down=5120, duration=0.2345, port=8080, scheme="http", error=None))
+    line = squid_line(record(event="response", verdict="allow", status=200, pinned="93.184.216.34",
+                             bytes_down=5120, duration_ms=234.5, port=8080, scheme="http", error=None))
     fields = parse(line)
     assert (fields["code"], fields["status"], fields["bytes"]) == ("TCP_MISS", "200", "5120")
     assert fields["elapsed"].strip() == "234" or fields["elapsed"].strip() == "235"
@@ -104,24 +105,25 @@ def test_response() -> None:
                                          ("read timeout", "TCP_MISS_TIMEDOUT")])
 def test_response_errors(error: str, code: str) -> None:
     fields = parse(squid_line(record(event="response", verdict="allow", status=None, error=error,
-                                     connect="93.184.216.34")))
+                                     pinned="93.184.216.34")))
     assert (fields["code"], fields["status"]) == (code, "000")
 
 
 def test_tunnel() -> None:
     line = squid_line(record(event="tunnel", verdict="allow", method="CONNECT", scheme="https", port=443, path=None,
-                             status=200, connect="93.184.216.34", bytes_up=700, bytes_down=4096, duration=12.5,
+                             status=200, pinned="93.184.216.34", bytes_up=700, bytes_down=4096, duration_ms=12500,
                              error=None))
     assert line == ("1795980076.868  12500 10.1.2.3 TCP_TUNNEL/200 4096 CONNECT example.com:443 - "
                     "HIER_DIRECT/93.184.216.34 -")
     parse(line)
     aborted = parse(squid_line(record(event="tunnel", method="CONNECT", status=200, error="connection reset",
-                                      connect="93.184.216.34")))
+                                      pinned="93.184.216.34")))
     assert aborted["code"] == "TCP_TUNNEL_ABORTED"
 
 
 def test_connection_that_ended_before_a_request() -> None:
-    line = squid_line({"time": 1795980076.5, "event": "connection", "client": "10.1.2.3", "duration": 1.5,
+    line = squid_line({"time": "2026-11-29T19:21:16.500Z", "event": "connection", "client": "10.1.2.3",
+                       "duration_ms": 1500,
                        "error": "client closed before sending a request"})
     assert line == ("1795980076.500   1500 10.1.2.3 NONE_NONE/000 0 - error:transaction-end-before-headers - "
                     "HIER_NONE/- -")
@@ -140,7 +142,7 @@ def test_ipv6_hosts_default_ports_and_odd_urls() -> None:
 
 
 def test_timestamp_rounding_carries_into_seconds() -> None:
-    assert squid_line(record(event="decision", time=1795980076.9996)).startswith("1795980077.000 ")
+    assert squid_line(record(event="decision", time="2026-11-29T19:21:16.9996Z")).startswith("1795980077.000 ")
 
 
 def test_which_records_become_lines() -> None:

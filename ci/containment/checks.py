@@ -261,8 +261,8 @@ def judge(report: list[dict] | None, evidence: Evidence, *, targets: list[T.Targ
                 internal = [a for a in r.get("addresses", []) if _is_internal(a)]
                 if internal and r.get("verdict") != "refuse":
                     c.problems.append(f"{target.key}: allowed although it resolved to {internal}")
-                if r.get("verdict") != "refuse" and r.get("connect") and _is_internal(str(r["connect"])):
-                    c.problems.append(f"{target.key}: connected to {r['connect']}")
+                if r.get("verdict") != "refuse" and r.get("pinned") and _is_internal(str(r["pinned"])):
+                    c.problems.append(f"{target.key}: connected to {r['pinned']}")
             refusals = [r for r in records if r.get("verdict") == "refuse"]
             if len(records) > 1 and not refusals:
                 c.problems.append(f"{target.key}: {len(records)} decisions and no refusal, although the name "

@@ -24,6 +24,7 @@ A record with an ``error`` gets squid's suffix: ``_TIMEDOUT`` when the error say
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 DENIED, MISS, TUNNEL, NONE = "TCP_DENIED", "TCP_MISS", "TCP_TUNNEL", "NONE_NONE"
@@ -52,21 +53,23 @@ def squid_line(record: dict[str, Any]) -> str:
         code, status = MISS, record.get("status") or 0
     if error and code != NONE:
         code += "_TIMEDOUT" if _timed_out(str(error)) else "_ABORTED"
-    forwarded = code.startswith((MISS, TUNNEL)) and record.get("connect")
-    hierarchy = f"HIER_DIRECT/{record['connect']}" if forwarded else "HIER_NONE/-"
+    forwarded = code.startswith((MISS, TUNNEL)) and record.get("pinned")
+    hierarchy = f"HIER_DIRECT/{record['pinned']}" if forwarded else "HIER_NONE/-"
     method = _field(record.get("method")) if event != "connection" else "-"
-    return (f"{_timestamp(record.get('time'))} {_elapsed(record.get('duration')):6d} {_field(record.get('client'))} "
+    return (f"{_timestamp(record.get('time'))} {_elapsed(record.get('duration_ms')):6d} {_field(record.get('client'))} "
             f"{code}/{int(status):03d} {_bytes(record)} {method} {_url(record)} - {hierarchy} -")
 
 
 def _timestamp(value: Any) -> str:
-    milliseconds = round(float(value or 0) * 1000)
+    """The record's RFC 3339 UTC time as squid's seconds.milliseconds."""
+    moment = datetime.fromisoformat(str(value).replace("Z", "+00:00")) if value else datetime.fromtimestamp(0, UTC)
+    milliseconds = round(moment.timestamp() * 1000)
     seconds, rest = divmod(milliseconds, 1000)
     return f"{seconds}.{rest:03d}"
 
 
-def _elapsed(duration: Any) -> int:
-    return max(0, round(float(duration or 0) * 1000))
+def _elapsed(duration_ms: Any) -> int:
+    return max(0, round(float(duration_ms or 0)))
 
 
 def _bytes(record: dict[str, Any]) -> int:

@@ -1,0 +1,35 @@
+"""Connection caps for connections mitmproxy accepted itself (stock mitmdump, where no front admits)."""
+
+from __future__ import annotations
+
+from mitmproxy import connection
+
+from ..gate import Gate
+from ..peers import peer_of
+from .connections import ConnectionTable
+
+
+class AdmissionAddon:
+    def __init__(self, gate: Gate, table: ConnectionTable, fronted: bool) -> None:
+        self.gate, self.table, self.fronted = gate, table, fronted
+
+    def client_connected(self, client: connection.Client) -> None:
+        key = peer_of(client.peername)
+        if self.gate.admission.take_over(client.peername):
+            self.table.admitted[client.id] = key  # the front admitted it already
+            return
+        cap = self.gate.admit(key)
+        if cap is not None:
+            # No request has been read, so there is no host to name; mitmproxy closes the connection.
+            self.gate.refuse_admission(key, cap)
+            client.error = cap.reason
+            return
+        self.table.admitted[client.id] = key
+
+    def client_disconnected(self, client: connection.Client) -> None:
+        key = self.table.admitted.pop(client.id, None)
+        if key is not None:
+            self.gate.release(key)
+        # Whatever ended this connection, its tunnels end with it: each gets its closing line.
+        for tunnel in self.table.forget_client(client.id):
+            self.gate.tunnel_closed(tunnel, 0, 0, "the client connection closed")

@@ -1,0 +1,76 @@
+"""One record per finished response; upstreams cannot forge egresswall's headers or switch protocols.
+
+``responseheaders`` strips the headers only egresswall may set, refuses a ``101 Switching Protocols``
+the decision did not allow (an upstream must not turn a plain request into a raw relay), and counts
+the response's bytes as they stream; ``response`` and ``error`` write the closing record.
+"""
+
+from __future__ import annotations
+
+import time
+
+from mitmproxy import http
+
+from ..gate import Gate
+from ..peers import peer_of
+from ..refusals import OWN_HEADER_PREFIX
+from .decision import FLOW_ID, STARTED, TARGET, VERDICT, to_response
+
+DOWN = "egresswall_down"
+
+
+class AuditTrail:
+    def __init__(self, gate: Gate) -> None:
+        self.gate = gate
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        verdict = flow.metadata.get(VERDICT)
+        if flow.response is None or verdict is None:
+            return  # our own refusal, not an upstream response
+        for name in [n for n in flow.response.headers if n.lower().startswith(OWN_HEADER_PREFIX)]:
+            del flow.response.headers[name]
+        if flow.response.status_code == 101 and not _allowed_websocket(flow):
+            target = flow.metadata.get(TARGET)
+            refusal = self.gate.refuse(peer_of(flow.client_conn.peername), flow.request.method, target, 502, "http",
+                                       "http:unrequested-upgrade", "the upstream answered 101 Switching Protocols "
+                                       "to a request that was not an allowed WebSocket upgrade")
+            flow.response = to_response(refusal)
+            flow.metadata.pop(VERDICT, None)  # its record is written: no response record follows
+            return
+        counted = {"bytes": 0}
+        flow.metadata[DOWN] = counted
+
+        def count(chunk: bytes) -> bytes:
+            counted["bytes"] += len(chunk)
+            return chunk
+
+        flow.response.stream = count
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        self._ended(flow, None)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self._ended(flow, flow.error.msg if flow.error else "error")
+
+    def _ended(self, flow: http.HTTPFlow, error: str | None) -> None:
+        verdict = flow.metadata.get(VERDICT)
+        if verdict is None or flow.metadata.get("egresswall_ended"):
+            return  # refused (its decision record says so) or already recorded
+        flow.metadata["egresswall_ended"] = True
+        from ..mitm_patches import state
+
+        if flow.client_conn.id in state().idle_closed and flow.response is None:
+            # mitmproxy reports its own idle timeout as "Client disconnected.": say what happened.
+            error = (f"nothing moved for limits.idle_timeout ({self.gate.policy.limits.idle_timeout:g}s): the "
+                     "upstream sent no response, and egresswall closed the connection")
+        down = flow.metadata.get(DOWN, {}).get("bytes", 0)
+        up = len(flow.request.raw_content or b"")
+        self.gate.response_closed(flow.metadata[FLOW_ID], peer_of(flow.client_conn.peername), flow.request.method,
+                                  flow.metadata.get(TARGET), verdict, flow.metadata.get(STARTED, time.monotonic()),
+                                  up, down, flow.response.status_code if flow.response else None, error)
+
+
+def _allowed_websocket(flow: http.HTTPFlow) -> bool:
+    target = flow.metadata.get(TARGET)
+    return target is not None and target.scheme in ("ws", "wss") and (
+        flow.request.headers.get("upgrade", "").strip().lower() == "websocket")

@@ -1,0 +1,98 @@
+"""Decide every CONNECT and every request before an upstream socket opens; refuse before the body."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+
+from mitmproxy import http
+
+from ..gate import Gate, HttpAsk, Refusal
+from ..http_hygiene import OTHER_UPGRADE, WEBSOCKET, upgrade_kind
+from ..mitm_patches import refuse_before_body
+from ..peers import peer_of
+from ..refusals import refusal_parts
+from .connections import ConnectionTable
+
+VERDICT, TARGET, STARTED, FLOW_ID = "egresswall_verdict", "egresswall_target", "egresswall_started", "egresswall_id"
+# Bytes a header value may not carry (RFC 9110, 5.5): mitmproxy keeps an obs-fold as "\r\n " inside the
+# value and passes a bare CR on, and an upstream may read either as the start of another header.
+_BAD_VALUE_BYTES = re.compile(rb"[\r\n\x00]")
+
+
+def to_response(refusal: Refusal) -> http.Response:
+    status, headers, body = refusal_parts(refusal)
+    return http.Response.make(status, body, [(k.encode(), v.encode("latin-1")) for k, v in headers])
+
+
+class DecisionAddon:
+    def __init__(self, gate: Gate, table: ConnectionTable) -> None:
+        self.gate, self.table = gate, table
+
+    async def http_connect(self, flow: http.HTTPFlow) -> None:
+        authority = (flow.request.data.authority.decode("latin-1") if flow.request.data.authority
+                     else f"{flow.request.host}:{flow.request.port}")
+        outcome = await self.gate.decide_connect(peer_of(flow.client_conn.peername), authority, flow.id)
+        if outcome.refusal is not None:
+            flow.response = to_response(outcome.refusal)
+            return
+        tunnel = outcome.tunnel
+        assert tunnel is not None and tunnel.verdict.pinned is not None
+        tunnel.client_conn_id = flow.client_conn.id
+        self.table.pins[(flow.client_conn.id, tunnel.target.host, tunnel.target.port)] = tunnel.verdict.pinned
+        self.table.tunnels[flow.server_conn.id] = tunnel
+
+    async def requestheaders(self, flow: http.HTTPFlow) -> None:
+        flow.metadata[FLOW_ID] = flow.id or uuid.uuid4().hex
+        flow.metadata[STARTED] = time.monotonic()
+        client = peer_of(flow.client_conn.peername)
+        request = flow.request
+        malformed = _malformed(flow)
+        if malformed is not None:
+            # Framing mitmproxy already refused (it answers 400 itself), or header values it would
+            # forward as they are: the decision record says refused, with mitmproxy's or our reason.
+            refusal = self.gate.refuse(client, request.method, None, 400, "form", *malformed,
+                                       url=request.pretty_url, flow_id=flow.metadata[FLOW_ID])
+            if flow.error is None:
+                refuse_before_body(flow, to_response(refusal))
+            return
+        upgrade = upgrade_kind(request.headers.get_all("upgrade"))
+        if upgrade == OTHER_UPGRADE:
+            values = ", ".join(request.headers.get_all("upgrade"))[:100]
+            refusal = self.gate.refuse(client, request.method, None, 403, "form", "http:upgrade",
+                                       f"the request asks to upgrade to {values!r}; egresswall relays only "
+                                       "WebSocket upgrades (one Upgrade header naming websocket)",
+                                       url=request.pretty_url, flow_id=flow.metadata[FLOW_ID])
+            refuse_before_body(flow, to_response(refusal))
+            return
+        length = request.headers.get("content-length")
+        ask = HttpAsk(client=client, method=request.method, scheme=request.scheme, host=request.data.host,
+                      port=request.data.port, path=request.path, host_header=request.headers.get("host"),
+                      websocket=upgrade == WEBSOCKET,
+                      content_length=int(length) if length is not None and length.isdigit() else None,
+                      flow_id=flow.metadata[FLOW_ID])
+        tunnel = self.table.tunnels.get(flow.server_conn.id)
+        outcome = await self.gate.decide_request(ask, tunnel)
+        if outcome.refusal is not None:
+            refuse_before_body(flow, to_response(outcome.refusal))
+            return
+        target = outcome.target
+        assert target is not None
+        if outcome.verdict.pinned and tunnel is None:
+            self.table.pins[(flow.client_conn.id, target.host, target.port)] = outcome.verdict.pinned
+        flow.metadata[VERDICT] = outcome.verdict
+        flow.metadata[TARGET] = target
+
+
+def _malformed(flow: http.HTTPFlow) -> tuple[str, str] | None:
+    """(rule, reason) for a request mitmproxy already refused as malformed, or whose header values
+    hold CR, LF (an obs-fold) or NUL; None for a well-formed one."""
+    if flow.error is not None:
+        return "http:invalid-request", f"mitmproxy refused the request: {flow.error.msg}"[:400]
+    for name, value in flow.request.headers.fields:
+        if _BAD_VALUE_BYTES.search(value):
+            kind = "a line folded onto the next (obs-fold)" if b"\n" in value else "a bare CR or NUL"
+            return "http:header-value", (f"the header {name.decode('latin-1')[:60]!r} holds {kind}; egresswall does "
+                                         "not forward headers an upstream may split")
+    return None

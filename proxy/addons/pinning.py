@@ -1,0 +1,64 @@
+"""The guard no path can skip: every upstream connect goes to the pinned, re-checked address."""
+
+from __future__ import annotations
+
+from mitmproxy.proxy.server_hooks import ServerConnectionHookData
+
+from policy.decision import Request
+from policy.hosts import HostFormError, normalise_host, parse_authority
+
+from ..gate import Gate
+from ..peers import peer_of
+from .connections import ConnectionTable
+
+
+class Pinning:
+    def __init__(self, gate: Gate, table: ConnectionTable) -> None:
+        self.gate, self.table = gate, table
+
+    async def server_connect(self, data: ServerConnectionHookData) -> None:
+        if data.server.address is None:
+            return
+        host, port = data.server.address[0], data.server.address[1]
+        try:
+            key_host, _ = normalise_host(host)
+        except HostFormError as err:
+            data.server.error = f"egresswall: refused connect to {host!r}: {err.reason}"
+            return
+        pinned = self.table.pins.get((data.client.id, key_host, port))
+        if pinned is None:
+            # No decision prepared this connect (a path the request hooks did not see): decide now.
+            try:
+                target = parse_authority(f"[{key_host}]:{port}" if ":" in key_host else f"{key_host}:{port}")
+            except HostFormError as err:
+                data.server.error = f"egresswall: {err.reason}"
+                return
+            verdict, _ = await self.gate.decide(self.gate.policy,
+                                                Request(target, "CONNECT", peer_of(data.client.peername), tunnel=True))
+            if not verdict.allowed or verdict.pinned is None:
+                data.server.error = f"egresswall: {verdict.reason}"
+                return
+            pinned = verdict.pinned
+        refused = self.gate.guard(pinned, port)
+        if refused:
+            data.server.error = refused  # the fast front's wording exactly: the tunnel records agree
+            return
+        self.table.restore[data.server.id] = (host, port)
+        data.server.address = (pinned, port)
+
+    def server_connected(self, data: ServerConnectionHookData) -> None:
+        original = self.table.restore.pop(data.server.id, None)
+        if original is not None:
+            # mitmproxy matches a reusable connection by (hostname, port); put the name back or every
+            # keep-alive request opens a new connection. Server.__setattr__ refuses changes on an open
+            # connection, so write the field directly: the socket stays connected to the checked IP
+            # (``peername``), only the label used for reuse changes.
+            data.server.__dict__["address"] = original
+
+    def server_connect_error(self, data: ServerConnectionHookData) -> None:
+        original = self.table.restore.pop(data.server.id, None)
+        if original is not None:
+            data.server.address = original
+        tunnel = self.table.tunnels.pop(data.server.id, None)
+        if tunnel is not None:  # the tunnel's connect failed: it ends here, with the reason
+            self.gate.tunnel_closed(tunnel, 0, 0, f"connect failed: {data.server.error or 'unknown error'}")

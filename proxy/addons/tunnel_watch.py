@@ -1,0 +1,82 @@
+"""Inside an allowed tunnel: nothing is relayed before the gate has judged a whole first message.
+
+``next_layer`` puts a ``TunnelStart`` in front of every allowed tunnel. A passed-through TLS tunnel
+whose ClientHello the gate accepts becomes a counted byte relay; an intercepted one, or HTTP inside a
+CONNECT to a plain-HTTP port, goes back to mitmproxy's own layer choice — now with the whole message
+in hand, so a first byte sent alone can no longer make it a raw TCP relay — and every request inside
+is decided by ``requestheaders``. ``tls_clienthello`` checks the SNI of intercepted tunnels again.
+"""
+
+from __future__ import annotations
+
+from mitmproxy.proxy import layer as mlayer
+from mitmproxy.proxy.server_hooks import ServerConnectionHookData
+from mitmproxy.tls import ClientHelloData
+
+from ..first_bytes import FirstBytes
+from ..gate import Gate, Tunnel
+from ..tls_hello import HelloError, read_client_hello
+from .connections import ConnectionTable
+from .tunnel_layers import CountedRelay, Refused, TunnelStart
+
+DECIDED = "egresswall_tunnel_decided"
+
+
+class TunnelWatch:
+    def __init__(self, gate: Gate, table: ConnectionTable) -> None:
+        self.gate, self.table = gate, table
+
+    def next_layer(self, nextlayer: mlayer.NextLayer) -> None:
+        context = nextlayer.context
+        tunnel = self.table.tunnels.get(context.server.id)
+        if tunnel is None or context.server.__dict__.get(DECIDED):
+            return  # not a tunnel of ours, or its start was judged: mitmproxy's own choice stands
+        context.server.__dict__[DECIDED] = True
+        server_id = context.server.id
+
+        def choose(judged: FirstBytes) -> mlayer.Layer:
+            if judged.refused:
+                self.table.tunnels.pop(server_id, None)
+                return Refused(context, tls=judged.rule.startswith("tls:"))
+            if judged.kind == "tls" and not tunnel.intercept:
+                return CountedRelay(context, lambda up, down, err: self._relay_done(server_id, tunnel, up, down, err))
+            return mlayer.NextLayer(context)  # intercepted TLS, or HTTP: mitmproxy parses, we decide each request
+
+        def timed_out(seen: int) -> None:
+            self.table.tunnels.pop(server_id, None)
+            if seen < 0:
+                self.gate.tunnel_closed(tunnel, 0, 0, "the client closed the tunnel before its first message "
+                                                            "was complete")
+            else:
+                self.gate.tunnel_start_timed_out(tunnel, seen)
+
+        nextlayer.layer = TunnelStart(context, lambda data: self.gate.tunnel_start(tunnel, data), choose,
+                                      self.gate.policy.limits.header_timeout, timed_out)
+
+    def _relay_done(self, server_id: str, tunnel: Tunnel, up: int, down: int, error: str | None) -> None:
+        self.table.tunnels.pop(server_id, None)
+        self.gate.tunnel_closed(tunnel, up, down, error)
+
+    def tls_clienthello(self, data: ClientHelloData) -> None:
+        """Intercepted tunnels: the SNI must name the CONNECT host here too (read strictly)."""
+        tunnel = self.table.tunnels.get(data.context.server.id)
+        if tunnel is None:
+            return
+        try:
+            hello = read_client_hello(data.client_hello.raw_bytes(wrap_in_record=True))
+            problem = None if hello is None or hello.sni in (None, tunnel.target.host) else (
+                f"TLS SNI {hello.sni} does not match the CONNECT host {tunnel.target.host}")
+            rule = "tls:sni"
+        except HelloError as err:
+            problem, rule = err.reason, err.rule
+        if problem:
+            self.table.tunnels.pop(data.context.server.id, None)
+            self.gate.refuse_tunnel(tunnel, rule, problem)
+            data.context.client.error = problem  # mitmproxy closes the connection
+            data.ignore_connection = False
+
+    def server_disconnected(self, data: ServerConnectionHookData) -> None:
+        # A tunnel that never reached the relay (intercepted, HTTP inside) ends here.
+        tunnel = self.table.tunnels.pop(data.server.id, None)
+        if tunnel is not None:
+            self.gate.tunnel_closed(tunnel, 0, 0, None)

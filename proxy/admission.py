@@ -1,0 +1,80 @@
+"""Admission: connection caps, checked when a connection is accepted.
+
+A connection counts against its client's cap and the total from accept until it closes, whether it
+has sent a byte or not: a client that opens sockets and stays silent holds at most its own share
+(``limits.max_connections_per_client``) and cannot shut other clients out. With N workers on one
+port each worker enforces 1/N of each cap (the kernel spreads connections evenly).
+
+The front (``proxy/front.py``) admits every connection of ``egresswall run``; a connection it hands
+to mitmproxy keeps its admission (``hand_over`` / ``take_over``), so it is counted once. Under stock
+mitmdump, where there is no front, the mitmproxy addon admits in ``client_connected``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from policy.model import Limits
+
+from .peers import client_key
+
+
+@dataclass(frozen=True)
+class CapRefusal:
+    status: int  # 429 for the client's own cap, 503 for the total or while shutting down
+    rule: str
+    reason: str
+
+
+class Admission:
+    def __init__(self, share: int = 1) -> None:
+        self.share = share
+        self.total = 0
+        self.per_client: Counter[str] = Counter()
+        self.draining = False
+        self._handed: set[tuple[str, int]] = set()  # peernames the front gave to mitmproxy, still admitted
+
+    def admit(self, client: str, limits: Limits) -> CapRefusal | None:
+        """Count the connection, or say why it is refused (then it is not counted)."""
+        if self.draining:
+            return CapRefusal(503, "shutdown", "egresswall is shutting down; retry on another instance")
+        max_total = -(-limits.max_connections // self.share)
+        if self.total >= max_total:
+            return CapRefusal(503, "limits.max_connections",
+                              f"egresswall has {self.total} open connections, its limit is {max_total}"
+                              + self._per_worker(limits.max_connections))
+        max_per_client = -(-limits.max_connections_per_client // self.share)
+        if self.per_client[client] >= max_per_client:
+            return CapRefusal(429, "limits.max_connections_per_client",
+                              f"client {client} has {self.per_client[client]} open connections, its limit is "
+                              f"{max_per_client}" + self._per_worker(limits.max_connections_per_client))
+        self.total += 1
+        self.per_client[client] += 1
+        return None
+
+    def release(self, client: str) -> None:
+        self.total -= 1
+        self.per_client[client] -= 1
+        if self.per_client[client] <= 0:
+            del self.per_client[client]
+
+    def hand_over(self, peername: tuple) -> None:
+        self._handed.add(_peer(peername))
+
+    def take_over(self, peername: tuple | None) -> bool:
+        """True when the front already admitted this connection (mitmproxy must not count it again)."""
+        if peername is None:
+            return False
+        key = _peer(peername)
+        if key in self._handed:
+            self._handed.discard(key)
+            return True
+        return False
+
+    def _per_worker(self, limit: int) -> str:
+        return f" (this worker's share of {limit} over {self.share} workers)" if self.share > 1 else ""
+
+
+def _peer(peername: tuple) -> tuple[str, int]:
+    return client_key(str(peername[0])), int(peername[1])

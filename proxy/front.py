@@ -1,0 +1,387 @@
+"""The front: egresswall's public listener, and the fast relay for passed-through TLS tunnels.
+
+Every connection of ``egresswall run`` is accepted here. The front admits it (connection caps, at
+accept), bounds its first request head (``limits.first_byte_timeout`` for a connection that sends
+nothing, ``limits.header_timeout`` from the first byte, ``limits.max_header_bytes``), and then either
+
+* relays it itself: a ``CONNECT`` to a host that is not intercepted, on a port that is not a
+  plain-HTTP port — the shape nearly all of a browser's traffic has — decided by the gate, connected
+  to the pinned address, its ClientHello judged whole by the gate, then copied socket to socket with
+  counted bytes, without mitmproxy's per-chunk event machinery (``relay_tunnels``, the default); or
+* hands it to mitmproxy with the bytes it has read put back in front (plain HTTP, WebSocket over
+  CONNECT to port 80, intercepted hosts, anything the front does not take), exactly as if mitmproxy
+  had accepted it; the connection keeps its admission.
+
+Every decision, refusal and record is the gate's: the two paths differ only in who copies the bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import socket
+import time
+import uuid
+from collections.abc import Callable
+
+import h11
+
+from policy.hosts import HostFormError, Target, parse_authority, parse_url
+
+from .admission import CapRefusal
+from .gate import Gate, Refusal, Tunnel
+from .peers import client_key
+from .refusals import refusal_bytes
+from .tls_hello import MAX_HELLO_BYTES
+
+RELAY_CHUNK = 256 * 1024
+_HEAD_END = re.compile(rb"\n\r?\n")  # what h11 and mitmproxy accept as the end of a head (bare LF too)
+HALF_CLOSED_IDLE = 5.0  # once one side has finished, the other gets this long of silence before the tunnel ends
+OVER_CAP_WAIT = 2.0  # how long a connection refused by a cap may take to say where it wanted to go
+MAX_OVER_CAP_PENDING = 256  # beyond this many at once, refused connections are closed unheard (fds are finite)
+TLS_ALERT_UNRECOGNIZED_NAME = bytes([21, 3, 3, 0, 2, 2, 112])
+Handoff = Callable[[socket.socket, bytes], None]
+
+
+class HeadProblem(Exception):
+    def __init__(self, status: int, rule: str, reason: str) -> None:
+        super().__init__(reason)
+        self.status, self.rule, self.reason = status, rule, reason
+
+
+class Front:
+    def __init__(self, gate: Gate, handoff: Handoff, relay_tunnels: bool = True) -> None:
+        self.gate = gate
+        self.handoff = handoff
+        self.relay_tunnels = relay_tunnels
+        self.listener: socket.socket | None = None
+        self._accepting: asyncio.Task | None = None
+        self._over_cap_pending = 0
+
+    async def start(self, host: str, port: int, reuse_port: bool = False) -> tuple[str, int]:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            listener.bind((host, port))
+            listener.listen(1024)
+        except OSError:
+            listener.close()
+            raise
+        listener.setblocking(False)
+        self.listener = listener
+        self._accepting = asyncio.get_running_loop().create_task(self._accept_loop())
+        return listener.getsockname()[:2]
+
+    def stop_accepting(self) -> None:
+        if self._accepting is not None:
+            self._accepting.cancel()
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self.listener is not None:
+            try:
+                conn, _ = await loop.sock_accept(self.listener)
+            except OSError:
+                await asyncio.sleep(0.05)  # EMFILE and friends: back off instead of spinning
+                continue
+            conn.setblocking(False)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            loop.create_task(self._serve(conn))
+
+    # ---- one connection -----------------------------------------------------------------------
+
+    async def _serve(self, conn: socket.socket) -> None:
+        try:
+            peer = conn.getpeername()
+        except OSError:  # reset before we looked
+            conn.close()
+            return
+        client = client_key(peer[0])
+        cap = self.gate.admit(client)
+        if cap is not None:
+            await self._refuse_over_cap(conn, client, cap)
+            return
+        handed_off = False
+        try:
+            try:
+                head, rest = await self._read_head(conn)
+            except HeadProblem as problem:
+                if problem.status:
+                    await _send(conn, refusal_bytes(self.gate.refuse(client, None, None, problem.status,
+                                                                     _stage(problem.rule), problem.rule,
+                                                                     problem.reason)))
+                else:
+                    self.gate.connection_refused(client, 0, problem.rule, problem.reason)
+                return
+            authority = _connect_authority(head)
+            target = _target(authority) if authority else None
+            policy = self.gate.policy
+            if (not self.relay_tunnels or target is None or target.port in policy.http_ports
+                    or policy.intercepts(target.host)):
+                # Not ours to relay (or a malformed authority, which mitmproxy's path refuses with its reason).
+                handed_off = True
+                self.gate.admission.hand_over(peer)
+                self.handoff(conn, head + rest)
+                return
+            await self._tunnel(conn, client, authority, rest)
+        except (OSError, TimeoutError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            if not handed_off:
+                self.gate.release(client)
+                conn.close()
+
+    async def _read_head(self, conn: socket.socket, first_byte: float | None = None,
+                         header: float | None = None) -> tuple[bytes, bytes]:
+        """The first request head and whatever came after it; HeadProblem when a bound is passed."""
+        loop = asyncio.get_running_loop()
+        limits = self.gate.policy.limits
+        first_byte = limits.first_byte_timeout if first_byte is None else first_byte
+        header = limits.header_timeout if header is None else header
+        try:
+            data = await asyncio.wait_for(loop.sock_recv(conn, 65536), first_byte)
+        except TimeoutError:
+            raise HeadProblem(0, "limits.first_byte_timeout", f"the client sent nothing for "
+                                                               f"limits.first_byte_timeout ({first_byte:g}s) after "
+                                                               "connecting") from None
+        if not data:
+            raise OSError("closed before a request")
+        deadline = loop.time() + header
+        while True:
+            found = _HEAD_END.search(data)
+            end = found.end() if found else -1
+            if 0 <= end <= limits.max_header_bytes:
+                return data[:end], data[end:]
+            if data[:1] == b"\x16" or (end < 0 and len(data) > limits.max_header_bytes) or end >= 0:
+                if data[:1] == b"\x16":
+                    raise HeadProblem(0, "http:tls-to-proxy", "the client started TLS with the proxy itself; "
+                                                              "egresswall's port speaks HTTP/1.1 (send CONNECT)")
+                raise HeadProblem(431, "limits.max_header_bytes", f"the request head is over "
+                                                                  f"{limits.max_header_bytes} bytes "
+                                                                  "(limits.max_header_bytes)")
+            # Silence is bounded by limits.idle_timeout (closed unanswered, as mitmproxy would); a head that
+            # keeps dripping, or stops, is bounded by limits.header_timeout from its first byte (408).
+            remaining = deadline - loop.time()
+            try:
+                chunk = await asyncio.wait_for(loop.sock_recv(conn, 65536),
+                                               max(0.0, min(remaining, limits.idle_timeout)))
+            except TimeoutError:
+                if remaining > limits.idle_timeout:
+                    raise HeadProblem(0, "limits.idle_timeout", f"the connection was closed by egresswall after "
+                                                                f"limits.idle_timeout ({limits.idle_timeout:g}s) of "
+                                                                f"silence into a request head that never ended "
+                                                                f"({len(data)} bytes)") from None
+                raise HeadProblem(408, "limits.header_timeout", f"the request head was not complete {header:g}s "
+                                                                f"after its first byte ({len(data)} bytes; "
+                                                                "limits.header_timeout)") from None
+            if not chunk:
+                raise HeadProblem(0, "http:incomplete-head", f"the connection was closed by the client into a "
+                                                             f"request head that never ended ({len(data)} bytes)")
+            data += chunk
+
+    async def _refuse_over_cap(self, conn: socket.socket, client: str, cap: CapRefusal) -> None:
+        """Refused at accept. Given a moment (bounded, and only for a bounded number of such
+        connections) to say where it wanted to go, so the record names the host and port."""
+        method = target = url = None
+        try:
+            if self._over_cap_pending < MAX_OVER_CAP_PENDING:
+                self._over_cap_pending += 1
+                try:
+                    head, _ = await self._read_head(conn, OVER_CAP_WAIT, OVER_CAP_WAIT)
+                    method, target, url = _request_of(head)
+                except (HeadProblem, OSError):
+                    pass
+                finally:
+                    self._over_cap_pending -= 1
+            refusal = self.gate.refuse_admission(client, cap, method, target, url)
+            with contextlib.suppress(OSError):
+                await _send(conn, refusal_bytes(refusal))
+        finally:
+            conn.close()
+
+    # ---- the fast tunnel ----------------------------------------------------------------------
+
+    async def _tunnel(self, conn: socket.socket, client: str, authority: str, rest: bytes) -> None:
+        gate, loop = self.gate, asyncio.get_running_loop()
+        outcome = await gate.decide_connect(client, authority, uuid.uuid4().hex)
+        if outcome.refusal is not None:
+            await _send(conn, refusal_bytes(outcome.refusal))
+            return
+        tunnel = outcome.tunnel
+        assert tunnel is not None and tunnel.verdict.pinned is not None
+        upstream: socket.socket | None = None
+        try:
+            port = tunnel.target.port
+            refused = gate.guard(tunnel.verdict.pinned, port)
+            if refused:
+                await self._connect_failed(conn, tunnel, refused)
+                return
+            upstream, error = await _connect(tunnel.verdict.pinned, port, gate.policy.limits.connect_timeout)
+            if upstream is None:
+                await self._connect_failed(conn, tunnel, error)
+                return
+            gate.metrics.fast_tunnels += 1
+            await _send(conn, b"HTTP/1.1 200 Connection established\r\n\r\n")
+            hello = await self._first_message(conn, tunnel, rest)
+            if hello is None:
+                return
+            await loop.sock_sendall(upstream, hello)
+            await self._relay(conn, upstream, tunnel, len(hello))
+        except (OSError, TimeoutError) as err:
+            gate.tunnel_closed(tunnel, 0, 0, f"the tunnel failed: {getattr(err, 'strerror', None) or err}")
+        finally:
+            gate.tunnel_closed(tunnel, 0, 0, "the tunnel ended")  # no-op when it already has its line
+            if upstream is not None:
+                upstream.close()
+
+    async def _connect_failed(self, conn: socket.socket, tunnel: Tunnel, reason: str) -> None:
+        from policy.decision import Verdict
+
+        verdict = Verdict(False, "connect", "connect", reason, role=tunnel.verdict.role)
+        self.gate.tunnel_closed(tunnel, 0, 0, f"connect failed: {reason}")
+        await _send(conn, refusal_bytes(Refusal(502, verdict)))
+
+    async def _first_message(self, conn: socket.socket, tunnel: Tunnel, data: bytes) -> bytes | None:
+        """The whole ClientHello, judged by the gate, within limits.header_timeout of the 200."""
+        loop = asyncio.get_running_loop()
+        timeout = self.gate.policy.limits.header_timeout
+        deadline = loop.time() + timeout
+        while True:
+            judged = self.gate.tunnel_start(tunnel, data)
+            if judged.refused:
+                if judged.rule.startswith("tls:"):
+                    with contextlib.suppress(OSError):
+                        await _send(conn, TLS_ALERT_UNRECOGNIZED_NAME)
+                return None
+            if not judged.need_more:
+                return data
+            try:
+                chunk = await asyncio.wait_for(loop.sock_recv(conn, MAX_HELLO_BYTES),
+                                               max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                self.gate.tunnel_start_timed_out(tunnel, len(data))
+                return None
+            if not chunk:
+                self.gate.tunnel_closed(tunnel, len(data), 0, "the client closed the tunnel before its first "
+                                                              "message was complete")
+                return None
+            data += chunk
+
+    async def _relay(self, conn: socket.socket, upstream: socket.socket, tunnel: Tunnel, sent: int) -> None:
+        """Copy bytes both ways until both sides are done, a side fails, or nothing moves for long."""
+        loop = asyncio.get_running_loop()
+        counts = {"up": sent, "down": 0}
+        last = {"t": time.monotonic()}
+        finished: set[str] = set()
+        idle = self.gate.policy.limits.idle_timeout
+
+        async def pump(src: socket.socket, dst: socket.socket, key: str) -> None:
+            buffer = bytearray(RELAY_CHUNK)
+            view = memoryview(buffer)
+            try:
+                while True:
+                    n = await loop.sock_recv_into(src, buffer)
+                    if n == 0:
+                        break
+                    counts[key] += n
+                    last["t"] = time.monotonic()
+                    await loop.sock_sendall(dst, view[:n])
+                    last["t"] = time.monotonic()  # a slow reader is not an idle one
+            except OSError:
+                # One side failed (reset, refused): the tunnel is over both ways, now, not at the idle timeout.
+                for sock in (src, dst):
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
+                return
+            finished.add(key)
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)
+
+        pumps = asyncio.gather(pump(conn, upstream, "up"), pump(upstream, conn, "down"))
+        error = None
+        try:
+            while not pumps.done():
+                # Half-closed (one side said it is done): the other gets a short silence, not the whole
+                # idle timeout — a client that vanished mid-handshake must not hold a tunnel open.
+                allowed = min(idle, HALF_CLOSED_IDLE) if finished else idle
+                await asyncio.wait([pumps], timeout=min(allowed, 1.0 if finished else 5.0))
+                if not pumps.done() and time.monotonic() - last["t"] > allowed:
+                    error = (f"nothing moved for {allowed:g}s after one side finished" if finished
+                             else f"nothing moved for limits.idle_timeout ({idle:g}s)")
+                    pumps.cancel()
+                    break
+        finally:
+            with contextlib.suppress(asyncio.CancelledError, OSError):
+                await pumps
+            self.gate.tunnel_closed(tunnel, counts["up"], counts["down"], error)
+
+
+def _connect_authority(head: bytes) -> str | None:
+    """The authority of a clean ``CONNECT authority HTTP/1.x`` head (as h11 reads it), else None."""
+    method, target, _ = _parse_head(head)
+    return target if method == "CONNECT" else None
+
+
+def _parse_head(head: bytes) -> tuple[str | None, str | None, h11.Request | None]:
+    parser = h11.Connection(h11.SERVER)
+    try:
+        parser.receive_data(head)
+        event = parser.next_event()
+    except h11.RemoteProtocolError:
+        return None, None, None  # mitmproxy's parser judges it, with its own reason
+    if not isinstance(event, h11.Request):
+        return None, None, None
+    try:
+        return event.method.decode("ascii"), event.target.decode("ascii"), event
+    except UnicodeDecodeError:
+        return None, None, None
+
+
+def _request_of(head: bytes) -> tuple[str | None, Target | None, str | None]:
+    """(method, target, url) of a head, for the record of a connection refused by a cap."""
+    method, raw, _ = _parse_head(head)
+    if method is None or raw is None:
+        return None, None, None
+    try:
+        target = parse_authority(raw, "https") if method == "CONNECT" else parse_url(raw)
+    except HostFormError:
+        return method, None, raw
+    return method, target, None
+
+
+def _target(authority: str) -> Target | None:
+    try:
+        return parse_authority(authority, "https")
+    except HostFormError:
+        return None
+
+
+def _stage(rule: str) -> str:
+    return "limits" if rule.startswith("limits.") else "form"
+
+
+async def _connect(address: str, port: int, timeout: float) -> tuple[socket.socket | None, str]:
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        await asyncio.wait_for(asyncio.get_running_loop().sock_connect(sock, (address, port)), timeout)
+    except TimeoutError:
+        sock.close()
+        return None, f"connect to {address}:{port} timed out after {timeout:g}s (limits.connect_timeout)"
+    except OSError as err:
+        sock.close()
+        return None, f"connect to {address}:{port} failed: {err.strerror or err}"
+    return sock, ""
+
+
+async def _send(sock: socket.socket, data: bytes) -> None:
+    await asyncio.get_running_loop().sock_sendall(sock, data)

@@ -1,0 +1,359 @@
+"""The gate: every path a byte can take to an upstream passes here, whichever transport carries it.
+
+The transports — the mitmproxy addons (``proxy/addons/``) and the fast front (``proxy/front.py``) —
+are adapters: they turn what they parsed into a call on the gate and carry out its answer. The gate
+holds, once each:
+
+* admission (``proxy/admission.py``): connection caps, checked at accept;
+* the decision: the policy in force, the resolver, and the check that a pin is not egresswall itself;
+* the connect-time guard: the pinned address re-checked against the policy in force at connect time;
+* the first bytes of a tunnel: a whole ClientHello whose SNI names the CONNECT host, or HTTP where the
+  CONNECT went to a plain-HTTP port — a tunnel never becomes a blind relay;
+* the one writer of records (``proxy/records.py``): the same input gives the same record on both paths.
+
+No mitmproxy import here: the gate is tested in process with plain values.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+
+from policy.decision import Request, Resolution, Verdict, refuse_form
+from policy.hosts import HostFormError, Target, host_header_agrees, parse_authority, parse_url
+from policy.model import Policy
+from policy.resolver import DnsResolver, Resolver, resolve_and_decide
+
+from .admission import Admission, CapRefusal
+from .audit import AuditLog
+from .first_bytes import FirstBytes, classify_tunnel_start
+from .metrics import Metrics
+from .peers import is_local_address
+from .records import DECISION, RESPONSE, TUNNEL, Recorder
+from .reload import PolicyHolder
+
+LIMITS, TLS, HTTP = "limits", "tls", "http"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """What the client is answered instead of being forwarded; the record is already written."""
+
+    status: int
+    verdict: Verdict
+
+
+@dataclass(eq=False)
+class Tunnel:
+    """An allowed CONNECT: what it may carry, where it was pinned, and its one closing line."""
+
+    id: str
+    target: Target
+    verdict: Verdict
+    client: str
+    intercept: bool
+    http_inside: bool  # CONNECT to a plain-HTTP port (ws://): HTTP is parsed and decided inside
+    cnames: tuple[str, ...] = ()
+    started: float = field(default_factory=time.monotonic)
+    first_byte_at: float | None = None
+    closed: bool = False
+    client_conn_id: str = ""  # the mitmproxy client connection carrying it (so it never outlives it)
+
+
+@dataclass(frozen=True)
+class ConnectOutcome:
+    tunnel: Tunnel | None
+    refusal: Refusal | None
+
+
+@dataclass(frozen=True)
+class RequestOutcome:
+    verdict: Verdict
+    target: Target | None
+    refusal: Refusal | None
+
+
+@dataclass(frozen=True)
+class HttpAsk:
+    """A plain-HTTP request (or one inside a tunnel) as a transport parsed it."""
+
+    client: str
+    method: str
+    scheme: str  # http or https, as the transport saw it
+    host: str
+    port: int
+    path: str
+    host_header: str | None
+    websocket: bool = False
+    content_length: int | None = None  # None: no Content-Length (chunked, or no body)
+    flow_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+class Gate:
+    def __init__(self, holder: PolicyHolder, audit: AuditLog, metrics: Metrics | None = None,
+                 resolver: Resolver | None = None, share: int = 1) -> None:
+        self.holder = holder
+        self.audit = audit
+        self.metrics = metrics or Metrics()
+        self.recorder = Recorder(audit, self.metrics, lambda: self.holder.policy, self._start_audit_probe)
+        self.admission = Admission(share)
+        self.self_endpoints: set[tuple[str, int]] = set()  # (ip or "*", port) egresswall itself listens on
+        self._resolver = resolver
+        self._resolver_for: Policy | None = None
+        self._audit_probe: asyncio.Task | None = None
+        self.metrics.policy_loaded = 1
+
+    # ---- the policy, the resolver and the decision -------------------------------------------------
+
+    @property
+    def policy(self) -> Policy:
+        return self.holder.policy
+
+    @property
+    def draining(self) -> bool:
+        return self.admission.draining
+
+    def resolver(self, policy: Policy) -> Resolver:
+        """One resolver per policy's resolver settings; a reload that changes them gets a new one."""
+        given_by_caller = self._resolver_for is None
+        if self._resolver is not None and (given_by_caller or self._resolver_for.resolver == policy.resolver):
+            return self._resolver
+        self._resolver = DnsResolver.for_policy(policy)
+        self._resolver_for = policy
+        return self._resolver
+
+    async def decide(self, policy: Policy, request: Request) -> tuple[Verdict, Resolution | None]:
+        started = time.monotonic()
+        verdict, resolution = await resolve_and_decide(policy, request, self.resolver(policy))
+        if resolution is not None or verdict.stage == "resolve":
+            self.metrics.observe_dns(time.monotonic() - started)
+        if verdict.stage == "resolve" and verdict.rule.startswith("dns:"):
+            self.metrics.dns_errors[verdict.rule[4:]] += 1
+        if verdict.allowed and verdict.pinned and self.is_self(verdict.pinned, request.target.port):
+            verdict = self_refusal(verdict.pinned, request.target.port, verdict)
+        return verdict, resolution
+
+    def is_self(self, address: str, port: int) -> bool:
+        if (address, port) in self.self_endpoints:
+            return True
+        return ("*", port) in self.self_endpoints and is_local_address(address)
+
+    # ---- admission ---------------------------------------------------------------------------------
+
+    def admit(self, client: str) -> CapRefusal | None:
+        refusal = self.admission.admit(client, self.policy.limits)
+        if refusal is None:
+            self.metrics.open_connections = self.admission.total
+        else:
+            self.metrics.refusals[refusal.rule] += 1
+        return refusal
+
+    def release(self, client: str) -> None:
+        self.admission.release(client)
+        self.metrics.open_connections = self.admission.total
+
+    def refuse_admission(self, client: str, cap: CapRefusal, method: str | None = None,
+                         target: Target | None = None, url: str | None = None) -> Refusal:
+        """The record of a connection refused by a cap, with host and port when the client said them."""
+        return self.refuse(client, method, target, cap.status, LIMITS, cap.rule, cap.reason, url=url)
+
+    # ---- CONNECT -----------------------------------------------------------------------------------
+
+    async def decide_connect(self, client: str, authority: str, flow_id: str | None = None) -> ConnectOutcome:
+        """Decide a CONNECT; an allowed one gets its Tunnel (counted open until ``tunnel_closed``)."""
+        policy = self.policy
+        flow_id = flow_id or uuid.uuid4().hex
+        resolution = None
+        try:
+            target = parse_authority(authority, "https")
+        except HostFormError as err:
+            verdict, target = refuse_form(err), None
+        else:
+            inspected = target.port in policy.http_ports  # HTTP inside (ws://), parsed and decided per request
+            if inspected:
+                target = replace(target, scheme="http")
+            verdict, resolution = await self.decide(
+                policy, Request(target, "CONNECT", client, tunnel=True, inspected=inspected))
+        record = self.recorder.record(DECISION, flow_id, client, "CONNECT", target, verdict,
+                                      resolution.cnames if resolution else ())
+        if target is None:
+            record.url = safe_text(authority)
+        if not verdict.allowed:
+            record.status = 403
+            self.recorder.decision(record)
+            return ConnectOutcome(None, Refusal(403, verdict))
+        if not (self.recorder.decision(record) and self.audit.healthy):
+            return ConnectOutcome(None, self.audit_unwritable())
+        assert target is not None
+        tunnel = Tunnel(flow_id, target, verdict, client, intercept=policy.intercepts(target.host),
+                        http_inside=target.scheme == "http",
+                        cnames=resolution.cnames if resolution else ())
+        self.metrics.open_tunnels += 1
+        return ConnectOutcome(tunnel, None)
+
+    def tunnel_start(self, tunnel: Tunnel, data: bytes) -> FirstBytes:
+        """Judge the first bytes a tunnel carries; a refusal gets its record and closes the tunnel."""
+        if tunnel.first_byte_at is None and data:
+            tunnel.first_byte_at = time.monotonic()
+        judged = classify_tunnel_start(data, tunnel.target.host, http_inside=tunnel.http_inside,
+                                       ech_allowed=ech_allowed(self.policy))
+        if judged.refused:
+            self.refuse_tunnel(tunnel, judged.rule, judged.reason)
+        return judged
+
+    def tunnel_start_timed_out(self, tunnel: Tunnel, seen: int) -> None:
+        timeout = self.policy.limits.header_timeout
+        if seen:
+            reason = (f"the tunnel's first message (a TLS ClientHello or an HTTP request head) was not complete "
+                      f"{timeout:g}s after its first byte ({seen} bytes; limits.header_timeout)")
+            self.refuse_tunnel(tunnel, "limits.header_timeout", reason)
+        else:
+            idle = self.policy.limits.idle_timeout
+            self.refuse_tunnel(tunnel, "limits.idle_timeout",
+                               f"the client sent nothing into the tunnel for limits.idle_timeout ({idle:g}s)")
+
+    def refuse_tunnel(self, tunnel: Tunnel, rule: str, reason: str) -> None:
+        stage = LIMITS if rule.startswith("limits.") else TLS if rule.startswith("tls:") else HTTP
+        verdict = Verdict(False, stage, rule, reason, role=tunnel.verdict.role, addresses=tunnel.verdict.addresses)
+        record = self.recorder.record(DECISION, tunnel.id + "-tls", tunnel.client, "CONNECT", tunnel.target, verdict,
+                                      tunnel.cnames)
+        self.recorder.decision(record)
+        self.tunnel_closed(tunnel, 0, 0, reason)
+
+    def tunnel_closed(self, tunnel: Tunnel, up: int, down: int, error: str | None) -> None:
+        """The closing line of a tunnel, once, on either path, with its bytes each way."""
+        if tunnel.closed:
+            return
+        tunnel.closed = True
+        self.metrics.open_tunnels -= 1
+        record = self.recorder.record(TUNNEL, tunnel.id, tunnel.client, "CONNECT", tunnel.target, tunnel.verdict,
+                                      tunnel.cnames)
+        self.recorder.ended(record, tunnel.started, up, down, error, 200)
+
+    # ---- the guard at connect time -----------------------------------------------------------------
+
+    def guard(self, pinned: str, port: int) -> str | None:
+        """Why connecting to ``pinned`` is refused now (a reload may have landed since the decision)."""
+        checked = self.policy.addresses.check(pinned)
+        if not checked.allowed:
+            return f"refused connect to {pinned}: {checked.reason}"
+        if self.is_self(pinned, port):
+            return f"refused connect to {pinned}:{port}: it is egresswall's own listener"
+        return None
+
+    # ---- plain HTTP, and requests inside tunnels ---------------------------------------------------
+
+    async def decide_request(self, ask: HttpAsk, tunnel: Tunnel | None) -> RequestOutcome:
+        policy = self.policy
+        try:
+            target = self._request_target(ask, tunnel)
+        except HostFormError as err:
+            return self._request_refused(ask, None, refuse_form(err), 403, url=f"{ask.scheme}://{ask.host}{ask.path}")
+        if ask.host_header is not None and not host_header_agrees(target, ask.host_header):
+            verdict = Verdict(False, "form", "form:host-header",
+                              f"the Host header {safe_text(ask.host_header, 100)!r} does not agree with the target "
+                              f"{target.authority}")
+            return self._request_refused(ask, target, verdict, 403)
+        limit = policy.limits.max_request_body
+        if ask.content_length is not None and ask.content_length > limit:
+            verdict = Verdict(False, LIMITS, "limits.max_request_body",
+                              f"the request body of {ask.content_length} bytes is over the limit of {limit} "
+                              "(limits.max_request_body)")
+            self.metrics.refusals["limits.max_request_body"] += 1
+            return self._request_refused(ask, target, verdict, 413)
+        verdict, resolution = await self.decide(
+            policy, Request(target, ask.method, ask.client, tunnel=False, websocket=ask.websocket))
+        record = self.recorder.record(DECISION, ask.flow_id, ask.client, ask.method, target, verdict,
+                                      resolution.cnames if resolution else ())
+        if not verdict.allowed:
+            record.status = 403
+            self.recorder.decision(record)
+            return RequestOutcome(verdict, target, Refusal(403, verdict))
+        if not (self.recorder.decision(record) and self.audit.healthy):
+            return RequestOutcome(verdict, target, self.audit_unwritable())
+        return RequestOutcome(verdict, target, None)
+
+    def _request_target(self, ask: HttpAsk, tunnel: Tunnel | None) -> Target:
+        if tunnel is not None:
+            # Inside a tunnel the target is the tunnel's; the Host header must agree with it.
+            plain = {"https": "wss", "http": "ws"} if ask.websocket else {"https": "https", "http": "http"}
+            t = tunnel.target
+            return Target(plain.get(ask.scheme, ask.scheme), t.host, t.port, ask.path, t.ip)
+        scheme = {"http": "ws", "https": "wss"}.get(ask.scheme, ask.scheme) if ask.websocket else ask.scheme
+        bracketed = f"[{ask.host}]" if ":" in ask.host else ask.host
+        return parse_url(f"{scheme}://{bracketed}:{ask.port}{ask.path}")
+
+    def _request_refused(self, ask: HttpAsk, target: Target | None, verdict: Verdict, status: int,
+                         url: str | None = None) -> RequestOutcome:
+        record = self.recorder.record(DECISION, ask.flow_id, ask.client, ask.method, target, verdict)
+        record.status = status
+        if target is None and url is not None:
+            record.url = safe_text(url)
+        self.recorder.decision(record)
+        return RequestOutcome(verdict, target, Refusal(status, verdict))
+
+    def refuse(self, client: str, method: str | None, target: Target | None, status: int, stage: str, rule: str,
+               reason: str, url: str | None = None, flow_id: str | None = None, event: str = DECISION) -> Refusal:
+        """A refusal made before any policy decision (malformed, over a bound, over a cap): its one record."""
+        verdict = Verdict(False, stage, rule, reason)
+        record = self.recorder.record(event, flow_id or uuid.uuid4().hex, client, method, target, verdict)
+        record.status = status or None
+        if target is None and url:
+            record.url = safe_text(url)
+        self.recorder.decision(record)
+        if rule.startswith("limits.") or rule in ("shutdown", "audit"):
+            self.metrics.refusals[rule] += 1
+        return Refusal(status, verdict)
+
+    def connection_refused(self, client: str, status: int, rule: str, reason: str) -> None:
+        """A connection ended by a bound before any request was whole (head too big, too slow, silent);
+        status 0: closed without an answer."""
+        self.refuse(client, None, None, status, LIMITS if rule.startswith("limits.") else "form", rule, reason)
+
+    def response_closed(self, flow_id: str, client: str, method: str, target: Target | None, verdict: Verdict,
+                        started: float, up: int, down: int, status: int | None, error: str | None) -> None:
+        record = self.recorder.record(RESPONSE, flow_id, client, method, target, verdict)
+        self.recorder.ended(record, started, up, down, error, status)
+
+    # ---- the audit log failing closed ----------------------------------------------------------------
+
+    def audit_unwritable(self) -> Refusal:
+        """Fail closed: a request is let through only once its decision line is written. While the log
+        cannot take lines, allowed requests are refused with 503, /readyz fails, and a probe tries a
+        line every second (README, "Audit log and admin endpoint")."""
+        self._start_audit_probe()
+        self.metrics.refusals["audit"] += 1
+        return Refusal(503, Verdict(False, "audit", "audit", "the audit log cannot be written, and egresswall does "
+                                                             "not let through what it cannot record"))
+
+    def _start_audit_probe(self) -> None:
+        # Started by the failure itself, not by the next request: with /readyz failing, no traffic may
+        # come to notice that the disk has room again.
+        if self._audit_probe is None or self._audit_probe.done():
+            with contextlib.suppress(RuntimeError):  # no event loop (a gate driven by hand)
+                self._audit_probe = asyncio.get_running_loop().create_task(self._probe_audit())
+
+    async def _probe_audit(self) -> None:
+        while not self.audit.probe():
+            await asyncio.sleep(1)
+
+
+def self_refusal(pinned: str, port: int, verdict: Verdict) -> Verdict:
+    return Verdict(False, "address", "self", f"{pinned}:{port} is egresswall's own listener; a request to the proxy "
+                                             "itself is refused", role=verdict.role, addresses=verdict.addresses)
+
+
+def ech_allowed(policy: Policy) -> bool:
+    """``tls.ech`` in the policy; unset, Encrypted Client Hello is refused where the policy is an
+    allowlist (the outer name is all egresswall can check) and let through on the open web."""
+    setting = getattr(policy, "tls_ech", None)
+    return setting == "allow" if setting else policy.default == "allow"
+
+
+def safe_text(text: str, limit: int = 300) -> str:
+    text = text.encode("ascii", "backslashreplace").decode("ascii")
+    return text if len(text) <= limit else text[:limit] + "..."
+

@@ -1,0 +1,329 @@
+"""The changes egresswall makes to mitmproxy's own code, installed explicitly when a proxy starts.
+
+mitmproxy leaves some bounds open and has no hook at some points egresswall must act. Each patch
+below wraps one mitmproxy method, says why, and names the test that proves it is needed. Nothing
+is patched at import: ``install(state)`` is called by the embedded runner and by the mitmdump shim,
+and the state the patches read (the limits in force, where refusals are reported) is an object the
+gate's owner builds — installing a second, different state is an error, never a silent takeover.
+
+* **Refusal before the body** (``HttpStream.start_request_stream``): mitmproxy answers a response set
+  in ``requestheaders`` only after reading the whole body (and sends ``100 Continue`` first). A marked
+  flow is answered and closed instead. Test: test_proxy_enforce.py::test_refusal_arrives_before_the_body.
+* **Chunked body limit** (``HttpStream.state_consume_request_body``): a body without Content-Length is
+  buffered (never streamed) and refused with 413 once over ``limits.max_request_body``, before the
+  upstream sees anything. Test: test_proxy_security.py::test_chunked_body_over_the_limit_gets_413.
+* **Head size and time** (``Http1Server.read_headers``, ``Http1Client.read_headers``): mitmproxy buffers
+  a head without limit ("FIXME: protect against header size DoS"). A head over
+  ``limits.max_header_bytes`` gets 431 (502 upstream); a head incomplete ``limits.header_timeout`` after
+  its first byte gets 408 — by a wakeup timer, so a client that sends half a head and waits is cut off
+  too (502 for an upstream). Tests: test_hardening_adversarial.py (slowloris), test_proxy_security.py
+  ::test_half_a_head_then_silence_gets_408.
+* **First byte** (``Http1Server._handle_event``): a connection that has sent nothing is closed after
+  ``limits.first_byte_timeout`` (the front does this for ``egresswall run``; this is for mitmdump).
+* **Pipelined bytes** (``Http1Server.wait``): bytes a client sends while its request waits for a response
+  are buffered without limit; more than ``limits.max_header_bytes`` closes the connection.
+* **Unparseable heads**: mitmproxy answers 400 and no hook runs; ``on_refusal`` gives it its record.
+* **Idle close** (``ConnectionHandler.on_timeout``): remembered, so a record says "idle timeout" rather
+  than mitmproxy's "Client disconnected.".
+* **Connect time** (``asyncio.open_connection`` as mitmproxy's server module sees it): asyncio has no
+  connect timeout; mitmproxy's connects get ``limits.connect_timeout``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import types
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+
+import mitmproxy.proxy.server
+from mitmproxy import connection, http
+from mitmproxy.net.http import http1
+from mitmproxy.proxy import commands, events
+from mitmproxy.proxy.layers.http import HttpStream
+from mitmproxy.proxy.layers.http._base import ReceiveHttp
+from mitmproxy.proxy.layers.http._events import (
+    ErrorCode,
+    RequestData,
+    RequestProtocolError,
+    ResponseProtocolError,
+)
+from mitmproxy.proxy.layers.http._http1 import Http1Client, Http1Server
+
+from policy.model import Limits
+
+from .gate import Refusal
+from .refusals import refusal_bytes
+
+REFUSE_BEFORE_BODY = "egresswall_refuse_before_body"
+BODY_LIMIT = "egresswall_body_limit"  # flow.metadata: bytes a buffered (chunked) body may have
+
+
+@dataclass
+class PatchState:
+    limits: Callable[[], Limits]  # the limits in force, read at each use so a reload applies
+    # A refusal made before any flow exists: (client connection, status, rule, reason); status 0 means
+    # the connection was closed without an answer.
+    on_refusal: Callable[[connection.Connection, int, str, str], None]
+    # A buffered body went over the limit: the flow, and the limit. Returns the refusal to answer.
+    on_body_over_limit: Callable[[http.HTTPFlow, int], Refusal]
+    idle_closed: set[str] = field(default_factory=set)  # client connection ids mitmproxy's watchdog closed
+    first_byte_timer: bool = True  # False when the front already enforced limits.first_byte_timeout
+
+
+_state: PatchState | None = None
+_HEAD_END = re.compile(rb"\n\r?\n")  # what h11's ReceiveBuffer accepts as the end of a head
+_STARTED = "_egresswall_head_started"
+_TIMER = "_egresswall_timer"
+_TIMER_FOR = "_egresswall_timer_for"  # which head the timer is for
+_SPOKE = "_egresswall_spoke"
+_originals: dict[str, object] = {}
+
+
+def install(state: PatchState) -> None:
+    global _state
+    if _state is not None and _state is not state:
+        raise RuntimeError("mitmproxy is already patched for another egresswall instance (one proxy per process)")
+    _state = state
+    if _originals:
+        return
+    _originals.update(start_request_stream=HttpStream.start_request_stream,
+                      consume=HttpStream.state_consume_request_body,
+                      server_read_headers=Http1Server.read_headers, server_wait=Http1Server.wait,
+                      server_handle_event=Http1Server._handle_event,
+                      client_read_headers=Http1Client.read_headers,
+                      on_timeout=mitmproxy.proxy.server.ConnectionHandler.on_timeout,
+                      asyncio_module=mitmproxy.proxy.server.asyncio)
+    HttpStream.start_request_stream = _start_request_stream
+    HttpStream.state_consume_request_body = _consume_request_body
+    Http1Server.read_headers = _server_read_headers
+    Http1Server.wait = _server_wait
+    Http1Server._handle_event = _server_handle_event
+    Http1Client.read_headers = _client_read_headers
+    mitmproxy.proxy.server.ConnectionHandler.on_timeout = _on_timeout
+    # mitmproxy's connection handler calls ``asyncio.open_connection``: give that module its own
+    # asyncio namespace whose open_connection has a timeout, leaving asyncio itself untouched.
+    bounded = types.ModuleType("asyncio")
+    bounded.__dict__.update(asyncio.__dict__)
+    bounded.open_connection = _open_connection
+    mitmproxy.proxy.server.asyncio = bounded
+
+
+def uninstall() -> None:
+    """Put mitmproxy back (in-process tests)."""
+    global _state
+    if _originals:
+        HttpStream.start_request_stream = _originals["start_request_stream"]
+        HttpStream.state_consume_request_body = _originals["consume"]
+        Http1Server.read_headers = _originals["server_read_headers"]
+        Http1Server.wait = _originals["server_wait"]
+        Http1Server._handle_event = _originals["server_handle_event"]
+        Http1Client.read_headers = _originals["client_read_headers"]
+        mitmproxy.proxy.server.ConnectionHandler.on_timeout = _originals["on_timeout"]
+        mitmproxy.proxy.server.asyncio = _originals["asyncio_module"]
+        _originals.clear()
+    _state = None
+
+
+def state() -> PatchState:
+    assert _state is not None, "proxy.mitm_patches.install() was not called"
+    return _state
+
+
+# ---- refusal before the body ----------------------------------------------------------------------
+
+def refuse_before_body(flow: http.HTTPFlow, response: http.Response) -> None:
+    """Set ``response`` as the answer; if the request has a body still to come, do not read it."""
+    flow.response = response
+    has_body = flow.request.headers.get("content-length", "0") not in ("", "0") or (
+        "transfer-encoding" in flow.request.headers)
+    flow.request.headers.pop("expect", None)  # never promise "100 Continue" to a refused request
+    if has_body:
+        flow.metadata[REFUSE_BEFORE_BODY] = True
+        flow.request.stream = True
+
+
+def _start_request_stream(self: HttpStream):
+    if self.flow.response is not None and self.flow.metadata.get(REFUSE_BEFORE_BODY):
+        self.client_state = self.state_errored  # whatever body arrives now is dropped unread
+        yield from self.send_response()
+        yield commands.CloseConnection(self.context.client)
+        return
+    yield from _originals["start_request_stream"](self)
+
+
+# ---- the limit on a buffered body -----------------------------------------------------------------
+
+def _consume_request_body(self: HttpStream, event: events.Event):
+    limit = self.flow.metadata.get(BODY_LIMIT)
+    if limit is not None and isinstance(event, RequestData) and len(self.request_body_buf) + len(event.data) > limit:
+        refusal = state().on_body_over_limit(self.flow, limit)
+        self.request_body_buf.clear()
+        self.client_state = self.state_errored
+        self.server_state = self.state_errored
+        self.flow.live = False
+        yield commands.SendData(self.context.client, refusal_bytes(refusal))
+        # Half close: the client may still be sending its body; what it sends is read and dropped
+        # (state_errored) until it closes or the idle timeout, so its kernel does not answer our 413
+        # with a reset that would destroy the answer before the client read it.
+        yield commands.CloseTcpConnection(self.context.client, half_close=True)
+        return
+    yield from _originals["consume"](self, event)
+
+
+# ---- heads: size, time, first byte ----------------------------------------------------------------
+
+def _head_size(buf) -> int:
+    data = bytes(buf)
+    end = _HEAD_END.search(data)
+    return end.start() if end else len(data)
+
+
+def _problem(layer, limits: Limits, what: str) -> tuple[str, str] | None:
+    """Checked before mitmproxy parses: (rule, reason) when the head being received is over a bound."""
+    if len(layer.buf) > limits.max_header_bytes and _head_size(layer.buf) > limits.max_header_bytes:
+        return "limits.max_header_bytes", (f"the {what} head is over {limits.max_header_bytes} bytes "
+                                           "(limits.max_header_bytes)")
+    started = layer.__dict__.get(_STARTED)
+    if started is not None and time.monotonic() - started > limits.header_timeout:
+        return "limits.header_timeout", (f"the {what} head took more than {limits.header_timeout:g}s "
+                                         "(limits.header_timeout)")
+    return None
+
+
+def _watch_logs(generator: Generator, logs: list[str]) -> Generator:
+    """Pass a layer's commands through (send() values too), keeping the text of its Log commands."""
+    value = None
+    while True:
+        try:
+            command = generator.send(value)
+        except StopIteration as stop:
+            return stop.value
+        if isinstance(command, commands.Log):
+            logs.append(command.message)
+        value = yield command
+
+
+def _refuse_head(self: Http1Server, rule: str, reason: str):
+    status = 431 if rule == "limits.max_header_bytes" else 408
+    yield commands.SendData(self.conn, http1.assemble_response(_plain_refusal(status, rule, reason)))
+    yield commands.CloseConnection(self.conn)
+    self.state = self.done
+    state().on_refusal(self.conn, status, rule, reason)
+
+
+def _server_handle_event(self: Http1Server, event: events.Event):
+    """Timers of our own (``Wakeup``) never reach mitmproxy's states, which do not expect them."""
+    if isinstance(event, events.Wakeup):
+        if event.command is not self.__dict__.get(_TIMER) or self.state != self.read_headers:
+            return
+        limits = state().limits()
+        if len(self.buf):
+            yield from _refuse_head(self, "limits.header_timeout",
+                                    f"the request head was not complete {limits.header_timeout:g}s after its first "
+                                    f"byte ({len(self.buf)} bytes; limits.header_timeout)")
+        elif not self.__dict__.get(_SPOKE):
+            yield commands.CloseConnection(self.conn)
+            self.state = self.done
+            state().on_refusal(self.conn, 0, "limits.first_byte_timeout",
+                               f"the client sent nothing for limits.first_byte_timeout "
+                               f"({limits.first_byte_timeout:g}s) after connecting")
+        return
+    started = isinstance(event, events.Start)
+    yield from _originals["server_handle_event"](self, event)
+    if started and state().first_byte_timer:
+        timer = commands.RequestWakeup(state().limits().first_byte_timeout)
+        self.__dict__[_TIMER] = timer
+        yield timer
+
+
+def _server_read_headers(self: Http1Server, event: events.Event):
+    """A client's request head: bounded in size and time; a parse failure is reported."""
+    if isinstance(event, events.DataReceived):
+        self.__dict__[_SPOKE] = True
+        limits = state().limits()
+        self.__dict__.setdefault(_STARTED, time.monotonic())
+        problem = _problem(self, limits, "request")
+        if problem is not None:
+            yield from _refuse_head(self, *problem)
+            return
+    elif isinstance(event, events.ConnectionClosed) and len(self.buf) > 0:
+        # Closed with half a head: by the client, or by mitmproxy after limits.idle_timeout of silence.
+        waited = time.monotonic() - self.__dict__.get(_STARTED, time.monotonic())
+        rule, by = ("limits.idle_timeout", "by egresswall after limits.idle_timeout of silence") if (
+            self.conn.id in state().idle_closed) else ("http:incomplete-head", "by the client")
+        state().on_refusal(self.conn, 0, rule, f"the connection was closed {by}, {waited:.1f}s into a request "
+                                               f"head that never ended ({len(self.buf)} bytes)")
+    logs: list[str] = []
+    yield from _watch_logs(_originals["server_read_headers"](self, event), logs)
+    if self.state == self.read_headers and len(self.buf) and isinstance(event, events.DataReceived) and (
+            self.__dict__.get(_TIMER_FOR) != self.__dict__[_STARTED]):
+        # Half a head is in: a timer, so a client that stops here is cut off at limits.header_timeout
+        # (only then: a head that arrives whole, the usual case, costs no timer).
+        timer = commands.RequestWakeup(max(0.0, self.__dict__[_STARTED] + limits.header_timeout - time.monotonic()))
+        self.__dict__[_TIMER], self.__dict__[_TIMER_FOR] = timer, self.__dict__[_STARTED]
+        yield timer
+    if self.state != self.read_headers:
+        self.__dict__.pop(_STARTED, None)  # the head is in: the next one on this connection gets a fresh clock
+        self.__dict__.pop(_TIMER, None)
+        if self.state == self.done and self.request is None and isinstance(event, events.DataReceived):
+            # mitmproxy answered 400 ("Bad HTTP request line", "Invalid header line"...) before any flow.
+            detail = logs[-1].split(": ", 1)[-1] if logs else "unparseable request head"
+            state().on_refusal(self.conn, 400, "http:malformed", f"the request head cannot be parsed: {detail}"[:400])
+
+
+def _server_wait(self: Http1Server, event: events.Event):
+    """A request is out, its response not yet back: bytes the client sends meanwhile are only buffered."""
+    limit = state().limits().max_header_bytes
+    if isinstance(event, events.DataReceived) and len(self.buf) > limit:
+        reason = (f"the client sent more than {limit} bytes (limits.max_header_bytes) after a request that is "
+                  "still waiting for its response; they would only be buffered")
+        self.state = self.done
+        yield commands.CloseConnection(self.conn)
+        yield ReceiveHttp(RequestProtocolError(self.stream_id, f"egresswall: {reason}", ErrorCode.CLIENT_DISCONNECTED))
+        state().on_refusal(self.conn, 0, "limits.max_header_bytes", reason)
+        return
+    yield from _originals["server_wait"](self, event)
+
+
+def _client_read_headers(self: Http1Client, event: events.Event):
+    """An upstream's response head: bounded in size and time (the client gets a 502)."""
+    if isinstance(event, events.DataReceived) and self.stream_id is not None and self.request is not None:
+        self.__dict__.setdefault(_STARTED, time.monotonic())
+        problem = _problem(self, state().limits(), "upstream response")
+        if problem is not None:
+            self.state = self.done
+            yield commands.CloseConnection(self.conn)
+            yield ReceiveHttp(ResponseProtocolError(self.stream_id, f"egresswall: {problem[1]}",
+                                                    ErrorCode.GENERIC_SERVER_ERROR))
+            return
+    yield from _originals["client_read_headers"](self, event)
+    if self.state != self.read_headers:
+        self.__dict__.pop(_STARTED, None)
+
+
+# ---- idle close and connect time ------------------------------------------------------------------
+
+async def _on_timeout(self: mitmproxy.proxy.server.ConnectionHandler) -> None:
+    state().idle_closed.add(self.client.id)
+    await _originals["on_timeout"](self)
+
+
+async def _open_connection(*args, **kwargs):
+    timeout = state().limits().connect_timeout
+    try:
+        return await asyncio.wait_for(asyncio.open_connection(*args, **kwargs), timeout)
+    except TimeoutError:
+        # An OSError with a message: mitmproxy reports it as the connect error (502, error hook).
+        raise TimeoutError(f"connect timed out after {timeout:g}s (limits.connect_timeout)") from None
+
+
+def _plain_refusal(status: int, rule: str, reason: str) -> http.Response:
+    from policy.decision import Verdict
+
+    from .refusals import refusal_parts
+
+    code, headers, body = refusal_parts(Refusal(status, Verdict(False, "limits", rule, reason)))
+    return http.Response.make(code, body, [(k.encode(), v.encode("latin-1")) for k, v in headers])

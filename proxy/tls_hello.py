@@ -1,0 +1,105 @@
+"""Reading the ClientHello at the start of a passed-through tunnel, strictly.
+
+The record layer and the ClientHello structure are parsed by mitmproxy's TLS parser (the same one
+its own layers use). mitmproxy's ``ClientHello.sni`` answers ``None`` for every server_name it does
+not like — a trailing space, a 64-octet label, two names in the list, a name type other than
+host_name — and "no SNI" is something a tunnel may carry. So the server_name extension is read here
+from its raw bytes, and anything present but unreadable is a refusal, never "no SNI".
+
+``read_client_hello`` answers one of: ``NEED_MORE`` (wait for more bytes, within the caller's
+bounds), a ``ClientHelloInfo``, or raises ``HelloError`` with the rule and a reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from mitmproxy.net.tls import starts_like_tls_record
+from mitmproxy.proxy.layers.tls import get_client_hello
+from mitmproxy.tls import ClientHello
+
+from policy.hosts import HostFormError, normalise_host
+
+MAX_HELLO_BYTES: Final = 32 * 1024  # Chromium's, with post-quantum key shares, is under 2 KiB
+SERVER_NAME, ENCRYPTED_CLIENT_HELLO = 0x0000, 0xFE0D
+HANDSHAKE_CLIENT_HELLO = 0x01
+NEED_MORE: Final = None
+
+
+class HelloError(ValueError):
+    def __init__(self, rule: str, reason: str) -> None:
+        super().__init__(reason)
+        self.rule, self.reason = rule, reason
+
+
+@dataclass(frozen=True)
+class ClientHelloInfo:
+    sni: str | None  # normalised (A-label, lower case); None when the extension is absent
+    ech: bool  # carries an encrypted_client_hello extension (real, or Chromium's GREASE)
+    size: int  # bytes of records it took
+
+
+def read_client_hello(data: bytes) -> ClientHelloInfo | None:
+    if len(data) < 3:
+        if data and data[0] != 0x16:
+            raise HelloError("tls:not-tls", "the tunnel does not start with a TLS handshake record")
+        return NEED_MORE
+    if not starts_like_tls_record(data):
+        raise HelloError("tls:not-tls", "the tunnel does not start with a TLS handshake record")
+    try:
+        handshake = get_client_hello(data)
+    except ValueError as err:
+        raise HelloError("tls:invalid-hello", f"the tunnel's TLS records are malformed: {err}") from None
+    if handshake is None:
+        if len(data) > MAX_HELLO_BYTES:
+            raise HelloError("tls:hello-too-large", f"the ClientHello is larger than {MAX_HELLO_BYTES} bytes")
+        return NEED_MORE
+    if handshake[0] != HANDSHAKE_CLIENT_HELLO:
+        raise HelloError("tls:invalid-hello", f"the first handshake message is type {handshake[0]}, not a ClientHello")
+    try:
+        hello = ClientHello(handshake[4:])
+        extensions = hello.extensions
+    except (EOFError, ValueError, AttributeError, KeyError, IndexError) as err:
+        raise HelloError("tls:invalid-hello", f"the ClientHello cannot be parsed ({type(err).__name__})") from None
+    names = [body for kind, body in extensions if kind == SERVER_NAME]
+    if len(names) > 1:
+        raise HelloError("tls:sni", "the ClientHello carries the server_name extension twice")
+    sni = _server_name(names[0]) if names else None
+    ech = any(kind == ENCRYPTED_CLIENT_HELLO for kind, _ in extensions)
+    return ClientHelloInfo(sni, ech, _records_length(data, len(handshake)))
+
+
+def _server_name(body: bytes) -> str:
+    """RFC 6066 section 3: a list of exactly one entry, of type host_name, holding an ASCII name."""
+    if len(body) < 5:
+        raise HelloError("tls:sni", "the server_name extension is too short to hold a name")
+    list_length = int.from_bytes(body[0:2], "big")
+    if list_length != len(body) - 2:
+        raise HelloError("tls:sni", "the server_name list length does not match the extension")
+    name_type, name_length = body[2], int.from_bytes(body[3:5], "big")
+    if name_type != 0:
+        raise HelloError("tls:sni", f"the server_name entry has type {name_type}, not host_name")
+    if 5 + name_length != len(body):
+        raise HelloError("tls:sni", "the server_name list holds more than one name, or a name of the wrong length")
+    raw = body[5:]
+    if not raw or not raw.isascii():
+        raise HelloError("tls:sni", "the server_name is empty or not ASCII")
+    text = raw.decode("ascii")
+    if text != text.strip() or text.endswith("."):
+        raise HelloError("tls:sni", f"the server_name {text[:80]!r} has surrounding spaces or a trailing dot")
+    try:
+        host, _ = normalise_host(text)
+    except HostFormError as err:
+        raise HelloError("tls:sni", f"the server_name {text[:80]!r} is not a valid host name: {err.reason}") from None
+    return host
+
+
+def _records_length(data: bytes, handshake_length: int) -> int:
+    """How many bytes of ``data`` the records holding the ClientHello take (the rest is the client's next)."""
+    offset, collected = 0, 0
+    while collected < handshake_length and offset + 5 <= len(data):
+        size = int.from_bytes(data[offset + 3:offset + 5], "big")
+        offset += 5 + size
+        collected += size
+    return offset
