@@ -1,0 +1,112 @@
+"""``egresswall run``: the proxy with a policy, until SIGTERM; with ``--workers N`` a supervisor of N
+proxy processes (``proxy/workers.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from mitmproxy.options import CONF_DIR
+
+from policy.model import Policy
+from policy.resolver import DnsResolver
+from proxy.listeners import authority
+from proxy.runner import ProxyRunner, RunConfig
+from proxy.workers import Supervisor
+
+from . import logs
+from .errors import UsageError
+from .options import add_policy_options, load_from_args, overrides_from, parse_hostport
+
+DEFAULT_LISTEN = ("127.0.0.1", 3128)
+DEFAULT_ADMIN = ("127.0.0.1", 3131)  # not 9090: that is Prometheus's own port (README, "Admin port")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    run = sub.add_parser("run", help="run the proxy")
+    add_policy_options(run)
+    run.add_argument("--listen", type=parse_hostport, default=DEFAULT_LISTEN, metavar="HOST:PORT",
+                     help=f"proxy listener (default {authority(*DEFAULT_LISTEN)})")
+    run.add_argument("--admin", type=parse_hostport, default=DEFAULT_ADMIN, metavar="HOST:PORT",
+                     help=f"admin listener with /healthz, /readyz, /metrics (default {authority(*DEFAULT_ADMIN)})")
+    run.add_argument("--no-admin", action="store_true", help="no admin listener")
+    run.add_argument("--log", metavar="FILE", help="audit log file (default: standard output); SIGUSR1 reopens it")
+    run.add_argument("--log-format", choices=["json", "squid"], default="json")
+    run.add_argument("--confdir", help="mitmproxy's configuration directory (its CA, for interception)")
+    run.add_argument("--workers", type=int, default=1, metavar="N",
+                     help="proxy processes sharing the listen port (SO_REUSEPORT); default 1")
+    run.add_argument("--fast-tunnels", action="store_true",
+                     help="relay passed-through TLS tunnels in egresswall's own front, not through mitmproxy "
+                          "(faster; opt-in while one open question stands, see README)")
+    run.set_defaults(func=cmd_run)
+
+
+def run_config_from(args: argparse.Namespace) -> RunConfig:
+    return RunConfig(policy_path=args.policy, overrides=overrides_from(args), listen=args.listen,
+                     admin=None if args.no_admin else args.admin, log_path=args.log, log_format=args.log_format,
+                     confdir=args.confdir, fast_tunnels=args.fast_tunnels)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    if args.workers < 1:
+        raise UsageError(f"--workers {args.workers}: at least 1")
+    logs.configure()
+    config = run_config_from(args)
+    if args.workers > 1:
+        policy = load_from_args(args)  # a policy that does not load fails here, once, with its file:line:column
+        confdir = config.confdir or CONF_DIR
+
+        def announce(listen: tuple[str, int], admin: tuple[str, int] | None) -> None:
+            say(startup_line(listen, admin, policy, config, confdir, workers=args.workers))
+
+        return asyncio.run(Supervisor(config, args.workers, on_ready=announce).run())
+    runner = ProxyRunner(config)  # loads the policy: a bad file fails here
+    asyncio.run(serve(runner, lambda: say(startup_line_of(runner))))
+    return 0
+
+
+async def serve(runner: ProxyRunner, on_ready: Callable[[], None]) -> None:
+    """Run the proxy until it stops; ``on_ready`` once it listens (not at all when it fails to start)."""
+    running = asyncio.ensure_future(runner.run())
+    ready = asyncio.ensure_future(runner.ready.wait())
+    await asyncio.wait({running, ready}, return_when=asyncio.FIRST_COMPLETED)
+    if runner.ready.is_set():
+        on_ready()
+    ready.cancel()
+    await running
+
+
+def startup_line_of(runner: ProxyRunner) -> str:
+    assert runner.listen_address is not None and runner.master is not None
+    return startup_line(runner.listen_address, runner.admin_address, runner.holder.policy, runner.config,
+                        runner.master.options.confdir)
+
+
+def startup_line(listen: tuple[str, int], admin: tuple[str, int] | None, policy: Policy, config: RunConfig,
+                 confdir: str, workers: int | None = None) -> str:
+    """The line that tells people what started: where it listens (``tests/proxyproc.py`` reads the
+    first part), the policy, whom it asks for names, where the audit log goes, and the CA clients must
+    trust when the policy intercepts TLS."""
+    parts = [f"proxy on {authority(*listen[:2])}" + (f", admin on http://{authority(*admin[:2])}" if admin else "")
+             + (f", {workers} workers" if workers else "")]
+    parts.append(f"policy {policy.source} ({policy.mode}, default {policy.default})")
+    parts.append(f"nameservers {_nameservers(policy)}")
+    log = "standard output" if config.log_path in (None, "-") else config.log_path
+    parts.append(f"audit log {log} ({config.log_format})")
+    if any(rule.intercept for rule in policy.all_host_rules()):
+        parts.append(f"interception CA {Path(confdir).expanduser() / 'mitmproxy-ca-cert.pem'}")
+    return "; ".join(parts)
+
+
+def _nameservers(policy: Policy) -> str:
+    if policy.resolver.nameservers:
+        return ", ".join(ip if port == 53 else authority(ip, port) for ip, port in policy.resolver.nameservers)
+    found = DnsResolver.for_policy(policy).nameservers  # what the proxy will ask: /etc/resolv.conf's
+    return f"{', '.join(found) or 'none'} (from /etc/resolv.conf)"
+
+
+def say(line: str) -> None:
+    print(f"egresswall: {line}", file=sys.stderr, flush=True)
