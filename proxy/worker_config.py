@@ -60,24 +60,66 @@ def _run_config(data: Any) -> RunConfig:
     unknown, missing = set(data) - _RUN_FIELDS, _RUN_FIELDS - set(data)
     if unknown or missing:
         raise ValueError(f"'run' fields differ from RunConfig: unknown {sorted(unknown)}, missing {sorted(missing)}")
-    values = dict(data)
-    values["overrides"] = Overrides(**_object(values["overrides"], "overrides"))
-    values["listen"] = _address(values["listen"])
-    values["admin"] = None if values["admin"] is None else _address(values["admin"])
-    values["extra_self_endpoints"] = tuple(_address(a) for a in values["extra_self_endpoints"])
+    values = {}
+    for name, value in data.items():
+        decode = _DECODERS.get(name) or _SCALARS.get(_RUN_TYPES[name])
+        if decode is None:  # a RunConfig field of a kind this codec does not know: teach it (below)
+            raise ValueError(f"'run.{name}': a field of type {_RUN_TYPES[name]} has no decoder")
+        values[name] = decode(value, f"run.{name}")
     return RunConfig(**values)
 
 
-def _object(value: Any, name: str) -> dict[str, Any]:
+def _scalar(*kinds: type | None):
+    def decode(value: Any, where: str) -> Any:
+        if type(value) in [k for k in kinds if k is not None] or (value is None and None in kinds):
+            return value
+        if float in kinds and type(value) is int:
+            return float(value)
+        raise ValueError(f"'{where}': got {value!r}")
+    return decode
+
+
+def _overrides(value: Any, where: str) -> Overrides:
     if not isinstance(value, dict):
-        raise ValueError(f"'{name}' must be an object")
-    return value
+        raise ValueError(f"'{where}' must be an object")
+    known = {f.name: str(f.type) for f in dataclasses.fields(Overrides)}
+    if set(value) != set(known):
+        raise ValueError(f"'{where}' fields differ from Overrides: {sorted(set(value) ^ set(known))}")
+    for name, item in value.items():
+        if known[name].startswith("list"):
+            ok = isinstance(item, list) and all(isinstance(v, str) for v in item)
+        else:
+            ok = item is None or isinstance(item, str)
+        if not ok:
+            raise ValueError(f"'{where}.{name}': got {item!r}")
+    return Overrides(**value)
 
 
-def _address(value: Any) -> tuple[str, int]:
+def _optional_address(value: Any, where: str) -> tuple[str, int] | None:
+    return None if value is None else _address(value)
+
+
+def _addresses(value: Any, where: str) -> tuple[tuple[str, int], ...]:
+    if not isinstance(value, list):
+        raise ValueError(f"'{where}' must be a list of addresses")
+    return tuple(_address(a) for a in value)
+
+
+_RUN_TYPES = {f.name: str(f.type) for f in dataclasses.fields(RunConfig)}
+_SCALARS = {"str": _scalar(str), "str | None": _scalar(str, None), "bool": _scalar(bool), "int": _scalar(int),
+            "float": _scalar(float)}
+_DECODERS = {"overrides": _overrides, "listen": lambda v, where: _address(v), "admin": _optional_address,
+             "extra_self_endpoints": _addresses}
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int
+
+
+def _address(value: Any, where: str = "address") -> tuple[str, int]:
     if (not isinstance(value, list) or len(value) != 2 or not isinstance(value[0], str)
             or not isinstance(value[1], int) or isinstance(value[1], bool) or not 0 <= value[1] <= 65535):
-        raise ValueError(f"an address is [host, port], got {value!r}")
+        raise ValueError(f"'{where}': an address is [host, port], got {value!r}")
     return value[0], value[1]
 
 
@@ -104,9 +146,10 @@ class WorkerReport:
         data = json.loads(line)
         if not isinstance(data, dict):
             raise ValueError("a worker report is a JSON object")
-        if data.get("event") == READY and set(data) == {"event", "pid", "listen", "admin"}:
-            return cls(READY, listen=_address(data["listen"]),
-                       admin=None if data["admin"] is None else _address(data["admin"]), pid=int(data["pid"]))
-        if data.get("event") == FAILED and set(data) == {"event", "error", "exit"}:
-            return cls(FAILED, error=str(data["error"]), exit=int(data["exit"]))
+        if data.get("event") == READY and set(data) == {"event", "pid", "listen", "admin"} and _is_int(data["pid"]):
+            return cls(READY, listen=_address(data["listen"]), admin=_optional_address(data["admin"], "admin"),
+                       pid=data["pid"])
+        if (data.get("event") == FAILED and set(data) == {"event", "error", "exit"} and isinstance(data["error"], str)
+                and _is_int(data["exit"])):
+            return cls(FAILED, error=data["error"], exit=data["exit"])
         raise ValueError(f"not a worker report: {line[:200]!r}")
