@@ -18,21 +18,32 @@ class ListenError(OSError):
     """``listener`` (PROXY, ADMIN, BROWSER_SERVER) cannot listen on ``address``; ``errno`` says why."""
 
     def __init__(self, listener: str, address: tuple[str, int], cause: BaseException) -> None:
-        code = getattr(cause, "errno", None)
-        super().__init__(code, _why(cause))
+        root = _root_cause(cause)
+        super().__init__(getattr(root, "errno", None), _why(root))
         self.listener, self.address = listener, address
+
+    @property
+    def name_not_found(self) -> bool:
+        """The host is a name that does not resolve (getaddrinfo's errors are negative numbers)."""
+        return isinstance(self.errno, int) and self.errno < 0
 
     def __str__(self) -> str:
         return f"the {self.listener} listener cannot listen on {authority(*self.address)}: {self.strerror}"
 
 
+def _root_cause(err: BaseException) -> BaseException:
+    """The system's own error under the restatements asyncio and mitmproxy wrap around it."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    return err
+
+
 def _why(cause: BaseException) -> str:
-    """The system's words for the error ("address already in use"), without asyncio's or mitmproxy's
-    restatement of the address around them."""
+    """The system's words for the error ("address already in use")."""
     code = getattr(cause, "errno", None)
     if isinstance(code, int) and code in errno.errorcode:
         return os.strerror(code).lower()
-    return getattr(cause, "strerror", None) or str(cause)
+    return str(getattr(cause, "strerror", None) or cause).lower()
 
 
 def authority(host: str, port: int) -> str:

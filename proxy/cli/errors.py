@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import errno
 import os
-import socket
 import sys
 import tempfile
 import traceback
@@ -53,8 +52,8 @@ def _listen_advice(err: ListenError) -> str:
         return f"no interface of this machine has that address: choose one it has (or 0.0.0.0 for all) with {option}"
     if err.errno == errno.EACCES:
         return f"ports below 1024 need root or CAP_NET_BIND_SERVICE: choose a port above 1023 with {option}"
-    if isinstance(err.__cause__, socket.gaierror):
-        return f"the host is not an address of this machine: give an IP address with {option}"
+    if err.name_not_found:
+        return f"that host name does not resolve here: give an IP address of this machine with {option}"
     return f"choose another address with {option}"
 
 

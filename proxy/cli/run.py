@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -45,6 +47,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_config_from(args: argparse.Namespace) -> RunConfig:
+    if args.log not in (None, "-"):
+        _check_log_file(args.log)
+    if args.confdir:
+        _check_confdir(args.confdir)
     return RunConfig(policy_path=args.policy, overrides=overrides_from(args), listen=args.listen,
                      admin=None if args.no_admin else args.admin, log_path=args.log, log_format=args.log_format,
                      confdir=args.confdir, fast_tunnels=args.fast_tunnels)
@@ -68,6 +74,28 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_log_file(path: str) -> None:
+    """The audit log opens now, with the option's name in the error, not deep inside start-up."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640))
+    except OSError as err:
+        raise UsageError(f"--log {path}: the audit log cannot be opened: {err.strerror.lower()}; give a file in a "
+                         "directory that exists and this user may write") from None
+
+
+def _check_confdir(path: str) -> None:
+    """mitmproxy reports a CA directory it cannot create as an addon error with a traceback, and runs on
+    without a CA: say it here instead, in one line."""
+    directory = Path(path).expanduser()
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+    except OSError as err:
+        raise UsageError(f"--confdir {path}: cannot be used as mitmproxy's CA directory: "
+                         f"{(err.strerror or str(err)).lower()}") from None
+
+
 async def serve(runner: ProxyRunner, on_ready: Callable[[], None]) -> None:
     """Run the proxy until it stops; ``on_ready`` once it listens (not at all when it fails to start)."""
     running = asyncio.ensure_future(runner.run())
@@ -76,7 +104,19 @@ async def serve(runner: ProxyRunner, on_ready: Callable[[], None]) -> None:
     if runner.ready.is_set():
         on_ready()
     ready.cancel()
-    await running
+    try:
+        await running
+    finally:
+        asyncio.get_running_loop().set_exception_handler(_quiet_about_cancelled_tasks)
+
+
+def _quiet_about_cancelled_tasks(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """After the proxy stopped, asyncio cancels the connection tasks still open; CPython before 3.12.2
+    reports each such cancellation as "Exception in callback" with a traceback (its stream callback
+    asks a cancelled task for its exception). A cancelled task at shutdown is not an error."""
+    if isinstance(context.get("exception"), asyncio.CancelledError):
+        return
+    loop.default_exception_handler(context)
 
 
 def startup_line_of(runner: ProxyRunner) -> str:

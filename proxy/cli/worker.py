@@ -18,13 +18,17 @@ from proxy.runner import ProxyRunner
 from proxy.worker_config import FAILED, READY, WorkerConfig, WorkerReport
 
 from . import logs
-from .errors import EXIT_INTERRUPTED, describe
+from .errors import EXIT_BUG, EXIT_INTERRUPTED, describe
 from .run import serve
 
 
 def main() -> int:
     _die_with_supervisor()
-    config = WorkerConfig.from_json(sys.stdin.read())
+    try:
+        config = WorkerConfig.from_json(sys.stdin.read())
+    except ValueError as err:  # the supervisor sent what this worker cannot read: a bug, said on stderr
+        print(f"egresswall: {describe(err)[0]}", file=sys.stderr, flush=True)
+        return EXIT_BUG
     logs.configure()
     with os.fdopen(config.ready_fd, "wb", buffering=0) as report:
         try:
