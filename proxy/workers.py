@@ -54,6 +54,7 @@ class Worker:
         self.reported = asyncio.Event()
         self.last_metrics = ""  # what it reported last, carried over when it is restarted
         self.restarts = 0
+        self._tasks: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         self.reported.clear()
@@ -70,9 +71,10 @@ class Worker:
             raise
         finally:
             os.close(write_end)  # the worker holds it now: end of file here when it exits
-        loop = asyncio.get_running_loop()
-        loop.create_task(self._read_report(read_end))
-        loop.create_task(self._relay_stderr())
+        for job in (self._read_report(read_end), self._relay_stderr()):
+            task = asyncio.get_running_loop().create_task(job)
+            self._tasks.add(task)  # the loop keeps only a weak reference to a task
+            task.add_done_callback(self._tasks.discard)
         assert self.process.stdin is not None
         self.process.stdin.write(WorkerConfig(self.config, write_end).to_json().encode())
         with contextlib.suppress(ConnectionError):  # it died already: its report and exit status say so
