@@ -14,9 +14,16 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 Formatter = Callable[[dict[str, Any]], str]
+
+
+def rfc3339(epoch: float) -> str:
+    """UTC with milliseconds and a Z, e.g. 2026-12-01T07:12:03.042Z: the time of every record."""
+    moment = datetime.fromtimestamp(epoch, UTC)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
 
 
 def json_line(record: dict[str, Any]) -> str:
@@ -90,8 +97,6 @@ class AuditLog:
         line records how many lines were lost, in the log itself."""
         if self.healthy:
             return True
-        from .records import rfc3339
-
         record = {"time": rfc3339(time.time()), "event": "audit", "failures": self.failures,
                   "reason": "the audit log is writable again; 'failures' lines could not be written"}
         if self.select is None or self.select(record):

@@ -30,9 +30,9 @@ import h11
 from policy.hosts import HostFormError, Target, parse_authority, parse_url
 
 from .admission import CapRefusal
-from .gate import Gate, Refusal, Tunnel
+from .gate import Gate, Tunnel
 from .peers import client_key
-from .refusals import refusal_bytes
+from .refusals import Refusal, refusal_bytes
 from .tls_hello import MAX_HELLO_BYTES
 
 RELAY_CHUNK = 256 * 1024

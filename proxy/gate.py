@@ -33,17 +33,10 @@ from .first_bytes import FirstBytes, classify_tunnel_start
 from .metrics import Metrics
 from .peers import is_local_address
 from .records import DECISION, RESPONSE, TUNNEL, Recorder
+from .refusals import Refusal
 from .reload import PolicyHolder
 
 LIMITS, TLS, HTTP = "limits", "tls", "http"
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """What the client is answered instead of being forwarded; the record is already written."""
-
-    status: int
-    verdict: Verdict
 
 
 @dataclass(eq=False)
@@ -182,9 +175,10 @@ class Gate:
         if target is None:
             record.url = safe_text(authority)
         if not verdict.allowed:
-            record.status = 403
+            refusal = Refusal(403, verdict)
+            record.status, record.bytes_down = 403, refusal.size
             self.recorder.decision(record)
-            return ConnectOutcome(None, Refusal(403, verdict))
+            return ConnectOutcome(None, refusal)
         if not (self.recorder.decision(record) and self.audit.healthy):
             return ConnectOutcome(None, self.audit_unwritable())
         assert target is not None
@@ -269,9 +263,10 @@ class Gate:
         record = self.recorder.record(DECISION, ask.flow_id, ask.client, ask.method, target, verdict,
                                       resolution.cnames if resolution else ())
         if not verdict.allowed:
-            record.status = 403
+            refusal = Refusal(403, verdict)
+            record.status, record.bytes_down = 403, refusal.size
             self.recorder.decision(record)
-            return RequestOutcome(verdict, target, Refusal(403, verdict))
+            return RequestOutcome(verdict, target, refusal)
         if not (self.recorder.decision(record) and self.audit.healthy):
             return RequestOutcome(verdict, target, self.audit_unwritable())
         return RequestOutcome(verdict, target, None)
@@ -289,24 +284,26 @@ class Gate:
     def _request_refused(self, ask: HttpAsk, target: Target | None, verdict: Verdict, status: int,
                          url: str | None = None) -> RequestOutcome:
         record = self.recorder.record(DECISION, ask.flow_id, ask.client, ask.method, target, verdict)
-        record.status = status
+        refusal = Refusal(status, verdict)
+        record.status, record.bytes_down = status, refusal.size
         if target is None and url is not None:
             record.url = safe_text(url)
         self.recorder.decision(record)
-        return RequestOutcome(verdict, target, Refusal(status, verdict))
+        return RequestOutcome(verdict, target, refusal)
 
     def refuse(self, client: str, method: str | None, target: Target | None, status: int, stage: str, rule: str,
                reason: str, url: str | None = None, flow_id: str | None = None, event: str = DECISION) -> Refusal:
         """A refusal made before any policy decision (malformed, over a bound, over a cap): its one record."""
         verdict = Verdict(False, stage, rule, reason)
         record = self.recorder.record(event, flow_id or uuid.uuid4().hex, client, method, target, verdict)
-        record.status = status or None
+        refusal = Refusal(status, verdict)
+        record.status, record.bytes_down = status or None, refusal.size if status else 0
         if target is None and url:
             record.url = safe_text(url)
         self.recorder.decision(record)
         if rule.startswith("limits.") or rule in ("shutdown", "audit"):
             self.metrics.refusals[rule] += 1
-        return Refusal(status, verdict)
+        return refusal
 
     def connection_refused(self, client: str, status: int, rule: str, reason: str) -> None:
         """A connection ended by a bound before any request was whole (head too big, too slow, silent);

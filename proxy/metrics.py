@@ -20,7 +20,7 @@ class Metrics:
     bytes_up: int = 0
     bytes_down: int = 0
     open_tunnels: int = 0
-    fast_tunnels: int = 0  # tunnels relayed by the fast path (proxy/fastpath.py)
+    fast_tunnels: int = 0  # tunnels relayed by the front (proxy/front.py)
     open_connections: int = 0
     dns_seconds_sum: float = 0.0
     dns_lookups: int = 0

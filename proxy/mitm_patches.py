@@ -54,8 +54,7 @@ from mitmproxy.proxy.layers.http._http1 import Http1Client, Http1Server
 
 from policy.model import Limits
 
-from .gate import Refusal
-from .refusals import refusal_bytes
+from .refusals import Refusal, refusal_bytes
 
 REFUSE_BEFORE_BODY = "egresswall_refuse_before_body"
 BODY_LIMIT = "egresswall_body_limit"  # flow.metadata: bytes a buffered (chunked) body may have

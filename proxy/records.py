@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -21,17 +20,11 @@ from policy.decision import Verdict
 from policy.hosts import Target
 from policy.model import Policy
 
-from .audit import AuditLog
+from .audit import AuditLog, rfc3339
 from .metrics import Metrics
 
 SCHEMA_PATH = Path(__file__).with_name("audit-record.schema.json")
 DECISION, RESPONSE, TUNNEL, CONNECTION = "decision", "response", "tunnel", "connection"
-
-
-def rfc3339(epoch: float) -> str:
-    """UTC with milliseconds and a Z, e.g. 2026-12-01T07:12:03.042Z."""
-    moment = datetime.fromtimestamp(epoch, UTC)
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
 
 
 def verdict_word(verdict: Verdict) -> str:

@@ -6,15 +6,30 @@ front writes ``refusal_bytes``, the mitmproxy addons wrap the same parts in an `
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from http import HTTPStatus
 
-from .gate import Refusal
+from policy.decision import Verdict
+
 from .records import rule_id_of
 
 REASON_HEADER = "X-Egresswall-Reason"
 RULE_HEADER = "X-Egresswall-Rule"
 RULE_ID_HEADER = "X-Egresswall-Rule-Id"
 OWN_HEADER_PREFIX = "x-egresswall-"  # headers only egresswall may set; stripped from upstream responses
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """What the client is answered instead of being forwarded; its record is already written."""
+
+    status: int
+    verdict: Verdict
+
+    @property
+    def size(self) -> int:
+        """The bytes the answer takes on the wire (the record's ``bytes_down``)."""
+        return len(refusal_bytes(self))
 
 
 def one_line(text: str, limit: int = 400) -> str:

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import logging
 import signal
 import socket
-import sys
 from dataclasses import dataclass
 
 from mitmproxy import options as mitm_options
@@ -30,6 +30,7 @@ from .admin import AdminServer
 from .audit import AuditLog, json_line
 from .front import Front
 from .gate import Gate
+from .listeners import ADMIN, PROXY, ListenError
 from .metrics import Metrics
 from .peers import peer_of
 from .reload import PolicyHolder
@@ -42,7 +43,7 @@ class RunConfig:
     policy_path: str | None
     overrides: Overrides
     listen: tuple[str, int] = ("127.0.0.1", 3128)
-    admin: tuple[str, int] | None = ("127.0.0.1", 9090)
+    admin: tuple[str, int] | None = ("127.0.0.1", 3131)  # README, "Admin port"
     log_path: str | None = None
     log_format: str = "json"
     confdir: str | None = None  # where mitmproxy keeps its CA (interception only)
@@ -120,51 +121,65 @@ class ProxyRunner:
             updates["ssl_verify_upstream_trusted_ca"] = self.config.upstream_ca
         opts.update(**updates)
         loop = asyncio.get_running_loop()
-        for sig, handler in ((signal.SIGTERM, self.request_stop), (signal.SIGINT, self.request_stop),
+        for sig, handler in ((signal.SIGTERM, _logged(signal.SIGTERM, self.request_stop)),
+                             (signal.SIGINT, _logged(signal.SIGINT, self.request_stop)),
                              (signal.SIGHUP, self.holder.reload), (signal.SIGUSR1, self.audit.reopen)):
             # Outside the main thread (tests embed the runner) signals are the caller's business.
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 loop.add_signal_handler(sig, handler)
         master_task = asyncio.create_task(self.master.run())
         try:
-            await self._wait_listening()
-            self.front = Front(self.gate, self._handoff, relay_tunnels=self.config.fast_tunnels)
-            self.listen_address = await self.front.start(host, port, reuse_port=self.config.reuse_port)
-            self.gate.self_endpoints.add((_endpoint_host(self.listen_address[0]), self.listen_address[1]))
-            if self.config.admin is not None:
-                self.admin_address = await self.admin.start(*self.config.admin)
-                self.gate.self_endpoints.add((_endpoint_host(self.admin_address[0]), self.admin_address[1]))
-        except BaseException:
-            self.master.shutdown()
-            with contextlib.suppress(BaseException):
-                await master_task
-            mitm_patches.uninstall()
-            raise
-        self.holder.start_watching(self.config.watch_interval)
-        self.ready.set()
-        print(f"egresswall: proxy on {self.listen_address[0]}:{self.listen_address[1]}"
-              + (f", admin on http://{self.admin_address[0]}:{self.admin_address[1]}" if self.admin_address else "")
-              + f", policy {self.holder.policy.source} ({self.holder.policy.mode}, default "
-              f"{self.holder.policy.default})", file=sys.stderr, flush=True)
-        try:
+            if await self._wait_listening(master_task):  # False: asked to stop during start-up
+                self.front = Front(self.gate, self._handoff, relay_tunnels=self.config.fast_tunnels)
+                try:
+                    self.listen_address = await self.front.start(host, port, reuse_port=self.config.reuse_port)
+                except OSError as err:
+                    raise ListenError(PROXY, (host, port), err) from err
+                self.gate.self_endpoints.add((_endpoint_host(self.listen_address[0]), self.listen_address[1]))
+                if self.config.admin is not None:
+                    try:
+                        self.admin_address = await self.admin.start(*self.config.admin)
+                    except OSError as err:
+                        raise ListenError(ADMIN, self.config.admin, err) from err
+                    self.gate.self_endpoints.add((_endpoint_host(self.admin_address[0]), self.admin_address[1]))
+                self.holder.start_watching(self.config.watch_interval)
+                self.ready.set()  # the command line tells people (and a supervisor) where it listens
             await master_task
+        except BaseException:
+            if not master_task.done():  # a listener failed: close the ones that opened, and stop mitmproxy
+                if self.front is not None:
+                    self.front.stop_accepting()
+                if self.master.addons.get("proxyserver").listen_addrs():  # (stopping a failed one fails again)
+                    self.master.options.update(server=False)
+                self.master.shutdown()
+                with contextlib.suppress(Exception):
+                    await master_task
+            raise
         finally:
             self.holder.stop_watching()
             await self.admin.stop()
             self.audit.close()
             mitm_patches.uninstall()
 
-    async def _wait_listening(self) -> None:
+    async def _wait_listening(self, master_task: asyncio.Task) -> bool:
+        """True once mitmproxy's internal listener is up; False when it stopped first (a stop asked for
+        during start-up). A listener that failed raises ``ListenError`` at once: mitmproxy keeps the
+        failure on its server instance and, without its errorcheck addon, runs on without a listener."""
         assert self.master is not None
         server = self.master.addons.get("proxyserver")
-        for _ in range(200):
-            addresses = server.listen_addrs() if server else []
+        while not master_task.done():
+            addresses = server.listen_addrs()
             if addresses:
                 for address in addresses:
                     self.gate.self_endpoints.add((_endpoint_host(address[0]), address[1]))
-                return
-            await asyncio.sleep(0.05)
-        raise RuntimeError("mitmproxy's internal listener did not start")
+                return True
+            failure = next((i.last_exception for i in server.servers if i.last_exception is not None), None)
+            if failure is not None:
+                listen = (self.master.options.listen_host, self.master.options.listen_port)
+                raise ListenError(PROXY, listen, failure)
+            await asyncio.sleep(0.01)
+        master_task.result()  # what stopped it, if anything failed
+        return False
 
     def _handoff(self, sock: socket.socket, prefix: bytes) -> None:
         """Give an accepted connection to mitmproxy as if its own listener had accepted it, with the
@@ -222,10 +237,35 @@ class ProxyRunner:
             self.front.stop_accepting()
         self.master.options.update(server=False)  # closes the listening sockets
         grace = self.holder.policy.limits.tunnel_grace
-        deadline = asyncio.get_running_loop().time() + grace
+        started = asyncio.get_running_loop().time()
+        deadline = started + grace
+        if self.ready.is_set():
+            log.info("draining: no new connections; %d open connection(s) get up to %gs to finish "
+                     "(limits.tunnel_grace)", self.gate.admission.total, grace)
         while self.gate.admission.total > 0 and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
+        cut = self.gate.admission.total
+        took = asyncio.get_running_loop().time() - started
+        if not self.ready.is_set():
+            log.info("stopped during start-up, at %s", _utc_now())
+        elif cut:
+            log.info("stopped at %s after %.1fs; %d connection(s) still open at the end of the grace period "
+                     "were closed", _utc_now(), took, cut)
+        else:
+            log.info("stopped at %s after %.1fs; every connection had finished", _utc_now(), took)
         self.master.shutdown()
+
+
+def _logged(sig: signal.Signals, handler):
+    """A stop signal's handler that says which signal asked for the stop."""
+    def on_signal() -> None:
+        log.info("%s received", sig.name)
+        handler()
+    return on_signal
+
+
+def _utc_now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def _peer(sock: socket.socket) -> tuple:

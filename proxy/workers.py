@@ -7,100 +7,197 @@ supervisor (this module) owns the admin listener — ``/metrics`` is the sum ove
 that dies. Every worker appends whole lines to the same audit log (one ``write`` per line on an
 O_APPEND file), so the log stays one log. Connection caps are shared out: each worker enforces
 1/N of them, which holds on average because the kernel hashes connections evenly.
+
+A worker gets its configuration as a JSON document on its standard input and reports that it is
+ready (or why it is not) as one JSON line on an inherited pipe: ``proxy/worker_config.py`` describes
+both. Start-up stops at once, with the reason, when a worker fails, dies, or a stop signal arrives.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import datetime
+import os
 import re
 import signal
 import socket
 import sys
 from collections import OrderedDict
+from collections.abc import Callable
 
 from .admin import AdminServer
+from .listeners import ADMIN, PROXY, ListenError, check_free
+from .runner import RunConfig
+from .worker_config import FAILED, WorkerConfig, WorkerReport
 
-_STARTED = re.compile(r"^egresswall: proxy on (\S+):(\d+), admin on http://(\S+):(\d+),")
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{.*\})?) (\S+)$")
 _ALL_MUST_HOLD = {"egresswall_policy_loaded"}  # gauges where the pool is only as good as its worst worker
+START_TIMEOUT = 60.0  # seconds for every worker to report
+
+
+class WorkerStartError(Exception):
+    """The pool did not start: ``str()`` is one line for people; ``exit_status`` what to exit with."""
+
+    def __init__(self, message: str, exit_status: int) -> None:
+        super().__init__(message)
+        self.exit_status = exit_status
 
 
 class Worker:
-    def __init__(self, index: int, argv: list[str]) -> None:
-        self.index, self.argv = index, argv
+    def __init__(self, index: int, config: RunConfig) -> None:
+        self.index, self.config = index, config
         self.process: asyncio.subprocess.Process | None = None
         self.admin: tuple[str, int] | None = None
-        self.started = asyncio.Event()
+        self.report: WorkerReport | None = None  # what it said at its last start (None: nothing yet)
+        self.reported = asyncio.Event()
         self.last_metrics = ""  # what it reported last, carried over when it is restarted
         self.restarts = 0
+        self._tasks: set[asyncio.Task] = set()
 
     async def start(self) -> None:
-        self.started.clear()
-        self.admin = None
-        # -P: the working directory must not shadow egresswall's packages. A long line must not kill
-        # the relay of this worker's messages (limit).
-        self.process = await asyncio.create_subprocess_exec(
-            sys.executable, "-P", "-m", "proxy.cli", *self.argv, stderr=asyncio.subprocess.PIPE, limit=1 << 20)
-        asyncio.get_running_loop().create_task(self._relay_stderr())
+        self.reported.clear()
+        self.admin, self.report = None, None
+        read_end, write_end = os.pipe()
+        try:
+            # -P: the working directory must not shadow egresswall's packages. A long line must not kill
+            # the relay of this worker's messages (limit).
+            self.process = await asyncio.create_subprocess_exec(
+                sys.executable, "-P", "-m", "proxy.cli.worker", stdin=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, pass_fds=(write_end,), limit=1 << 20)
+        except BaseException:
+            os.close(read_end)
+            raise
+        finally:
+            os.close(write_end)  # the worker holds it now: end of file here when it exits
+        for job in (self._read_report(read_end), self._relay_stderr()):
+            task = asyncio.get_running_loop().create_task(job)
+            self._tasks.add(task)  # the loop keeps only a weak reference to a task
+            task.add_done_callback(self._tasks.discard)
+        assert self.process.stdin is not None
+        self.process.stdin.write(WorkerConfig(self.config, write_end).to_json().encode())
+        with contextlib.suppress(ConnectionError):  # it died already: its report and exit status say so
+            await self.process.stdin.drain()
+        self.process.stdin.close()
+
+    async def _read_report(self, fd: int) -> None:
+        reader = asyncio.StreamReader()
+        loop = asyncio.get_running_loop()
+        transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
+                                                    os.fdopen(fd, "rb", buffering=0))
+        try:
+            line = await reader.readline()
+        finally:
+            transport.close()
+        try:
+            self.report = WorkerReport.from_line(line) if line else None
+        except ValueError as err:
+            self.report = WorkerReport(FAILED, error=f"worker {self.index} sent a malformed report ({err})", exit=1)
+        if self.report is not None:
+            self.admin = self.report.admin
+        self.reported.set()
 
     async def _relay_stderr(self) -> None:
-        """Pass the worker's messages on (prefixed) and learn its admin port from its start line."""
+        """Pass the worker's messages on, prefixed with its number."""
         assert self.process is not None and self.process.stderr is not None
         async for raw in self.process.stderr:
             line = raw.decode(errors="replace").rstrip("\n")
-            match = None if self.started.is_set() else _STARTED.match(line)  # only its first start line
-            if match:
-                self.admin = (match.group(3), int(match.group(4)))
-                self.started.set()
-                continue
             print(f"[worker {self.index}] {line}", file=sys.stderr, flush=True)
+
+    @property
+    def ready(self) -> bool:
+        return self.report is not None and self.report.event != FAILED
 
 
 class Supervisor:
-    def __init__(self, worker_argv: list[str], workers: int, listen: tuple[str, int],
-                 admin: tuple[str, int] | None) -> None:
-        self.worker_argv, self.count, self.listen, self.admin_address = worker_argv, workers, listen, admin
+    def __init__(self, config: RunConfig, workers: int,
+                 on_ready: Callable[[tuple[str, int], tuple[str, int] | None], None] | None = None) -> None:
+        """``config``: what every worker runs (its ``admin`` is the supervisor's own listener);
+        ``on_ready(listen, admin)`` is called once every worker has reported ready."""
+        self.config, self.count, self.on_ready = config, workers, on_ready
+        self.listen, self.admin_address = config.listen, config.admin
         self.workers: list[Worker] = []
         self.admin = AdminServer({"/healthz": lambda: (200, "text/plain", "ok\n"), "/readyz": self._readyz,
                                   "/metrics": self._metrics})
         self.stopping = False
+        self.stop_signal: signal.Signals | None = None
+        self._stop_requested = asyncio.Event()
         self.carried: dict[str, float] = {}  # counters of workers that were restarted
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):  # before any worker exists: no window without them
-            loop.add_signal_handler(sig, self._stop)
+            loop.add_signal_handler(sig, self._stop, sig)
         for sig in (signal.SIGHUP, signal.SIGUSR1):
             loop.add_signal_handler(sig, self._forward, sig)
-        host, port = self.listen
-        if port == 0:  # every worker must bind the same port: choose it here
-            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-                probe.bind((host, 0))
-                port = probe.getsockname()[1]
-            self.listen = (host, port)
+        self.listen = _choose_listen_port(*self.listen)
         admin = None
         if self.admin_address is not None:
-            admin = await self.admin.start(*self.admin_address)
-        also_self = ["--also-self", f"{admin[0]}:{admin[1]}"] if admin else []
-        argv = [*self.worker_argv, "--listen", f"{host}:{port}", "--admin", "127.0.0.1:0", "--reuse-port",
-                "--worker-count", str(self.count), *also_self]
-        self.workers = [Worker(i, argv) for i in range(self.count)]
+            try:
+                admin = await self.admin.start(*self.admin_address)
+            except OSError as err:
+                raise ListenError(ADMIN, self.admin_address, err) from err
         try:
-            for worker in self.workers:
-                await worker.start()
-            await asyncio.wait_for(asyncio.gather(*(w.started.wait() for w in self.workers)), timeout=60)
-        except (TimeoutError, OSError) as err:
-            print(f"egresswall: workers did not start ({err or 'timed out'}); stopping them", file=sys.stderr)
-            self._stop()
-            await asyncio.gather(*(w.process.wait() for w in self.workers if w.process))
+            await self._start_workers(admin)
+        except WorkerStartError as err:
+            print(f"egresswall: {err}", file=sys.stderr, flush=True)
+            await self._stop_all()
             await self.admin.stop()
-            return 1
-        print(f"egresswall: proxy on {host}:{port}" + (f", admin on http://{admin[0]}:{admin[1]}" if admin else "")
-              + f", {self.count} workers", file=sys.stderr, flush=True)
+            return err.exit_status
+        if self.on_ready is not None:
+            self.on_ready(self.listen, admin)
         await self._supervise()
         await self.admin.stop()
+        print(f"egresswall: stopped at {_utc_now()}", file=sys.stderr, flush=True)
         return 0
+
+    async def _start_workers(self, admin: tuple[str, int] | None) -> None:
+        """Start every worker and wait until each has reported ready. Stops at once, with the reason,
+        when one reports a failure or dies, or when a stop signal arrives."""
+        config = dataclasses.replace(self.config, listen=self.listen, admin=("127.0.0.1", 0), reuse_port=True,
+                                     worker_count=self.count, extra_self_endpoints=(admin,) if admin else ())
+        self.workers = [Worker(i, config) for i in range(self.count)]
+        for worker in self.workers:
+            if self.stopping:
+                break
+            await worker.start()
+        stop = asyncio.ensure_future(self._stop_requested.wait())
+        pending = {asyncio.ensure_future(w.reported.wait()): w for w in self.workers if w.process}
+        deadline = _loop_time() + START_TIMEOUT
+        try:
+            while pending and not self.stopping:
+                done, _ = await asyncio.wait({stop, *pending}, timeout=max(0.0, deadline - _loop_time()),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    raise WorkerStartError(f"the workers did not start within {START_TIMEOUT:g} seconds; "
+                                           "stopping them", 1)
+                for task in done - {stop}:
+                    worker = pending.pop(task)
+                    if not worker.ready:
+                        raise WorkerStartError(await self._why_not_started(worker), _exit_status(worker))
+        finally:
+            stop.cancel()
+            for task in pending:
+                task.cancel()
+        if self.stopping:
+            name = self.stop_signal.name if self.stop_signal else "a stop request"
+            raise WorkerStartError(f"start-up interrupted by {name}; the workers were stopped",
+                                   128 + (self.stop_signal or signal.SIGTERM))
+
+    async def _why_not_started(self, worker: Worker) -> str:
+        if worker.report is not None and worker.report.error:
+            return f"worker {worker.index} could not start: {worker.report.error}"
+        assert worker.process is not None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(worker.process.wait(), 5)
+        return (f"worker {worker.index} exited during start-up (status {worker.process.returncode}); "
+                "its messages above say why")
+
+    async def _stop_all(self) -> None:
+        self.stopping = True
+        self._forward(signal.SIGTERM)
+        await asyncio.gather(*(w.process.wait() for w in self.workers if w.process))
 
     async def _supervise(self) -> None:
         while True:
@@ -131,8 +228,12 @@ class Supervisor:
                 self.carried[match.group(1)] = self.carried.get(match.group(1), 0.0) + float(match.group(2))
         worker.last_metrics = ""
 
-    def _stop(self) -> None:
-        self.stopping = True
+    def _stop(self, sig: signal.Signals = signal.SIGTERM) -> None:
+        if not self.stopping:
+            print(f"egresswall: {signal.Signals(sig).name} received: stopping {len(self.workers)} worker(s)",
+                  file=sys.stderr, flush=True)
+        self.stopping, self.stop_signal = True, signal.Signals(sig)
+        self._stop_requested.set()
         self._forward(signal.SIGTERM)
 
     def _forward(self, sig: int) -> None:
@@ -144,7 +245,7 @@ class Supervisor:
     # ---- admin --------------------------------------------------------------------------------
 
     def _readyz(self) -> tuple[int, str, str]:
-        missing = [w.index for w in self.workers if w.admin is None or w.process is None
+        missing = [w.index for w in self.workers if not w.ready or w.process is None
                    or w.process.returncode is not None]
         texts = [_fetch(w.admin, "/readyz") for w in self.workers if w.admin]
         problems = [t for t in texts if not t.startswith("ready")]
@@ -160,6 +261,34 @@ class Supervisor:
                 worker.last_metrics = text
             texts.append(worker.last_metrics)  # an unreachable worker counts with what it last said
         return 200, "text/plain; version=0.0.4; charset=utf-8", sum_metrics(texts, self.carried)
+
+
+def _choose_listen_port(host: str, port: int) -> tuple[str, int]:
+    """Every worker must bind the same port: choose it here for port 0, and check a given one is free
+    (a port another program holds is an error now, in one line, not N workers failing one by one)."""
+    if port != 0:
+        check_free(PROXY, host, port)
+        return host, port
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.bind((host, 0))
+            return host, probe.getsockname()[1]
+    except OSError as err:
+        raise ListenError(PROXY, (host, port), err) from err
+
+
+def _exit_status(worker: Worker) -> int:
+    if worker.report is not None and worker.report.exit is not None:
+        return worker.report.exit
+    return 1
+
+
+def _loop_time() -> float:
+    return asyncio.get_running_loop().time()
+
+
+def _utc_now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def _fetch(address: tuple[str, int] | None, path: str) -> str:

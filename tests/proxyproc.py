@@ -41,7 +41,7 @@ async def _cc(self, protocol_factory, host=None, port=None, *a, **k):
             raise OSError("test guard: refusing a connect to a non-loopback address " + str(host))
     return await _orig_cc(self, protocol_factory, host, port, *a, **k)
 asyncio.BaseEventLoop.create_connection = _cc
-# loop.sock_connect too: proxy/fastpath.py connects its tunnels with it, past create_connection.
+# loop.sock_connect too: proxy/front.py connects its tunnels with it, past create_connection.
 # (A create_connection is recorded twice, once per layer; the checks look at addresses, not counts.)
 import asyncio.selector_events as _selector_events
 _orig_sc = _selector_events.BaseSelectorEventLoop.sock_connect
@@ -54,7 +54,10 @@ async def _sc(self, sock, address):
     return await _orig_sc(self, sock, address)
 _selector_events.BaseSelectorEventLoop.sock_connect = _sc
 """
-_ADDRESS = re.compile(r"proxy on (\S+):(\d+)(?:, admin on http://(\S+):(\d+))?")
+# The start-up line, "proxy on HOST:PORT, admin on http://HOST:PORT; ...": an IPv6 host in brackets.
+_HOST = r"(?:\[(?P<{0}6>[0-9a-fA-F:.]+)\]|(?P<{0}>[^\s:;,\[\]]+))"
+_ADDRESS = re.compile(rf"proxy on {_HOST.format('host')}:(?P<port>\d+)"
+                      rf"(?:, admin on http://{_HOST.format('admin')}:(?P<admin_port>\d+))?")
 
 
 class ProxyProcess:
@@ -77,7 +80,7 @@ class ProxyProcess:
             text = self.stderr_path.read_text(errors="replace")
             match = _ADDRESS.search(text)
             if match:
-                return match.group(1), int(match.group(2)), int(match.group(4) or 0)
+                return match["host6"] or match["host"], int(match["port"]), int(match["admin_port"] or 0)
             if self.process.poll() is not None:
                 raise RuntimeError(f"proxy exited with {self.process.returncode}:\n{text}")
             time.sleep(0.05)

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from browser.cli import EmbeddedProxy
 from browser.launch import launch, plan_launch
 from browser.reader import PageReader, ReadLimits, cut_at_paragraph
 from policy.loader import Overrides
+from proxy.cli.embedded import EmbeddedProxy
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parent.parent

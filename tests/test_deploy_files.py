@@ -520,7 +520,7 @@ COMPOSE_BREAKS = {
         "bridges",
     ),
     "proxy has no way out": (_set(["services", "proxy", "networks"], ["browsernet"]), "no network with a route"),
-    "proxy admin on the network": (_replace_arg("proxy", "127.0.0.1:9090", "0.0.0.0:9090"), "--admin"),
+    "proxy admin on the network": (_replace_arg("proxy", "127.0.0.1:3131", "0.0.0.0:3131"), "--admin"),
     "browser pointed elsewhere": (_replace_arg("browser", "proxy:3128", "proxy:8080"), "--proxy"),
     "proxy keeps capabilities": (_delete(["services", "proxy", "cap_drop"]), "cap_drop ALL"),
     "cap_add without a comment": (_set(["services", "browser", "cap_add"], ["SYS_ADMIN"]), "comment"),
@@ -537,7 +537,7 @@ COMPOSE_BREAKS = {
         "/healthz",
     ),
     "healthcheck on the wrong path": (
-        _set(["services", "proxy", "healthcheck", "test"], ["CMD", "python", "-c", "http://127.0.0.1:9090/health"]),
+        _set(["services", "proxy", "healthcheck", "test"], ["CMD", "python", "-c", "http://127.0.0.1:3131/health"]),
         "/healthz",
     ),
     "browser healthcheck elsewhere": (
@@ -1038,7 +1038,7 @@ K8S_BREAKS = {
     "proxy uid differs from the ruleset": (_sc("link-reader", "egresswall", "runAsUser", 10005), "proxy_uid"),
     "proxy port differs from the ruleset": (_arg("link-reader", "egresswall", "127.0.0.1:3128", "127.0.0.1:8888"),
                                             "proxy_port"),
-    "admin port differs from the ruleset": (_arg("link-reader", "egresswall", "0.0.0.0:9090", "0.0.0.0:9091"),
+    "admin port differs from the ruleset": (_arg("link-reader", "egresswall", "0.0.0.0:3131", "0.0.0.0:3132"),
                                             "admin_port"),
     "sidecar proxy listens on the pod IP": (_arg("link-reader", "egresswall", "127.0.0.1:3128", "0.0.0.0:3128"),
                                             "serves the pod only"),
@@ -1079,7 +1079,7 @@ K8S_BREAKS = {
     "no default deny": (_drop_kind("NetworkPolicy", "default-deny"), "default-deny"),
     "service exposes the admin port": (
         lambda docs: next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "egresswall")[
-            "spec"]["ports"].append({"name": "admin", "port": 9090, "targetPort": "admin"}),
+            "spec"]["ports"].append({"name": "admin", "port": 3131, "targetPort": "admin"}),
         "admin port"),
 }
 
@@ -1098,7 +1098,7 @@ def test_lock_check_catches_a_comment_free_net_admin():
 
 
 def test_lock_check_catches_an_opened_admin_port():
-    defines = {**nft_defines(RULESET.read_text()), "pod_local_ports": "{ 3000, 9090 }"}
+    defines = {**nft_defines(RULESET.read_text()), "pod_local_ports": "{ 3000, 3131 }"}
     assert any("opens the admin port" in p for p in k8s_problems(k8s_docs(), k8s_raw_text(), defines))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -68,3 +69,121 @@ def test_abbreviated_options_are_refused(tmp_path):
     result = subprocess.run([sys.executable, "-m", "proxy.cli", "run", "--no-adm"], capture_output=True, text=True,
                             timeout=60, cwd=Path(__file__).resolve().parent.parent)
     assert result.returncode == 2 and "unrecognized arguments: --no-adm" in result.stderr
+
+
+# ---- the structured path between supervisor and worker (proxy/worker_config.py) ---------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def start_worker(config_for_fd) -> tuple[subprocess.Popen, int]:
+    """``python -P -m proxy.cli.worker`` as the supervisor starts it: its configuration on stdin, the
+    write end of a pipe inherited; returns the process and the read end."""
+    import sys
+
+    read_end, write_end = os.pipe()
+    process = subprocess.Popen([sys.executable, "-P", "-m", "proxy.cli.worker"], stdin=subprocess.PIPE,
+                               stderr=subprocess.PIPE, pass_fds=(write_end,), cwd=ROOT)
+    os.close(write_end)
+    process.stdin.write(config_for_fd(write_end).to_json().encode())
+    process.stdin.close()
+    return process, read_end
+
+
+def read_report(fd: int, timeout: float = 60):
+    import select
+
+    from proxy.worker_config import WorkerReport
+
+    with os.fdopen(fd, "rb") as pipe:
+        assert select.select([pipe], [], [], timeout)[0], "the worker reported nothing"
+        line = pipe.readline()
+    return WorkerReport.from_line(line)
+
+
+def test_a_worker_takes_its_configuration_on_stdin_and_reports_ready_on_its_pipe(tmp_path):
+    from policy.loader import Overrides
+    from proxy.runner import RunConfig
+    from proxy.worker_config import READY, WorkerConfig
+
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("version: 1\ndefault: deny\n")
+    run = RunConfig(str(policy), Overrides(allow_hosts=["a.example"]), listen=("127.0.0.1", 0),
+                    admin=("127.0.0.1", 0), log_path=str(tmp_path / "audit.jsonl"))
+    worker, fd = start_worker(lambda write_end: WorkerConfig(run, write_end))
+    try:
+        report = read_report(fd)
+        assert report.event == READY and report.pid == worker.pid
+        # The addresses it reported are the ones it serves on.
+        status, body = _get(report.admin, "/readyz")
+        assert status == 200 and body.startswith("ready"), body
+        with socket.create_connection(report.listen, timeout=5) as sock:
+            sock.sendall(b"GET http://b.example/ HTTP/1.1\r\nHost: b.example\r\n\r\n")
+            assert sock.recv(100).startswith(b"HTTP/1.1 403")  # the override and the default were applied
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(20) == 0
+    stderr = worker.stderr.read().decode()
+    assert "proxy on" not in stderr  # the human start-up line is the supervisor's, not parsed from workers
+
+
+def test_a_worker_that_cannot_listen_says_why_on_its_pipe(tmp_path):
+    from policy.loader import Overrides
+    from proxy.runner import RunConfig
+    from proxy.worker_config import FAILED, WorkerConfig
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()
+        run = RunConfig(None, Overrides(), listen=taken, admin=None, log_path=str(tmp_path / "audit.jsonl"))
+        worker, fd = start_worker(lambda write_end: WorkerConfig(run, write_end))
+        report = read_report(fd)
+        assert worker.wait(20) == 2
+    assert report.event == FAILED and report.exit == 2
+    assert f"cannot listen on 127.0.0.1:{taken[1]}: address already in use" in report.error
+    assert worker.stderr.read() == b""  # said once, on the pipe: the supervisor prints it
+
+
+def test_a_worker_refuses_a_malformed_configuration(tmp_path):
+    import sys
+
+    done = subprocess.run([sys.executable, "-P", "-m", "proxy.cli.worker"], input=b'{"run": {}, "ready_fd": 1}',
+                          capture_output=True, cwd=ROOT, timeout=60, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert done.returncode == 70 and b"a bug in egresswall" in done.stderr and b"Traceback" not in done.stderr
+    (details,) = tmp_path.glob("egresswall-bug-*.txt")
+    assert "fields differ from RunConfig" in details.read_text()
+
+
+def test_workers_interrupted_during_start_up_stop_at_once_with_the_reason(tmp_path):
+    import sys
+
+    process = subprocess.Popen([sys.executable, "-m", "proxy.cli", "run", "--workers", "2", "--listen", "127.0.0.1:0",
+                                "--admin", "127.0.0.1:0", "--log", str(tmp_path / "audit.jsonl")],
+                               stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 30
+        while len(children(process.pid)) < 2:  # both workers exist; neither has had time to start
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        sent = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=15)
+        took = time.monotonic() - sent
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert "proxy on" not in stderr, stderr  # it really was interrupted during start-up
+    assert "start-up interrupted by SIGTERM" in stderr and "Traceback" not in stderr, stderr
+    assert process.returncode == 128 + signal.SIGTERM and took < 8, (process.returncode, took)
+
+
+def _get(address, path: str) -> tuple[int, str]:
+    with socket.create_connection(address, timeout=10) as sock:
+        sock.sendall(f"GET {path} HTTP/1.0\r\n\r\n".encode())
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body.decode()

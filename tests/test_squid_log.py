@@ -11,6 +11,7 @@ import ssl
 import time
 
 import pytest
+from proxyproc import parse_response
 from squid_compat.access_log import select_squid_records, squid_line
 
 # One regular expression per field, in order, separated by single spaces (squid's %6tr pads to six).
@@ -70,10 +71,16 @@ def record(**changes) -> dict:
 
 
 def test_refusal() -> None:
-    line = squid_line(record(event="decision"))
-    assert line == ("1795980076.868      0 10.1.2.3 TCP_DENIED/403 0 GET http://example.com/index.html - "
+    line = squid_line(record(event="decision", bytes_down=93))
+    assert line == ("1795980076.868      0 10.1.2.3 TCP_DENIED/403 93 GET http://example.com/index.html - "
                     "HIER_NONE/- -")
     parse(line)
+
+
+@pytest.mark.parametrize("value", [None, "93", 9.5, -1, True])
+def test_a_refusal_without_a_byte_count_counts_0(value) -> None:
+    fields = parse(squid_line(record(event="decision", bytes_down=value)))
+    assert fields["bytes"] == "0"
 
 
 @pytest.mark.parametrize("status", [429, 503])
@@ -189,3 +196,20 @@ def test_the_real_proxy_writes_squid_lines(lab, start_proxy) -> None:
     tunnel = next(f for f in parsed if f["code"] == "TCP_TUNNEL")
     assert (tunnel["hierarchy"], tunnel["peer"]) == ("HIER_DIRECT", "127.0.0.2") and int(tunnel["bytes"]) > 0
     assert all(f["client"] == "127.0.0.1" for f in parsed)
+
+
+@pytest.mark.integration
+def test_the_squid_line_of_a_refusal_counts_the_bytes_sent(lab, start_proxy) -> None:
+    """squid's %<st is the whole reply sent to the client, head and body."""
+    proxy = start_proxy(lab.policy_text("hosts:\n  deny:\n    - denied.lab.example\n"), "--log-format", "squid")
+    url = f"http://denied.lab.example:{lab.public.port}/x"
+    answer = proxy.raw(f"GET {url} HTTP/1.1\r\nHost: denied.lab.example:{lab.public.port}\r\n\r\n".encode())
+    status, _, body = parse_response(answer)
+    assert status == 403 and body
+    deadline = time.monotonic() + 10
+    lines: list[str] = []
+    while not lines and time.monotonic() < deadline:
+        lines = [line for line in proxy.log_path.read_text().splitlines() if line.strip()]
+        time.sleep(0.1)
+    fields = parse(lines[0])
+    assert fields["code"] == "TCP_DENIED" and int(fields["bytes"]) == len(answer), lines

@@ -36,7 +36,7 @@ BROWSER_BROADCAST = "10.250.0.3"
 PROXY_NET_ADDR, NET_ADDR = "10.251.0.1", "10.251.0.2"
 PROXY_NET_ADDR6, NET_ADDR6 = "fd00:251::1", "fd00:251::2"
 PROXY_PORT = 3128
-ADMIN = "127.0.0.1:9090"  # the proxy's admin listener, on the proxy namespace's own loopback
+ADMIN = "127.0.0.1:3131"  # the proxy's admin listener, on the proxy namespace's own loopback
 
 # ---- lab hosts (all in the net ns) ---------------------------------------------------------------
 

@@ -8,11 +8,11 @@ import uuid
 
 from mitmproxy import http
 
-from ..gate import Gate, HttpAsk, Refusal
+from ..gate import Gate, HttpAsk
 from ..http_hygiene import OTHER_UPGRADE, WEBSOCKET, upgrade_kind
 from ..mitm_patches import refuse_before_body
 from ..peers import peer_of
-from ..refusals import refusal_parts
+from ..refusals import Refusal, refusal_parts
 from .connections import ConnectionTable
 
 VERDICT, TARGET, STARTED, FLOW_ID = "egresswall_verdict", "egresswall_target", "egresswall_started", "egresswall_id"

@@ -7,8 +7,8 @@ squid's first-match evaluation), ``space`` (the finite set of request classes sq
 apart), ``synth`` (egresswall host rules from squid's answers), ``losses`` (where the result refuses
 more, and why), ``importer`` (squid.conf → egresswall policy, checked), ``emit`` (the policy YAML, with
 comments), ``addrsets`` (address rules as sets), ``exporter`` (egresswall policy → squid.conf),
-``access_log`` (squid's native log lines) and ``cli`` (``egresswall squid import|export``). Only
-``policy`` is imported from egresswall.
+and ``access_log`` (squid's native log lines). ``egresswall squid import|export`` is wired in the
+command line (``proxy/cli/squid.py``). Only ``policy`` is imported from egresswall.
 """
 
 from .report import Note

@@ -17,6 +17,11 @@ Which audit record becomes which line:
 | ``tunnel``                                    | ``TCP_TUNNEL/200``                               |
 | ``connection`` (ended before a request)       | ``NONE_NONE/000``, URL ``error:transaction-end-before-headers`` |
 
+Bytes (``%<st``) are the record's ``bytes_down``: the body bytes egresswall sent the client. On a
+``response`` or ``tunnel`` record that is what the upstream sent through; on a refusal (``decision``,
+verdict ``refuse``) it is the size of egresswall's own refusal body. A record without the field (an
+older proxy's) counts 0.
+
 A record with an ``error`` gets squid's suffix: ``_TIMEDOUT`` when the error says it timed out,
 ``_ABORTED`` otherwise (``TCP_MISS_ABORTED/000``). Refusals are ``HIER_NONE/-``; forwarded requests
 ``HIER_DIRECT/<address connected to>``.
@@ -73,7 +78,9 @@ def _elapsed(duration_ms: Any) -> int:
 
 
 def _bytes(record: dict[str, Any]) -> int:
-    return int(record.get("bytes_down") or 0)
+    """What the client got from egresswall, refusals included (module docstring)."""
+    value = record.get("bytes_down")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 def _timed_out(error: str) -> bool:

@@ -1,10 +1,17 @@
-"""``egresswall squid import|export``: registered into the egresswall command line by proxy/cli.py."""
+"""``egresswall squid import|export``: squid.conf access control to and from egresswall policies."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+
+from squid_compat.conf import ConfError
+from squid_compat.exporter import export_policy
+from squid_compat.importer import import_conf
+from squid_compat.report import WARNING
+
+from .options import load_policy_file
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,10 +36,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from .conf import ConfError
-    from .importer import import_conf
-    from .report import WARNING
-
     try:
         result = import_conf(args.conf, args.readmit)
     except ConfError as err:
@@ -49,11 +52,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from policy.loader import load_policy
-
-    from .exporter import export_policy
-
-    _write(args.output, export_policy(load_policy(args.policy)))
+    _write(args.output, export_policy(load_policy_file(args.policy)))
     return 0
 
 

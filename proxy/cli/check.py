@@ -1,0 +1,79 @@
+"""``egresswall check URL...``: why a URL is allowed or refused (exit 0 allowed, 1 refused)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+from policy.decision import Request, Verdict, refuse_form
+from policy.hosts import HostFormError, parse_url
+from policy.model import Policy
+from policy.resolver import DnsResolver, resolve_and_decide
+
+from .options import add_policy_options, load_from_args
+
+EXIT_ALLOWED, EXIT_REFUSED = 0, 1
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    check = sub.add_parser("check", help="explain why a URL is allowed or refused (exit 0 allowed, 1 refused)")
+    check.add_argument("url", nargs="+")
+    add_policy_options(check)
+    check.add_argument("--client", help="the client address (chooses a role)")
+    check.add_argument("--method", default="GET")
+    check.add_argument("--json", action="store_true", help="one JSON object per URL")
+    check.set_defaults(func=cmd_check)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    policy = load_from_args(args)
+    resolver = DnsResolver.for_policy(policy)
+    results = [asyncio.run(_check_one(policy, resolver, url, args)) for url in args.url]
+    for url, verdict, resolution in results:
+        if args.json:
+            print(json.dumps(_verdict_json(url, verdict, resolution)))
+        else:
+            _print_verdict(url, verdict, resolution)
+    return EXIT_ALLOWED if all(v.allowed for _, v, _ in results) else EXIT_REFUSED
+
+
+async def _check_one(policy: Policy, resolver: DnsResolver, url: str, args: argparse.Namespace):
+    try:
+        target = parse_url(url)
+    except HostFormError as err:
+        return url, refuse_form(err), None
+    tunnel = target.scheme in ("https", "wss") and not policy.intercepts(target.host)
+    request = Request(target=target, method=args.method.upper(), client=args.client, tunnel=tunnel,
+                      websocket=target.scheme in ("ws", "wss"))
+    verdict, resolution = await resolve_and_decide(policy, request, resolver)
+    return url, verdict, resolution
+
+
+def _verdict_word(verdict: Verdict) -> str:
+    if verdict.report_only:
+        return "ALLOWED (report mode; enforce would refuse)"
+    return "ALLOWED" if verdict.allowed else "REFUSED"
+
+
+def _print_verdict(url: str, verdict: Verdict, resolution) -> None:
+    rows = [("url", url), ("verdict", _verdict_word(verdict)), ("stage", verdict.stage), ("rule", verdict.rule),
+            ("reason", verdict.reason)]
+    if verdict.role:
+        rows.append(("role", verdict.role))
+    if resolution is not None and resolution.cnames:
+        rows.append(("cnames", " -> ".join(resolution.cnames)))
+    if verdict.addresses:
+        rows.append(("resolved", ", ".join(verdict.addresses)))
+    if verdict.pinned:
+        rows.append(("connect", verdict.pinned))
+    for key, value in rows:
+        print(f"{key:<9} {value}")
+    print()
+
+
+def _verdict_json(url: str, verdict: Verdict, resolution) -> dict:
+    return {"url": url, "allowed": verdict.allowed, "report_only": verdict.report_only, "stage": verdict.stage,
+            "rule": verdict.rule, "reason": verdict.reason, "role": verdict.role,
+            "cnames": list(resolution.cnames) if resolution else [], "addresses": list(verdict.addresses),
+            "connect": verdict.pinned}

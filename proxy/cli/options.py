@@ -1,0 +1,72 @@
+"""What the commands share: the one set of policy options, HOST:PORT values, and the one place the
+command line loads a policy file (so a change of loader is a change here)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from policy.loader import DEFAULT_POLICY, Overrides, load_policy, parse_nameserver
+from policy.model import Policy
+
+from .errors import UsageError
+
+# The destinations of the options add_policy_options declares that add to (or replace parts of) the file.
+_OVERRIDE_OPTIONS = ("default", "mode", "allow_host", "deny_host", "allow_range", "deny_range", "nameserver")
+
+
+def add_policy_options(parser: argparse.ArgumentParser, default_policy: Path | None = DEFAULT_POLICY) -> None:
+    """The options every command that takes a policy accepts; they add to the file (labs, tests).
+    ``default_policy=None``: no --policy means none was given (``browse`` then may use ``--proxy``)."""
+    group = parser.add_argument_group("policy")
+    group.add_argument("--policy", default=None if default_policy is None else str(default_policy), metavar="FILE",
+                       help="policy file (default: the bundled policy/default.yaml)")
+    group.add_argument("--default", choices=["allow", "deny"], help="replace the policy's default action")
+    group.add_argument("--mode", choices=["enforce", "report"], help="replace the policy's mode")
+    group.add_argument("--allow-host", action="append", default=[], metavar="PATTERN",
+                       help="add a host allow rule (example.com, *.example.com, .example.com); repeatable")
+    group.add_argument("--deny-host", action="append", default=[], metavar="PATTERN", help="add a host deny rule")
+    group.add_argument("--allow-range", action="append", default=[], metavar="CIDR",
+                       help="re-admit an address range (the only way a non-global address passes)")
+    group.add_argument("--deny-range", action="append", default=[], metavar="CIDR", help="refuse an address range")
+    group.add_argument("--nameserver", action="append", default=[], metavar="IP[:PORT]",
+                       help="ask this nameserver (replaces the policy's list); repeatable")
+
+
+def overrides_from(args: argparse.Namespace) -> Overrides:
+    for ns in args.nameserver:
+        try:
+            parse_nameserver(ns)  # a bad flag is an error here, with the flag's own words
+        except ValueError as err:
+            raise UsageError(f"--nameserver {ns}: {err}") from None
+    return Overrides(default=args.default, mode=args.mode, allow_hosts=args.allow_host, deny_hosts=args.deny_host,
+                     allow_ranges=args.allow_range, deny_ranges=args.deny_range, nameservers=args.nameserver)
+
+
+def policy_options_given(args: argparse.Namespace) -> bool:
+    """Whether any policy option was given on the command line (--policy included)."""
+    return args.policy is not None or any(getattr(args, name) for name in _OVERRIDE_OPTIONS)
+
+
+def policy_path(args: argparse.Namespace) -> str:
+    return args.policy or str(DEFAULT_POLICY)
+
+
+def load_policy_file(path: str | Path, overrides: Overrides | None = None) -> Policy:
+    """The command line's one call into the loader."""
+    return load_policy(path, overrides)
+
+
+def load_from_args(args: argparse.Namespace) -> Policy:
+    return load_policy_file(policy_path(args), overrides_from(args))
+
+
+def parse_hostport(text: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
+    """``HOST:PORT``, ``[v6]:PORT`` or ``:PORT`` (the default host)."""
+    if text.startswith("["):
+        host, sep, port = text[1:].partition("]:")
+    else:
+        host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535 or ("[" in host or "]" in host):
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT (an IPv6 address in brackets, [::1]:3128), got {text!r}")
+    return host or default_host, int(port)

@@ -1,0 +1,156 @@
+"""``egresswall run``: the proxy with a policy, until SIGTERM; with ``--workers N`` a supervisor of N
+proxy processes (``proxy/workers.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import errno
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from mitmproxy.options import CONF_DIR
+
+from policy.model import Policy
+from policy.resolver import DnsResolver
+from proxy.listeners import authority
+from proxy.runner import ProxyRunner, RunConfig
+from proxy.workers import Supervisor
+
+from . import logs
+from .errors import UsageError
+from .options import add_policy_options, load_from_args, overrides_from, parse_hostport
+
+DEFAULT_LISTEN = ("127.0.0.1", 3128)
+DEFAULT_ADMIN = ("127.0.0.1", 3131)  # not 9090: that is Prometheus's own port (README, "Admin port")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    run = sub.add_parser("run", help="run the proxy")
+    add_policy_options(run)
+    run.add_argument("--listen", type=parse_hostport, default=DEFAULT_LISTEN, metavar="HOST:PORT",
+                     help=f"proxy listener (default {authority(*DEFAULT_LISTEN)})")
+    run.add_argument("--admin", type=parse_hostport, default=DEFAULT_ADMIN, metavar="HOST:PORT",
+                     help=f"admin listener with /healthz, /readyz, /metrics (default {authority(*DEFAULT_ADMIN)})")
+    run.add_argument("--no-admin", action="store_true", help="no admin listener")
+    run.add_argument("--log", metavar="FILE", help="audit log file (default: standard output); SIGUSR1 reopens it")
+    run.add_argument("--log-format", choices=["json", "squid"], default="json")
+    run.add_argument("--confdir", help="mitmproxy's configuration directory (its CA, for interception)")
+    run.add_argument("--upstream-ca", metavar="FILE",
+                     help="CA bundle to verify intercepted upstreams with, besides the system's (private CAs, labs)")
+    run.add_argument("--workers", type=int, default=1, metavar="N",
+                     help="proxy processes sharing the listen port (SO_REUSEPORT); default 1")
+    run.add_argument("--fast-tunnels", action=argparse.BooleanOptionalAction, default=True,
+                     help="relay passed-through TLS tunnels in egresswall's own front rather than through "
+                          "mitmproxy (default: on; --no-fast-tunnels hands them to mitmproxy)")
+    run.set_defaults(func=cmd_run)
+
+
+def run_config_from(args: argparse.Namespace) -> RunConfig:
+    if args.log not in (None, "-"):
+        _check_log_file(args.log)
+    if args.confdir:
+        _check_confdir(args.confdir)
+    if args.upstream_ca is not None and not os.path.isfile(args.upstream_ca):
+        raise UsageError(f"--upstream-ca {args.upstream_ca}: no such file (a PEM bundle of CA certificates)")
+    return RunConfig(policy_path=args.policy, overrides=overrides_from(args), listen=args.listen,
+                     admin=None if args.no_admin else args.admin, log_path=args.log, log_format=args.log_format,
+                     confdir=args.confdir, upstream_ca=args.upstream_ca, fast_tunnels=args.fast_tunnels)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    if args.workers < 1:
+        raise UsageError(f"--workers {args.workers}: at least 1")
+    logs.configure()
+    config = run_config_from(args)
+    if args.workers > 1:
+        policy = load_from_args(args)  # a policy that does not load fails here, once, with its file:line:column
+        confdir = config.confdir or CONF_DIR
+
+        def announce(listen: tuple[str, int], admin: tuple[str, int] | None) -> None:
+            say(startup_line(listen, admin, policy, config, confdir, workers=args.workers))
+
+        return asyncio.run(Supervisor(config, args.workers, on_ready=announce).run())
+    runner = ProxyRunner(config)  # loads the policy: a bad file fails here
+    asyncio.run(serve(runner, lambda: say(startup_line_of(runner))))
+    return 0
+
+
+def _check_log_file(path: str) -> None:
+    """The audit log opens now, with the option's name in the error, not deep inside start-up."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640))
+    except OSError as err:
+        raise UsageError(f"--log {path}: the audit log cannot be opened: {err.strerror.lower()}; give a file in a "
+                         "directory that exists and this user may write") from None
+
+
+def _check_confdir(path: str) -> None:
+    """mitmproxy reports a CA directory it cannot create as an addon error with a traceback, and runs on
+    without a CA: say it here instead, in one line."""
+    directory = Path(path).expanduser()
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+    except OSError as err:
+        raise UsageError(f"--confdir {path}: cannot be used as mitmproxy's CA directory: "
+                         f"{(err.strerror or str(err)).lower()}") from None
+
+
+async def serve(runner: ProxyRunner, on_ready: Callable[[], None]) -> None:
+    """Run the proxy until it stops; ``on_ready`` once it listens (not at all when it fails to start)."""
+    running = asyncio.ensure_future(runner.run())
+    ready = asyncio.ensure_future(runner.ready.wait())
+    await asyncio.wait({running, ready}, return_when=asyncio.FIRST_COMPLETED)
+    if runner.ready.is_set():
+        on_ready()
+    ready.cancel()
+    try:
+        await running
+    finally:
+        asyncio.get_running_loop().set_exception_handler(_quiet_about_cancelled_tasks)
+
+
+def _quiet_about_cancelled_tasks(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """After the proxy stopped, asyncio cancels the connection tasks still open; CPython before 3.12.2
+    reports each such cancellation as "Exception in callback" with a traceback (its stream callback
+    asks a cancelled task for its exception). A cancelled task at shutdown is not an error."""
+    if isinstance(context.get("exception"), asyncio.CancelledError):
+        return
+    loop.default_exception_handler(context)
+
+
+def startup_line_of(runner: ProxyRunner) -> str:
+    assert runner.listen_address is not None and runner.master is not None
+    return startup_line(runner.listen_address, runner.admin_address, runner.holder.policy, runner.config,
+                        runner.master.options.confdir)
+
+
+def startup_line(listen: tuple[str, int], admin: tuple[str, int] | None, policy: Policy, config: RunConfig,
+                 confdir: str, workers: int | None = None) -> str:
+    """The line that tells people what started: where it listens (``tests/proxyproc.py`` reads the
+    first part), the policy, whom it asks for names, where the audit log goes, and the CA clients must
+    trust when the policy intercepts TLS."""
+    parts = [f"proxy on {authority(*listen[:2])}" + (f", admin on http://{authority(*admin[:2])}" if admin else "")
+             + (f", {workers} workers" if workers else "")]
+    parts.append(f"policy {policy.source} ({policy.mode}, default {policy.default})")
+    parts.append(f"nameservers {_nameservers(policy)}")
+    log = "standard output" if config.log_path in (None, "-") else config.log_path
+    parts.append(f"audit log {log} ({config.log_format})")
+    if any(rule.intercept for rule in policy.all_host_rules()):
+        parts.append(f"interception CA {Path(confdir).expanduser() / 'mitmproxy-ca-cert.pem'}")
+    return "; ".join(parts)
+
+
+def _nameservers(policy: Policy) -> str:
+    if policy.resolver.nameservers:
+        return ", ".join(ip if port == 53 else authority(ip, port) for ip, port in policy.resolver.nameservers)
+    found = DnsResolver.for_policy(policy).nameservers  # what the proxy will ask: /etc/resolv.conf's
+    return f"{', '.join(found) or 'none'} (from /etc/resolv.conf)"
+
+
+def say(line: str) -> None:
+    print(f"egresswall: {line}", file=sys.stderr, flush=True)
