@@ -139,7 +139,7 @@ def _proxy_from_args(args: argparse.Namespace) -> tuple[str, EmbeddedProxy | Non
         return authority, None, [args.proxy_ca] if args.proxy_ca else []
     if args.proxy_ca:
         raise ContainmentError("--proxy-ca goes with --proxy; the in-process proxy makes its own CA")
-    from policy.loader import DEFAULT_POLICY
+    from proxy.policy_file import DEFAULT_POLICY
 
     embedded = EmbeddedProxy(args.policy or str(DEFAULT_POLICY), overrides_from(args), upstream_ca=args.upstream_ca)
     embedded.start()

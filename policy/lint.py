@@ -38,13 +38,13 @@ def lint(policy: Policy, now: datetime | None = None) -> list[LintWarning]:
                 shadow = _shadowed_by(table, positions, i, rule)
                 if shadow is not None:
                     warnings.append(LintWarning(rule.origin, f"{prefix}{rule.pattern.text} is shadowed by the earlier "
-                                                             f"rule {shadow.pattern.text} ({shadow.rule_id}), "
+                                                             f"rule {shadow.pattern.text} ({shadow.where}), "
                                                              "which matches every request it would"))
         for rule in allow.rules:
             blocker = _blocking_deny(deny, policy.deny, rule)
             if blocker is not None:
                 warnings.append(LintWarning(rule.origin, f"{prefix}allow {rule.pattern.text} can never match: deny "
-                                                         f"rule {blocker.pattern.text} ({blocker.rule_id}) refuses "
+                                                         f"rule {blocker.pattern.text} ({blocker.where}) refuses "
                                                          "every host it names"))
     warnings += _overlapping_ranges(policy)
     return warnings
@@ -53,10 +53,10 @@ def lint(policy: Policy, now: datetime | None = None) -> list[LintWarning]:
 def _never_matches(policy: Policy, rule: HostRule, now: datetime) -> list[str]:
     out = []
     if rule.expired(now):
-        out.append(f"{rule.action} {rule.pattern.text} expired on {rule.expires:%Y-%m-%d %H:%M} UTC and no "
+        out.append(f"{rule.action} {rule.pattern.text} expired at {rule.expires:%Y-%m-%d %H:%M} UTC and no "
                    "longer matches")
     elif rule.expires is not None and (rule.expires - now).days < 14:
-        out.append(f"{rule.action} {rule.pattern.text} expires on {rule.expires:%Y-%m-%d %H:%M} UTC")
+        out.append(f"{rule.action} {rule.pattern.text} stops matching at {rule.expires:%Y-%m-%d %H:%M} UTC")
     if rule.ports is not None:
         usable = policy.connect_ports | policy.http_ports
         dead = sorted(rule.ports - usable)

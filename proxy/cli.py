@@ -8,12 +8,14 @@ import json
 import sys
 from collections.abc import Sequence
 
+from policy.addresses import parse_client_address
 from policy.decision import Request, Verdict, refuse_form
 from policy.hosts import HostFormError, parse_url
 from policy.lint import lint
-from policy.loader import DEFAULT_POLICY, Overrides, PolicyError, load_policy, parse_nameserver
+from policy.loader import Overrides, PolicyError, parse_nameserver
 from policy.model import Policy
 from policy.resolver import DnsResolver, resolve_and_decide
+from proxy.policy_file import DEFAULT_POLICY, load_policy_file
 
 EXIT_ALLOWED, EXIT_REFUSED, EXIT_ERROR = 0, 1, 2
 
@@ -43,12 +45,13 @@ def overrides_from(args: argparse.Namespace) -> Overrides:
 
 
 def load_from_args(args: argparse.Namespace) -> Policy:
-    return load_policy(args.policy, overrides_from(args))
+    return load_policy_file(args.policy, overrides_from(args))
 
 
 # ---- check -------------------------------------------------------------------------------------------
 
 def cmd_check(args: argparse.Namespace) -> int:
+    args.client = args.client and parse_client_address(args.client)  # a usage error (exit 2), not "no role"
     policy = load_from_args(args)
     resolver = DnsResolver.for_policy(policy)
     results = [asyncio.run(_check_one(policy, resolver, url, args)) for url in args.url]
@@ -80,7 +83,7 @@ def _verdict_word(verdict: Verdict) -> str:
 
 def _print_verdict(url: str, verdict: Verdict, resolution) -> None:
     rows = [("url", url), ("verdict", _verdict_word(verdict)), ("stage", verdict.stage), ("rule", verdict.rule),
-            ("reason", verdict.reason)]
+            ("rule_id", verdict.rule_id), ("reason", verdict.reason)]
     if verdict.role:
         rows.append(("role", verdict.role))
     if resolution is not None and resolution.cnames:
@@ -96,7 +99,7 @@ def _print_verdict(url: str, verdict: Verdict, resolution) -> None:
 
 def _verdict_json(url: str, verdict: Verdict, resolution) -> dict:
     return {"url": url, "allowed": verdict.allowed, "report_only": verdict.report_only, "stage": verdict.stage,
-            "rule": verdict.rule, "reason": verdict.reason, "role": verdict.role,
+            "rule": verdict.rule, "rule_id": verdict.rule_id, "reason": verdict.reason, "role": verdict.role,
             "cnames": list(resolution.cnames) if resolution else [], "addresses": list(verdict.addresses),
             "connect": verdict.pinned}
 
@@ -104,7 +107,7 @@ def _verdict_json(url: str, verdict: Verdict, resolution) -> dict:
 # ---- lint --------------------------------------------------------------------------------------------
 
 def cmd_lint(args: argparse.Namespace) -> int:
-    policy = load_policy(args.file)
+    policy = load_policy_file(args.file)
     warnings = lint(policy)
     for warning in warnings:
         print(f"warning: {warning}")
@@ -168,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except PolicyError as err:
-        print(f"egresswall: {err}", file=sys.stderr)
+        print("\n".join(f"egresswall: {problem}" for problem in err.problems), file=sys.stderr)
         return EXIT_ERROR
     except ValueError as err:
         print(f"egresswall: {err}", file=sys.stderr)

@@ -247,8 +247,9 @@ def test_deny_sees_mapped_and_wrapped_ipv4() -> None:
     for text in ("::ffff:93.184.216.34", "64:ff9b::5db8:d822", "2002:5db8:d822::1"):
         verdict = rules.check(text)
         assert verdict.rule == "address-deny 93.184.216.0/24", verdict
-    assert rules.check("::ffff:1.1.1.1").rule == "address-deny ::ffff:1.1.1.0/120"
-    assert rules.check("1.1.1.1").allowed  # an IPv6 rule does not deny the bare IPv4
+    # A range written IPv4-mapped is the IPv4 range it maps, as a mapped address is its IPv4 address.
+    assert rules.check("::ffff:1.1.1.1").rule == "address-deny 1.1.1.0/24"
+    assert rules.check("1.1.1.1").rule == "address-deny 1.1.1.0/24"
 
 
 def test_allowing_a_wrapping_does_not_readmit_what_it_wraps() -> None:

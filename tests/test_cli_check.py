@@ -155,7 +155,8 @@ def test_json_output_parses(dns: DnsLab) -> None:
     assert mixed["allowed"] is False and mixed["stage"] == "address" and "10.0.0.5" in mixed["addresses"]
     assert public == {
         "url": "https://public.example.com/", "allowed": True, "report_only": False, "stage": "host",
-        "rule": public["rule"], "reason": "public.example.com matches no rule and the policy allows by default",
+        "rule": public["rule"], "rule_id": "default:allow",
+        "reason": "public.example.com matches no rule and the policy allows by default",
         "role": None, "cnames": [], "addresses": public["addresses"], "connect": "93.184.216.34",
     }
     assert sorted(public["addresses"]) == ["2606:2800:220:1:248:1893:25c8:1946", "93.184.216.34"]
@@ -192,7 +193,7 @@ def test_bad_policy_exits_2_with_position(dns: DnsLab, tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stdout == ""
     assert result.stderr == (f"egresswall: {policy}:6:7: hosts.allow[0].prot: unknown key 'prot'; expected one of: "
-                             "expires, host, intercept, methods, owner, paths, ports, reason, schemes, websocket\n")
+                             "expires, host, id, intercept, methods, owner, paths, ports, reason, schemes, websocket\n")
     assert dns.queries == []
 
 

@@ -322,9 +322,13 @@ def test_expiry_to_the_second() -> None:
 
 
 def test_expired_deny_rule_stops_refusing() -> None:
+    # A bare date is the whole day, UTC: the rule refuses through 2030-01-01 and stops at 2030-01-02T00:00Z.
     pol = policy("default: allow\nhosts:\n  deny:\n    - host: x.example.com\n      expires: '2030-01-01'\n")
-    assert not check(pol, "https://x.example.com/", at=datetime(2029, 12, 31, 23, 59, 59, tzinfo=UTC)).allowed
-    assert check(pol, "https://x.example.com/", at=datetime(2030, 1, 1, tzinfo=UTC)).allowed
+    assert not check(pol, "https://x.example.com/", at=datetime(2030, 1, 1, 23, 59, 59, tzinfo=UTC)).allowed
+    assert check(pol, "https://x.example.com/", at=datetime(2030, 1, 2, tzinfo=UTC)).allowed
+    timed = policy("default: allow\nhosts:\n  deny:\n    - host: x.example.com\n      expires: '2030-01-01T12:00Z'\n")
+    assert not check(timed, "https://x.example.com/", at=datetime(2030, 1, 1, 11, 59, 59, tzinfo=UTC)).allowed
+    assert check(timed, "https://x.example.com/", at=datetime(2030, 1, 1, 12, tzinfo=UTC)).allowed
 
 
 def test_expired_rule_falls_through_to_a_later_one() -> None:

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from policy.lint import lint
-from policy.loader import DEFAULT_POLICY, load_policy, parse_policy
+from policy.loader import parse_policy
+from proxy.policy_file import DEFAULT_POLICY, load_policy_file
 
 NOW = datetime(2030, 1, 1, tzinfo=UTC)
 EXAMPLE = Path(DEFAULT_POLICY).parent / "examples" / "allowlist.yaml"
@@ -29,8 +30,8 @@ def only(body: str, now: datetime = NOW) -> str:
 
 
 def test_clean_policies_have_no_warnings() -> None:
-    assert lint(load_policy(), now=NOW) == []
-    assert lint(load_policy(EXAMPLE), now=datetime(2026, 1, 1, tzinfo=UTC)) == []
+    assert lint(load_policy_file(), now=NOW) == []
+    assert lint(load_policy_file(EXAMPLE), now=datetime(2026, 1, 1, tzinfo=UTC)) == []
     body = """\
 default: deny
 hosts:
@@ -58,18 +59,21 @@ roles:
 
 def test_expired_entry() -> None:
     body = "hosts:\n  allow:\n    - host: old.example.com\n      expires: '2029-12-31T23:59:59Z'\n"
-    assert only(body) == ("p.yaml:4:7: hosts.allow[0]: allow old.example.com expired on 2029-12-31 23:59 UTC "
+    assert only(body) == ("p.yaml:4:7: hosts.allow[0]: allow old.example.com expired at 2029-12-31 23:59 UTC "
                           "and no longer matches")
 
 
 def test_expired_exactly_now() -> None:
-    body = "hosts:\n  deny:\n    - host: old.example.com\n      expires: '2030-01-01'\n"
-    assert "expired on 2030-01-01 00:00 UTC" in only(body)
+    # A bare date is the whole day (UTC): '2029-12-31' stops matching at 2030-01-01 00:00, which is NOW.
+    body = "hosts:\n  deny:\n    - host: old.example.com\n      expires: '2029-12-31'\n"
+    assert "expired at 2030-01-01 00:00 UTC" in only(body)
+    today = "hosts:\n  deny:\n    - host: old.example.com\n      expires: '2030-01-01'\n"
+    assert "stops matching at 2030-01-02 00:00 UTC" in only(today)  # still matches today
 
 
 def test_soon_expiring_entry() -> None:
     body = "hosts:\n  allow:\n    - host: soon.example.com\n      expires: '2030-01-10'\n"
-    assert only(body) == "p.yaml:4:7: hosts.allow[0]: allow soon.example.com expires on 2030-01-10 00:00 UTC"
+    assert only(body) == "p.yaml:4:7: hosts.allow[0]: allow soon.example.com stops matching at 2030-01-11 00:00 UTC"
     later = "hosts:\n  allow:\n    - host: later.example.com\n      expires: '2030-03-01'\n"
     assert warnings(later) == []
 

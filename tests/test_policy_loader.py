@@ -13,9 +13,10 @@ import jsonschema
 import pytest
 import yaml
 
-from policy.loader import DEFAULT_POLICY, Overrides, PolicyError, load_policy, parse_policy
+from policy.loader import Overrides, PolicyError, parse_policy
 from policy.model import ALLOW, DENY, ENFORCE
 from policy.patterns import PatternKind
+from proxy.policy_file import DEFAULT_POLICY, load_policy_file
 
 POLICY_DIR = Path(DEFAULT_POLICY).parent
 EXAMPLE = POLICY_DIR / "examples" / "allowlist.yaml"
@@ -58,13 +59,13 @@ def test_schema_is_a_valid_draft_2020_12_schema() -> None:
 def test_bundled_policies_load_and_validate_in_an_editor(path: Path) -> None:
     text = Path(path).read_text()
     assert editor_errors(text) == []
-    policy = load_policy(path)
+    policy = load_policy_file(path)
     assert policy.source == str(path)
     assert policy.mode == ENFORCE
 
 
 def test_default_policy_is_open_web_with_cloud_metadata_refused() -> None:
-    policy = load_policy()  # None: the bundled default
+    policy = load_policy_file()  # None: the bundled default
     assert policy.default == ALLOW
     assert policy.connect_ports == {443} and policy.http_ports == {80}
     assert policy.addresses.refuse_cloud_metadata is True
@@ -76,7 +77,7 @@ def test_default_policy_is_open_web_with_cloud_metadata_refused() -> None:
 
 
 def test_example_allowlist_contents() -> None:
-    policy = load_policy(EXAMPLE)
+    policy = load_policy_file(EXAMPLE)
     assert policy.default == DENY
     kinds = {r.pattern.text: r.pattern.kind for r in policy.allow.rules}
     assert kinds[".wikipedia.org"] is PatternKind.DOMAIN
@@ -85,7 +86,7 @@ def test_example_allowlist_contents() -> None:
     api = next(r for r in policy.allow.rules if r.pattern.text == "api.example.com")
     assert api.intercept and api.methods == {"GET"} and api.paths == ("/v1/public/",)
     vendor = next(r for r in policy.allow.rules if r.pattern.text == "vendor.example.net")
-    assert vendor.expires == datetime(2027, 6, 30, tzinfo=UTC)
+    assert vendor.expires == datetime(2027, 7, 1, tzinfo=UTC)  # "expires: 2027-06-30": through the end of 30 June
     assert [role.name for role in policy.roles] == ["ci-runners"]
     # Each rule knows the line it was written on.
     lines = EXAMPLE.read_text().splitlines()
@@ -115,7 +116,7 @@ BAD = [
      "unknown key 'foo'; expected one of: addresses, default, hosts"),
     ("unknown key in host entry",
      "version: 1\nhosts:\n  allow:\n    - host: a.example.com\n      ports: [443]\n      prots: [443]\n",
-     (6, 7), "hosts.allow[0].prots", "unknown key 'prots'; expected one of: expires, host, intercept"),
+     (6, 7), "hosts.allow[0].prots", "unknown key 'prots'; expected one of: expires, host, id, intercept"),
     ("unknown key in a role's host entry",
      "version: 1\nroles:\n  - name: ci\n    clients: [10.0.0.0/8]\n    hosts:\n      deny:\n"
      "        - host: a.example.com\n          bogus: 1\n",
@@ -225,13 +226,13 @@ def test_python_tags_are_refused_not_executed(tmp_path: Path) -> None:
 
 def test_directory(tmp_path: Path) -> None:
     with pytest.raises(PolicyError) as info:
-        load_policy(tmp_path)
+        load_policy_file(tmp_path)
     assert str(info.value) == f"{tmp_path}: is a directory, not a policy file"
 
 
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(PolicyError) as info:
-        load_policy(tmp_path / "nope.yaml")
+        load_policy_file(tmp_path / "nope.yaml")
     assert str(info.value) == f"{tmp_path / 'nope.yaml'}: no such file"
 
 
@@ -239,7 +240,7 @@ def test_not_utf8(tmp_path: Path) -> None:
     path = tmp_path / "latin1.yaml"
     path.write_bytes("version: 1\n# caf\xe9\n".encode("latin-1"))
     with pytest.raises(PolicyError) as info:
-        load_policy(path)
+        load_policy_file(path)
     assert str(info.value).startswith(f"{path}: cannot be read:")
 
 
@@ -288,11 +289,13 @@ def test_dates_stay_text() -> None:
     rule = policy.allow.rules[0]
     assert rule.owner == "2027-06-30" and isinstance(rule.owner, str)
     assert rule.reason == "2027-06-30T10:00:00Z"
-    assert rule.expires == datetime(2030, 1, 2, tzinfo=UTC)
+    assert rule.expires == datetime(2030, 1, 3, tzinfo=UTC)  # a bare date: the whole day
 
 
 @pytest.mark.parametrize("written, expires", [
-    ("2030-01-02", datetime(2030, 1, 2, tzinfo=UTC)),
+    ("2030-01-02", datetime(2030, 1, 3, tzinfo=UTC)),  # a bare date is the whole day, UTC
+    ("2030-12-31", datetime(2031, 1, 1, tzinfo=UTC)),
+    ("2028-02-29", datetime(2028, 3, 1, tzinfo=UTC)),
     ("2030-01-02T10:30", datetime(2030, 1, 2, 10, 30, tzinfo=UTC)),
     ("2030-01-02 10:30:15Z", datetime(2030, 1, 2, 10, 30, 15, tzinfo=UTC)),
     ("2030-01-02T12:00:00+02:00", datetime(2030, 1, 2, 10, 0, tzinfo=UTC)),

@@ -49,11 +49,11 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from policy.loader import load_policy
+    from proxy.policy_file import load_policy_file  # the CLI reads files; squid_compat itself imports only policy
 
     from .exporter import export_policy
 
-    _write(args.output, export_policy(load_policy(args.policy)))
+    _write(args.output, export_policy(load_policy_file(args.policy)))
     return 0
 
 
