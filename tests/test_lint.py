@@ -235,3 +235,51 @@ def test_deny_rule_with_paths_on_a_host_that_is_not_intercepted_is_flagged() -> 
     assert any("checked only in plain HTTP" in m for m in messages)
     intercepted = text + "  allow:\n    - host: a.example.com\n      intercept: true\n"
     assert not any("checked only in plain HTTP" in w.message for w in lint(parse_policy(intercepted, "p.yaml")))
+
+
+# --- every error at once -------------------------------------------------------------------------------
+
+MANY_ERRORS = """version: 1
+default: nope
+hosts:
+  allow:
+    - user@example.com
+    - good.example.com
+    - host: a.example.com
+      prots: [443]
+  deny:
+    - a..b.example.com
+addresses:
+  allow: [10.0.0.1/8]
+roles:
+  - name: ci
+    clients: [10.20.0.0/16]
+    hosts:
+      allow: [localhost]
+resolver:
+  ttl_floor: 600
+  ttl_ceiling: 60
+mode: enforce
+mode: report
+"""
+
+
+def test_lint_shows_every_error_in_file_order_with_positions(tmp_path: Path) -> None:
+    path = tmp_path / "many.yaml"
+    path.write_text(MANY_ERRORS)
+    result = run_lint(str(path))
+    assert result.returncode == 2 and result.stdout == ""
+    lines = result.stderr.splitlines()
+    expected = [
+        (2, 10, "default: got 'nope'"),
+        (5, 7, "hosts.allow[0]: host pattern 'user@example.com': userinfo"),
+        (8, 7, "hosts.allow[2].prots: unknown key 'prots'"),
+        (10, 7, "hosts.deny[0]: host pattern 'a..b.example.com': empty-label"),
+        (12, 11, "addresses.allow[0]: got '10.0.0.1/8'; expected an address or CIDR range (host bits are set"),
+        (17, 15, "roles[0].hosts.allow[0]: host pattern 'localhost'"),
+        (19, 14, "resolver.ttl_floor: ttl_floor is greater than ttl_ceiling"),
+        (22, 1, "mode: duplicate key (first written on line 21)"),
+    ]
+    assert len(lines) == len(expected), result.stderr
+    for line, (row, column, words) in zip(lines, expected, strict=True):
+        assert line.startswith(f"egresswall: {path}:{row}:{column}: {words}"), line

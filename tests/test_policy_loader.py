@@ -393,3 +393,40 @@ def test_mode_override() -> None:
 def test_ip_literal_patterns(written: str, name: str) -> None:
     pattern = parse_policy(f"version: 1\nhosts:\n  allow:\n    - {written}\n").allow.rules[0].pattern
     assert pattern.kind is PatternKind.EXACT and pattern.name == name
+
+
+# --- every problem at once -----------------------------------------------------------------------------
+
+def test_every_problem_is_collected_in_file_order() -> None:
+    text = ("version: 1\nhosts:\n  deny:\n    - a..example.com\n  allow:\n    - host: a.example.com\n"
+            "      ports: [0]\n    - b@example.com\n    - c.example.com\n    - host: d.example.com\n"
+            "      expires: 2027-02-30\nports:\n  connect: [443, '9-1']\n")
+    err = load_error(text, "p.yaml")
+    where = [(p.line, p.column, p.key) for p in err.problems]
+    assert where == [(4, 7, "hosts.deny[0]"), (7, 15, "hosts.allow[0].ports[0]"), (8, 7, "hosts.allow[1]"),
+                     (11, 16, "hosts.allow[3].expires"), (13, 18, "ports.connect[1]")], str(err)
+    # The first problem is the error's own; str() lists every one, a line each; summary is one line.
+    assert (err.line, err.column, err.key) == (4, 7, "hosts.deny[0]")
+    assert str(err).splitlines() == [str(p) for p in err.problems]
+    assert err.summary == f"{err.problems[0]} (and 4 more errors)"
+
+
+def test_a_value_the_schema_refuses_is_reported_once() -> None:
+    """A role whose clients are not a list is one problem, not also 'no clients' or a broken role."""
+    err = load_error("version: 1\nroles:\n  - name: ci\n    clients: 10.0.0.0/8\n"
+                     "    hosts:\n      allow: [localhost]\n", "p.yaml")
+    assert [(p.line, p.key) for p in err.problems] == [(4, "roles[0].clients"), (6, "roles[0].hosts.allow[0]")]
+
+
+def test_a_single_problem_keeps_its_shape() -> None:
+    err = load_error("version: 1\nmode: enforcing\n", "p.yaml")
+    assert len(err.problems) == 1 and str(err) == "p.yaml:2:7: mode: got 'enforcing'; expected one of: enforce, report"
+    assert err.summary == str(err)
+
+
+def test_policy_error_pickles_with_every_problem() -> None:
+    import pickle
+
+    err = load_error("version: 1\nmode: x\ndefault: y\n", "p.yaml")
+    again = pickle.loads(pickle.dumps(err))
+    assert again.problems == err.problems and str(again) == str(err)
