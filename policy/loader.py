@@ -111,7 +111,7 @@ class _Builder:
     def __init__(self, doc: YamlDocument, unusable: _Unusable) -> None:
         self.doc, self.unusable = doc, unusable
         self.problems: list[PolicyProblem] = []
-        self.ids: dict[str, Origin] = {}  # written rule ids, to find one used twice
+        self.ids: list[tuple[str, Origin, KeyPath]] = []  # written rule ids, to find one used twice
 
     def problem(self, path: KeyPath, message: str) -> None:
         self.problems.append(self.doc.problem(path, message))
@@ -153,7 +153,7 @@ class _Builder:
         if floor > ceiling:
             self.problem(("resolver", "ttl_floor"), "ttl_floor is greater than ttl_ceiling")
         limits = self.section(("limits",))
-        return Policy(
+        policy = Policy(
             source=doc.source,
             mode=self.value(("mode",), "enforce"),
             default=self.value(("default",), DENY),
@@ -175,6 +175,17 @@ class _Builder:
             log_query_strings=self.value(("log", "query_strings"), False),
             address_rules_text=tuple(address_rules),
         )
+        self.duplicate_ids()
+        return policy
+
+    def duplicate_ids(self) -> None:
+        first: dict[str, Origin] = {}
+        for rule_id, origin, path in sorted(self.ids, key=lambda entry: (entry[1].line, entry[1].column)):
+            if rule_id in first:
+                seen = first[rule_id]
+                self.problem(path, f"duplicate rule id {rule_id!r} (first used at {seen.source}:{seen.line}:"
+                                   f"{seen.column}); ids must be unique")
+            first.setdefault(rule_id, origin)
 
     def address_rules(self) -> list[tuple[str, str, Origin]]:
         """(action, normalised CIDR text, origin) of every address rule, in file order."""
@@ -279,12 +290,7 @@ class _Builder:
             ok = ok and len(self.problems) == before
         if "id" in raw:
             rule_id = raw["id"]
-            if rule_id in self.ids:
-                first = self.ids[rule_id]
-                self.problem((*path, "id"), f"duplicate rule id {rule_id!r} (first used at "
-                                            f"{first.source}:{first.line}:{first.column}); ids must be unique")
-                ok = False
-            self.ids.setdefault(rule_id, self.doc.origin((*path, "id")))
+            self.ids.append((rule_id, self.doc.origin((*path, "id")), (*path, "id")))
         else:
             count = seen[pattern.text] = seen.get(pattern.text, 0) + 1
             rule_id = rule_ids.derived(list_name, pattern.text, count)

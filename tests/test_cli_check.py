@@ -212,3 +212,38 @@ def test_bad_nameserver_flag_exits_2() -> None:
     result = egresswall("check", "--nameserver", "127.0.0.1:99999", "https://a.example.com/")
     assert result.returncode == 2
     assert "port must be 1-65535" in result.stderr
+
+
+# --- stable rule ids, --client, address-rule edge cases (through the real CLI) -------------------------
+
+def test_json_names_the_stable_rule_id(dns: DnsLab, tmp_path: Path) -> None:
+    policy = tmp_path / "ids.yaml"
+    policy.write_text("version: 1\ndefault: deny\nhosts:\n  allow:\n    - public.example.com\n"
+                      "    - host: lab.example.com\n      id: lab-pages\naddresses:\n  deny: [93.184.216.0/24]\n")
+    result = check(dns, "--json", "--policy", str(policy), "--allow-range", "198.18.0.0/15",
+                   "https://lab.example.com/", "https://public.example.com/", "https://unlisted.example.com/")
+    lab, public, unlisted = (json.loads(line) for line in result.stdout.splitlines())
+    assert (lab["rule"], lab["rule_id"]) == (f"{policy}:6", "lab-pages")
+    assert (public["stage"], public["rule"], public["rule_id"]) == (
+        "address", f"address-deny 93.184.216.0/24 ({policy}:9)", "addresses.deny:93.184.216.0/24")
+    assert unlisted["rule_id"] == "default:deny" and unlisted["rule"] == f"default deny ({policy}:2)"
+    text = fields(check(dns, "--policy", str(policy), "--allow-range", "198.18.0.0/15",
+                        "https://lab.example.com/").stdout)
+    assert text["rule_id"] == "lab-pages"
+
+
+@pytest.mark.parametrize("client", ["nope", "10.0.0", "10.0.0.1/8", "[::1]", "fe80::1%eth0", "0x7f.1"])
+def test_client_must_be_an_address(client: str) -> None:
+    result = egresswall("check", "--client", client, "http://169.254.169.254/")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"egresswall: the client {client!r} is not an IP address"), lines
+
+
+def test_client_in_mapped_form_chooses_the_ipv4_role(tmp_path: Path) -> None:
+    policy = tmp_path / "roles.yaml"
+    policy.write_text("version: 1\ndefault: allow\nroles:\n  - name: ci\n    clients: [10.20.0.0/16]\n"
+                      "    default: deny\n")
+    result = egresswall("check", "--policy", str(policy), "--client", "::ffff:10.20.1.1", "http://8.8.8.8/")
+    assert result.returncode == 1 and fields(result.stdout)["role"] == "ci", result.stdout + result.stderr
