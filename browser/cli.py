@@ -18,6 +18,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from policy.hosts import split_host_port
+
 from .launch import ContainmentError, plan_launch
 from .reader import AuditRefusals, PageReader, ProxyQuery, ReadLimits, format_markdown, format_text
 
@@ -170,8 +172,7 @@ def cmd_browse(args: argparse.Namespace) -> int:
     if prepared is None:
         return EXIT_ERROR
     address, embedded, plan = prepared
-    host, _, port = address.rpartition(":")
-    refusals = embedded.refusals if embedded else ProxyQuery(host.strip("[]"), int(port))
+    refusals = embedded.refusals if embedded else ProxyQuery(*split_host_port(address))
     try:
         with sync_playwright() as playwright:
             browser = launch(playwright, plan)

@@ -18,6 +18,7 @@ import netaddr
 from . import rule_ids
 from .addresses import AddressRules, parse_address, parse_cidr
 from .errors import PolicyError, PolicyProblem
+from .hosts import split_host_port
 from .model import ALLOW, DENY, HostRule, HostTable, Limits, Origin, Policy, ResolverSettings, Role
 from .patterns import HostPattern
 from .ports import parse_port_list
@@ -349,20 +350,10 @@ def parse_expiry(text: str) -> datetime:
 
 
 def parse_nameserver(text: str) -> tuple[str, int]:
-    """``IP``, ``IP:PORT`` or ``[IPv6]:PORT`` → (ip, port); port 53 by default."""
-    host, port = text, "53"
-    if text.startswith("["):
-        host, sep, rest = text[1:].partition("]")
-        if not sep or (rest and not rest.startswith(":")):
-            raise ValueError(f"got {text!r}; expected IP, IP:PORT or [IPv6]:PORT")
-        port = rest[1:] if rest else "53"
-    elif text.count(":") == 1:
-        host, port = text.split(":")
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError(f"got {text!r}; port must be 1-65535")
+    """``IP``, ``IP:PORT`` or ``[IPv6]:PORT`` (a bare IPv6 too) → (ip, port); port 53 by default."""
+    host, port = split_host_port(text, default_port=53)
     try:
         address = parse_address(host)
     except ValueError as err:
         raise ValueError(f"got {text!r}; expected an IP address ({err})") from None
-    return str(address), int(port)
-
+    return str(address), port

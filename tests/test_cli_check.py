@@ -247,3 +247,21 @@ def test_client_in_mapped_form_chooses_the_ipv4_role(tmp_path: Path) -> None:
                       "    default: deny\n")
     result = egresswall("check", "--policy", str(policy), "--client", "::ffff:10.20.1.1", "http://8.8.8.8/")
     assert result.returncode == 1 and fields(result.stdout)["role"] == "ci", result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("args, url, allowed, rule", [
+    (["--deny-range", "::ffff:8.8.8.8/128"], "http://8.8.8.8/", False, "address-deny 8.8.8.8/32 ("),
+    (["--deny-range", "::ffff:8.8.8.8/128"], "http://[::ffff:8.8.8.8]/", False, "address-deny 8.8.8.8/32 ("),
+    (["--allow-range", "64:ff9b:1::/48"], "http://[64:ff9b:1:a00:0:100::]/", False, "special-purpose 10.0.0.0/8"),
+    (["--allow-range", "64:ff9b:1::/48", "--allow-range", "10.0.0.0/8"], "http://[64:ff9b:1:a00:0:100::]/", True,
+     "default allow ("),
+    (["--allow-range", "64:ff9b:1::/48"], "http://[64:ff9b:1:808:8:800::]/", True, "default allow ("),
+    (["--allow-range", "169.254.0.0/16"], "http://169.254.0.23/", False, "cloud-metadata 169.254.0.23/32"),
+    (["--allow-range", "169.254.0.0/16"], "http://169.254.42.42/", False, "cloud-metadata 169.254.42.42/32"),
+    (["--allow-range", "169.254.0.0/16"], "http://169.254.1.1/", True, "default allow ("),
+])
+def test_address_rule_edge_cases(args: list[str], url: str, allowed: bool, rule: str) -> None:
+    result = egresswall("check", *args, url)  # IP literals: nothing is resolved
+    out = fields(result.stdout)
+    assert result.returncode == (0 if allowed else 1), result.stdout + result.stderr
+    assert out["rule"].startswith(rule), out
