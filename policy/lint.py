@@ -47,7 +47,26 @@ def lint(policy: Policy, now: datetime | None = None) -> list[LintWarning]:
                                                          f"rule {blocker.pattern.text} ({blocker.where}) refuses "
                                                          "every host it names"))
     warnings += _overlapping_ranges(policy)
+    warnings += _address_literals_not_readmitted(policy, scopes)
     return warnings
+
+
+def _address_literals_not_readmitted(policy: Policy, scopes: list[tuple[str, HostTable, HostTable]]
+                                     ) -> list[LintWarning]:
+    """``allow: [10.0.0.5]`` lets the name through and the address rules refuse the connection: lists narrow
+    and never widen, so only an addresses.allow range re-admits a non-global address."""
+    out = []
+    for prefix, allow, _ in scopes:
+        for rule in allow.rules:
+            name = rule.pattern.name
+            if rule.pattern.kind is not PatternKind.EXACT or not (":" in name or name[-1:].isdigit()):
+                continue  # a name (a host ending in a number is refused unless it is a dotted quad)
+            checked = policy.addresses.check(name)
+            if not checked.allowed:
+                out.append(LintWarning(rule.origin, f"{prefix}allow {rule.pattern.text} can never be reached: "
+                                                    f"{checked.reason}. A host allow rule does not re-admit an "
+                                                    "address; addresses.allow is what re-admits a range"))
+    return out
 
 
 def _never_matches(policy: Policy, rule: HostRule, now: datetime) -> list[str]:

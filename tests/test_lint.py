@@ -283,3 +283,32 @@ def test_lint_shows_every_error_in_file_order_with_positions(tmp_path: Path) -> 
     assert len(lines) == len(expected), result.stderr
     for line, (row, column, words) in zip(lines, expected, strict=True):
         assert line.startswith(f"egresswall: {path}:{row}:{column}: {words}"), line
+
+
+# --- host allow rules naming an address the address rules refuse ----------------------------------------
+
+def test_allow_rule_naming_a_private_address_is_flagged() -> None:
+    message = only("hosts:\n  allow:\n    - 10.0.0.5\n")
+    assert message.startswith("p.yaml:4:7: hosts.allow[0]: allow 10.0.0.5 can never be reached: 10.0.0.5 is in "
+                              "10.0.0.0/8 (Private-Use, RFC 1918)"), message
+    assert "addresses.allow is what re-admits a range" in message and "e.g. 10.0.0.5/32" in message
+
+
+@pytest.mark.parametrize("body, words", [
+    ("hosts:\n  allow:\n    - '[fd00::1]'\n", "fd00::1 is in fc00::/7"),
+    ("hosts:\n  allow:\n    - 169.254.169.254\naddresses:\n  allow: [169.254.0.0/16]\n", "cloud metadata"),
+    ("roles:\n  - name: ci\n    clients: [10.20.0.0/16]\n    hosts:\n      allow: ['127.0.0.1']\n",
+     "role ci: allow 127.0.0.1 can never be reached"),
+])
+def test_other_unreachable_address_literals(body: str, words: str) -> None:
+    assert words in only(body)
+
+
+@pytest.mark.parametrize("body", [
+    "hosts:\n  allow:\n    - 10.0.0.5\naddresses:\n  allow: [10.0.0.0/24]\n",  # re-admitted: fine
+    "hosts:\n  allow:\n    - 93.184.216.34\n",  # global
+    "hosts:\n  deny:\n    - 10.0.0.5\n",  # a deny rule narrows; nothing to say
+    "hosts:\n  allow:\n    - a10.example.com\n",
+])
+def test_address_literals_that_can_work_are_not_flagged(body: str) -> None:
+    assert warnings(body) == []

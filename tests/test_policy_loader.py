@@ -430,3 +430,18 @@ def test_policy_error_pickles_with_every_problem() -> None:
     err = load_error("version: 1\nmode: x\ndefault: y\n", "p.yaml")
     again = pickle.loads(pickle.dumps(err))
     assert again.problems == err.problems and str(again) == str(err)
+
+
+def test_a_bare_expiry_date_means_the_same_in_code_example_schema_and_readme() -> None:
+    """``expires: 2027-06-30`` is the whole of that day in UTC: the rule stops at 2027-07-01T00:00Z."""
+    vendor = next(r for r in load_policy_file(EXAMPLE).allow.rules if r.pattern.text == "vendor.example.net")
+    stops = vendor.expires
+    assert stops == datetime(2027, 7, 1, tzinfo=UTC)
+    assert not vendor.expired(datetime(2027, 6, 30, 23, 59, 59, tzinfo=UTC)) and vendor.expired(stops)
+    said = f"{stops:%Y-%m-%dT%H:%MZ}"
+    example_line = next(line for line in EXAMPLE.read_text().splitlines() if "expires:" in line)
+    assert "2027-06-30" in example_line and said in example_line, example_line
+    schema_words = SCHEMA["$defs"]["hostEntry"]["oneOf"][1]["properties"]["expires"]["description"]
+    assert "2027-06-30" in schema_words and said in schema_words
+    readme = (POLICY_DIR.parent / "README.md").read_text()
+    assert f"expires: 2027-06-30            # a bare date is the whole day (UTC): matches until {said}" in readme
