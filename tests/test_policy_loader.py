@@ -445,3 +445,26 @@ def test_a_bare_expiry_date_means_the_same_in_code_example_schema_and_readme() -
     assert "2027-06-30" in schema_words and said in schema_words
     readme = (POLICY_DIR.parent / "README.md").read_text()
     assert f"expires: 2027-06-30            # a bare date is the whole day (UTC): matches until {said}" in readme
+
+
+def test_the_policy_package_reads_no_files() -> None:
+    """policy/ is the pure core: the loader takes text (proxy/policy_file.py reads files). The one read is
+    schema.py's own package data at import; resolver.py does DNS, no files."""
+    import ast
+
+    calls = {"open", "read_text", "read_bytes", "fdopen", "stat", "fstat", "listdir", "scandir"}
+    found = []
+    for path in sorted(POLICY_DIR.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+                if name in calls and not (path.name == "schema.py" and name == "read_text"):
+                    found.append(f"{path.name}:{node.lineno}: {name}()")
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                found += [f"{path.name}:{node.lineno}: imports {n}" for n in names if n in ("os", "pathlib", "stat")]
+    assert found == []
+    import policy.loader
+
+    assert not hasattr(policy.loader, "load_policy") and not hasattr(policy.loader, "DEFAULT_POLICY")
