@@ -4,23 +4,23 @@ or say exactly why it could not be read.
 Each URL gets a fresh browser context. A URL that cannot be read is reported with its reason and
 never with an invented page:
 
-* ``refused``     egresswall refused it (its rule and reason, from the proxy's own audit record of the
-                  request, or from the refusal the proxy sent) — also when a redirect led there;
+* ``refused``     egresswall refused it (its rule and reason, from the refusal the proxy sent, or for a
+                  refused CONNECT from the proxy's own audit record) — also when a redirect led there;
 * ``timeout``     no page within the time limit;
 * ``http-status`` the server answered 4xx/5xx;
 * ``non-html``    the response is not an HTML document (a PDF, an image, plain text...);
 * ``empty``       an HTML page without readable text;
 * ``error``       any other network error, with Chromium's own error code.
 
-For a refused CONNECT (https, wss) Chromium shows only ``ERR_TUNNEL_CONNECTION_FAILED`` and hides the
-proxy's 403. The reason then comes from a ``RefusalSource``: ``AuditRefusals`` reads the decision
-records of an in-process proxy; ``ProxyQuery`` asks a running proxy the same CONNECT again and reads
-the rule and reason from its refusal.
+A refused plain-HTTP request comes back as the proxy's 403, whose ``X-Egresswall-*`` headers are the
+refusal itself: its rule and reason are read from them, and nobody is asked again. For a refused CONNECT
+(https, wss) Chromium shows only ``ERR_TUNNEL_CONNECTION_FAILED`` and hides the proxy's 403. The reason then
+comes from a ``RefusalSource``: ``AuditRefusals`` reads the decision records of an in-process proxy;
+``ProxyQuery`` asks a running proxy the same CONNECT again and reads the rule and reason from its refusal.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 import threading
 import time
@@ -29,8 +29,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-REASON_HEADER = "x-egresswall-reason"
-RULE_HEADER = "x-egresswall-rule"
+from policy.hosts import DEFAULT_PORTS, HostFormError, normalise_host
+from policy.wire import refusal_from_headers
+
 HTML_TYPES = ("text/html", "application/xhtml+xml")
 TUNNEL_ERRORS = ("ERR_TUNNEL_CONNECTION_FAILED",)
 
@@ -80,17 +81,13 @@ class RefusalSource(Protocol):
 # ---- where refusal reasons come from -------------------------------------------------------------
 
 def _norm_host(host: str | None) -> str:
-    host = (host or "").strip("[]").rstrip(".").lower()
+    """The host as the proxy's records name it: the core's normaliser (IDNA 2008 / UTS-46, IP literals
+    canonical, IPv4-mapped unwrapped); a host it refuses is compared as written, lower-cased."""
+    host = host or ""
     try:
-        address = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        try:
-            return host.encode("idna").decode("ascii")
-        except UnicodeError:
-            return host
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return str(address.ipv4_mapped)
-    return str(address)
+        return normalise_host(host)[0]
+    except HostFormError:
+        return host.lower()
 
 
 def _host_port(url: str) -> tuple[str, str, int | None]:
@@ -101,7 +98,7 @@ def _host_port(url: str) -> tuple[str, str, int | None]:
     except ValueError:
         port = None
     if port is None:
-        port = {"http": 80, "ws": 80, "https": 443, "wss": 443}.get(scheme)
+        port = DEFAULT_PORTS.get(scheme)
     return scheme, _norm_host(parts.hostname), port
 
 
@@ -165,10 +162,9 @@ class ProxyQuery:
         except OSError:
             return None
         lines = head.split(b"\r\n\r\n", 1)[0].decode("latin-1").split("\r\n")
-        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
-        if RULE_HEADER in headers:
-            return Refusal(headers[RULE_HEADER], headers.get(REASON_HEADER, ""), url)
-        return None
+        headers = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+        refusal = refusal_from_headers(headers)
+        return Refusal(refusal[0], refusal[1], url) if refusal else None
 
 
 # ---- the reader ----------------------------------------------------------------------------------
@@ -252,11 +248,11 @@ class PageReader:
         status = response.status
         common = dict(final_url=response.url, status=status, content_type=_content_type(response),
                       redirected_from=navigation.chain_before() or None)
-        if RULE_HEADER in headers:
-            # egresswall's own refusal (it strips these headers from every upstream response)
-            refusal = self.refusals.find(response.url, since) if self.refusals else None
-            rule = refusal.rule if refusal else headers[RULE_HEADER]
-            reason = refusal.reason if refusal else headers.get(REASON_HEADER, "")
+        refusal = refusal_from_headers(headers)
+        if refusal is not None:
+            # egresswall's own refusal (it strips these headers from every upstream response): the refusal
+            # itself says which rule and why. Asking again (ProxyQuery) would ask another question.
+            rule, reason = refusal
             return PageResult(url, False, problem="refused", rule=rule, reason=_refused_reason(reason, response.url,
                                                                                                 url), **common)
         if status >= 400:

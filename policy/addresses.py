@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import netaddr
 
+from . import rule_ids
+
 
 @dataclass(frozen=True)
 class AddressBlock:
@@ -102,6 +104,9 @@ CLOUD_METADATA: tuple[AddressBlock, ...] = _blocks(
     ("169.254.169.254/32", "Oracle Cloud instance metadata", "OCI documentation"),
     ("192.0.0.192/32", "Oracle Cloud instance metadata (legacy)", "OCI documentation"),
     ("100.100.100.200/32", "Alibaba Cloud instance metadata", "Alibaba Cloud ECS documentation"),
+    ("169.254.0.23/32", "Tencent Cloud instance metadata", "Tencent Cloud CVM documentation"),
+    ("169.254.42.42/32", "Scaleway instance metadata", "Scaleway Instances documentation"),
+    ("fd00:42::42/128", "Scaleway instance metadata (IPv6)", "Scaleway Instances documentation"),
 )
 
 
@@ -109,8 +114,13 @@ CLOUD_METADATA: tuple[AddressBlock, ...] = _blocks(
 class AddressVerdict:
     allowed: bool
     address: str
-    rule: str
+    rule: str  # what decided, for a human: "special-purpose 10.0.0.0/8", "address-allow 198.18.0.0/15 (p.yaml:9)"
     reason: str
+    rule_id: str = ""  # the same without a file position, stable across edits; "" means: the same as rule
+
+    def __post_init__(self) -> None:
+        if not self.rule_id:
+            object.__setattr__(self, "rule_id", self.rule)
 
 
 # --- parsing ---------------------------------------------------------------------------------------
@@ -177,26 +187,60 @@ def parse_address(text: str) -> netaddr.IPAddress:
         raise ValueError(f"{text!r}: {err}") from None
 
 
-def _parse_cidr(text: str) -> netaddr.IPNetwork:
-    """An operator's range: ADDRESS or ADDRESS/LEN, strict; host bits set is an error, not a rounding."""
+def parse_cidr(text: str) -> netaddr.IPNetwork:
+    """An operator's range (an address rule, a role's clients): ADDRESS or ADDRESS/LEN, strict; host bits
+    set is an error, not a rounding. ValueError says what is wrong (without repeating the text).
+
+    A range written inside ::ffff:0:0/96 is the IPv4 range it maps (``::ffff:10.0.0.0/104`` is
+    ``10.0.0.0/8``), because an IPv4-mapped address is judged as its IPv4 address: a rule is normalised
+    the way the addresses it is matched against are. A wider IPv6 range (``::/0``) stays IPv6: it names
+    IPv6 space, and every IPv4 address is not what it means.
+    """
     if not isinstance(text, str):
-        raise ValueError(f"address range {text!r} is not text")
+        raise ValueError(f"got {type(text).__name__}, not the text of a range")
     address_text, slash, length_text = text.partition("/")
-    try:
-        address = parse_address(address_text)
-    except ValueError as err:
-        raise ValueError(f"address range {text!r}: {err}") from None
+    address = parse_address(address_text)
     width = 32 if address.version == 4 else 128
     if not slash:
         length = width
     elif _DECIMAL.fullmatch(length_text) and int(length_text) <= width:
         length = int(length_text)
     else:
-        raise ValueError(f"address range {text!r}: prefix length must be a decimal 0-{width}")
+        raise ValueError(f"prefix length must be a decimal 0-{width}")
     network = netaddr.IPNetwork(f"{address}/{length}")
     if network.ip != network.network:
-        raise ValueError(f"address range {text!r} has host bits set; did you mean {network.cidr}?")
+        raise ValueError(f"host bits are set; did you mean {network.cidr}?")
+    if network.version == 6 and length >= 96 and network.ip in _MAPPED:
+        return netaddr.IPNetwork(f"{netaddr.IPAddress(_low32(int(network.ip)), 4)}/{length - 96}")
     return network.cidr
+
+
+def _parse_range(text: str) -> netaddr.IPNetwork:
+    try:
+        return parse_cidr(text)
+    except ValueError as err:
+        raise ValueError(f"address range {text!r}: {err}") from None
+
+
+def unwrap_mapped(text: str) -> str:
+    """``::ffff:192.0.2.1`` (how a dual-stack socket reports an IPv4 peer) → ``192.0.2.1``; any other text
+    unchanged. The one place the proxy and the decision turn a mapped address into the IPv4 it is."""
+    if "ffff" not in text and "FFFF" not in text:
+        return text
+    try:
+        mapped = ipaddress.IPv6Address(text).ipv4_mapped
+    except ValueError:
+        return text
+    return str(mapped) if mapped is not None else text
+
+
+def parse_client_address(text: str) -> str:
+    """A client address given by hand (``check --client``): strict, IPv4-mapped unwrapped, canonical text."""
+    try:
+        address = parse_address(text)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"the client {text!r} is not an IP address ({err})") from None
+    return unwrap_mapped(_text(address))
 
 
 _MAPPED = netaddr.IPNetwork("::ffff:0:0/96")
@@ -297,10 +341,39 @@ def _describe(blocks: tuple[AddressBlock, ...]) -> str:
     return f"{blocks[0].cidr} ({'; '.join(block.name for block in blocks)})"
 
 
+_LOCAL_NAT64 = netaddr.IPNetwork("64:ff9b:1::/48")
+# RFC 6052, Section 2.2: where the 32 bits of IPv4 sit for each prefix length (bits 64-71 are the "u" octet,
+# never part of the address). As (first bit, bit count) pairs, most significant part first.
+_RFC6052_LAYOUT: dict[int, tuple[tuple[int, int], ...]] = {
+    32: ((32, 32),), 40: ((40, 24), (72, 8)), 48: ((48, 16), (72, 16)),
+    56: ((56, 8), (72, 24)), 64: ((72, 32),), 96: ((96, 32),),
+}
+
+
+def rfc6052_ipv4(address: netaddr.IPAddress, prefix_length: int) -> netaddr.IPAddress:
+    """The IPv4 address embedded in an IPv4-embedded IPv6 address under a translator prefix of this length."""
+    value, out = int(address), 0
+    for first, count in _RFC6052_LAYOUT[prefix_length]:
+        out = (out << count) | ((value >> (128 - first - count)) & ((1 << count) - 1))
+    return netaddr.IPAddress(out, 4)
+
+
+def _hint(address: netaddr.IPAddress) -> str:
+    """How an operator who does mean to reach this address lets it through (and what does not)."""
+    one = "32" if address.version == 4 else "128"
+    return (f"; only an addresses.allow range re-admits it (e.g. {_text(address)}/{one}), "
+            "a host allow rule cannot")
+
+
 # --- rules -----------------------------------------------------------------------------------------
 
 class AddressRules:
-    """Special-purpose and metadata refusals, plus the operator's explicit address-range rules."""
+    """Special-purpose and metadata refusals, plus the operator's explicit address-range rules.
+
+    ``allow_labels`` / ``deny_labels`` map a range (as written) to the text that names its rule for a
+    human (``address-allow 198.18.0.0/15 (policy.yaml:9)``); a verdict's ``rule_id`` is always the stable
+    ``addresses.allow:198.18.0.0/15``, whatever the label.
+    """
 
     def __init__(self, allow: Iterable[str] = (), deny: Iterable[str] = (),
                  refuse_cloud_metadata: bool = True,
@@ -311,28 +384,29 @@ class AddressRules:
 
     @staticmethod
     def _rules(action: str, cidrs: Iterable[str], labels: Mapping[str, str]
-               ) -> _MostSpecific[tuple[netaddr.IPNetwork, str]]:
+               ) -> _MostSpecific[tuple[netaddr.IPNetwork, str, str]]:
         if isinstance(cidrs, str):
             raise TypeError(f"address {action} rules must be a list of ranges, not one string")
-        rule_ids: dict[netaddr.IPNetwork, str] = {}
+        rule_texts: dict[netaddr.IPNetwork, str] = {}
         for text in cidrs:
-            network = _parse_cidr(text)
-            rule_ids.setdefault(network, f"address-{action} {network}")
+            network = _parse_range(text)
+            rule_texts.setdefault(network, f"address-{action} {network}")
         for text, label in labels.items():
-            network = _parse_cidr(text)
-            if network not in rule_ids:
+            network = _parse_range(text)
+            if network not in rule_texts:
                 raise ValueError(f"label {label!r} names address range {text!r}, "
                                  f"which is not an {action} rule")
-            rule_ids[network] = label
-        return _MostSpecific((network, (network, rule)) for network, rule in rule_ids.items())
+            rule_texts[network] = label
+        return _MostSpecific((network, (network, rule, rule_ids.address_rule(action, network)))
+                             for network, rule in rule_texts.items())
 
     def check(self, address: str | netaddr.IPAddress | ipaddress.IPv4Address | ipaddress.IPv6Address
               ) -> AddressVerdict:
         given = _as_address(address)
         text = _text(given)
 
-        def verdict(allowed: bool, rule: str, reason: str) -> AddressVerdict:
-            return AddressVerdict(allowed, text, rule, reason)
+        def verdict(allowed: bool, rule: str, reason: str, rule_id: str = "") -> AddressVerdict:
+            return AddressVerdict(allowed, text, rule, reason, rule_id)
 
         # 1. An IPv4-mapped address is the IPv4 address: judge that.
         judged, preface = given, ""
@@ -355,9 +429,9 @@ class AddressRules:
         for candidate, note in candidates:
             denied = self._deny.get(candidate)
             if denied is not None:
-                network, rule = denied
+                network, rule, rule_id = denied
                 return verdict(False, rule,
-                               f"{note}{_text(candidate)} is in {network}, which the policy denies ({rule})")
+                               f"{note}{_text(candidate)} is in {network}, which the policy denies ({rule})", rule_id)
 
         # 3. Cloud metadata: no allow rule re-admits it, only refuse_cloud_metadata=False.
         if self.refuse_cloud_metadata:
@@ -366,25 +440,23 @@ class AddressRules:
                 if found is not None:
                     return verdict(False, f"cloud-metadata {found[0].cidr}",
                                    f"{note}{_text(candidate)} is in {_describe(found)}, a cloud metadata "
-                                   "endpoint refused by default")
+                                   "endpoint refused by default (no addresses.allow range re-admits it; only "
+                                   "addresses.refuse_cloud_metadata: false does)")
 
         # 4. Operator allow rules: the only way a non-global address is accepted. Re-admitting a wrapping
         # prefix does not re-admit the IPv4 inside it: that IPv4 must pass on its own.
         special = _SPECIAL.get(judged)
         allowed = self._allow.get(judged)
         if allowed is not None:
-            network, rule = allowed
-            if wrapped and wrapped[2] is not None:
-                block, label, inner = wrapped
-                inside = self.check(inner)
-                if not inside.allowed:
-                    return verdict(False, inside.rule,
-                                   f"{shown} is in {network}, which the policy allows ({rule}), but it "
-                                   f"is the {label} wrapping ({block.cidr}) of IPv4 {inner}; {inside.reason}")
+            network, rule, rule_id = allowed
+            if wrapped:
+                refusal = self._wrapped_refusal(wrapped, judged, network, rule, rule_id)
+                if refusal is not None:
+                    return verdict(False, *refusal)
             if special is not None:
                 return verdict(True, rule, f"{preface}{shown} is in {_describe(special)}, which is not "
-                                           f"global unicast, but the policy re-admits {network} ({rule})")
-            return verdict(True, rule, f"{preface}{shown} is in {network}, which the policy allows ({rule})")
+                                           f"global unicast, but the policy re-admits {network} ({rule})", rule_id)
+            return verdict(True, rule, f"{preface}{shown} is in {network}, which the policy allows ({rule})", rule_id)
 
         # 5. IPv4 wrapped in IPv6 is refused whole: the IPv4 it reaches is chosen by a relay or translator.
         if wrapped:
@@ -392,15 +464,41 @@ class AddressRules:
             carried = f"IPv4 {inner}" if inner is not None else "an IPv4 address"
             return verdict(False, f"special-purpose {block.cidr}",
                            f"{shown} is in {_describe(special)}: the {label} wrapping of {carried}, "
-                           "which is refused whole")
+                           f"which is refused whole (an addresses.allow range over {block.cidr} re-admits "
+                           "it only when the IPv4 inside passes too)")
 
         # 6. Every other block that is not global unicast.
         if special is not None:
             return verdict(False, f"special-purpose {special[0].cidr}",
-                           f"{preface}{shown} is in {_describe(special)}, which is not global unicast")
+                           f"{preface}{shown} is in {_describe(special)}, which is not global unicast"
+                           + _hint(judged))
         if judged.version == 6 and judged not in _GLOBAL_UNICAST_V6:
             return verdict(False, "outside-global-unicast 2000::/3",
-                           f"{shown} is outside 2000::/3 global unicast (RFC 4291, Section 2.4)")
+                           f"{shown} is outside 2000::/3 global unicast (RFC 4291, Section 2.4)" + _hint(judged))
 
         # 7.
         return verdict(True, "global", f"{preface}{shown} is global unicast (in no special-purpose block)")
+
+    def _wrapped_refusal(self, wrapped: tuple[AddressBlock, str, netaddr.IPAddress | None],
+                         address: netaddr.IPAddress, network: netaddr.IPNetwork, rule: str, rule_id: str
+                         ) -> tuple[str, str, str] | None:
+        """An allow range covers a wrapping of IPv4: the IPv4 inside must pass too. (rule, reason, rule_id)
+        of the refusal, or None when it passes."""
+        block, label, inner = wrapped
+        shown = _text(address)
+        if inner is None:
+            # Local-use NAT64 puts the IPv4 where the translator's prefix length says (RFC 6052). The
+            # re-admitting range is that prefix; a range of another length leaves the IPv4 unknown.
+            if network.prefixlen not in _RFC6052_LAYOUT or network not in _LOCAL_NAT64:
+                return (f"special-purpose {block.cidr}",
+                        f"{shown} is in {network}, which the policy allows ({rule}), but it is {label} "
+                        f"({block.cidr}), where the IPv4 inside sits where the translator's prefix length puts "
+                        "it (RFC 6052); re-admit the translator's prefix itself (a /48, /56, /64 or /96 inside "
+                        f"{block.cidr}) so that the IPv4 can be checked", "")
+            inner = rfc6052_ipv4(address, network.prefixlen)
+            label = f"{label}, read as the /{network.prefixlen} translator prefix {network}"
+        inside = self.check(inner)
+        if inside.allowed:
+            return None
+        return (inside.rule, f"{shown} is in {network}, which the policy allows ({rule}), but it is the "
+                             f"{label} wrapping ({block.cidr}) of IPv4 {inner}; {inside.reason}", inside.rule_id)

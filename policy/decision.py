@@ -20,6 +20,8 @@ from datetime import UTC, datetime
 
 import netaddr
 
+from . import rule_ids
+from .addresses import unwrap_mapped
 from .hosts import HostFormError, Target, normalise_host
 from .model import ALLOW, REPORT, HostRule, HostTable, Policy, Role
 from .ports import ports_text
@@ -57,13 +59,21 @@ class Resolution:
 class Verdict:
     allowed: bool
     stage: str
-    rule: str  # what decided: "policy.yaml:12", "default deny (policy.yaml:3)", "special-purpose 10.0.0.0/8"
+    rule: str  # what decided, for a human: "policy.yaml:12", "default deny (policy.yaml:3)", "ports.connect"
     reason: str  # a sentence for a human
     report_only: bool = False  # enforce mode would have refused this; report mode let it through
     matched: HostRule | None = None
     role: str | None = None
     addresses: tuple[str, ...] = ()
     pinned: str | None = None  # the one checked address to connect to
+    # The same rule's stable id, for metrics and records (policy/rule_ids.py): "hosts.allow:docs.python.org",
+    # "default:deny". Where ``rule`` holds no file position ("ports.connect", "special-purpose 10.0.0.0/8")
+    # the id is that text, which is what "" means here.
+    rule_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.rule_id:
+            object.__setattr__(self, "rule_id", self.rule)
 
     @property
     def needs_resolution(self) -> bool:
@@ -128,13 +138,15 @@ def decide_addresses(policy: Policy, verdict: Verdict, addresses: Iterable[str],
     for name in cnames:
         refusal = _check_cname(policy, role, name, request)
         if refusal:
-            return Verdict(False, RESOLVE, refusal[0], refusal[1], role=verdict.role, addresses=addresses)
+            return Verdict(False, RESOLVE, refusal[0], refusal[1], role=verdict.role, addresses=addresses,
+                           rule_id=refusal[2])
     if not addresses:
         return Verdict(False, RESOLVE, "dns:empty", "the name has no A or AAAA records", role=verdict.role)
     for address in addresses:
         checked = policy.addresses.check(address)
         if not checked.allowed:
-            return Verdict(False, ADDRESS, checked.rule, checked.reason, role=verdict.role, addresses=addresses)
+            return Verdict(False, ADDRESS, checked.rule, checked.reason, role=verdict.role, addresses=addresses,
+                           rule_id=checked.rule_id)
     return replace(verdict, addresses=addresses, pinned=_choose_pin(addresses))
 
 
@@ -144,21 +156,24 @@ def _host_rules(policy: Policy, request: Request, role) -> Verdict:
         rule = _first_match(table, request)
         if rule is not None:
             why = f": {rule.reason}" if rule.reason else ""
-            return Verdict(False, HOST, rule.rule_id, f"{host} is refused by deny rule {rule.pattern.text}{why}",
-                           matched=rule)
+            return Verdict(False, HOST, rule.where, f"{host} is refused by deny rule {rule.pattern.text}{why}",
+                           matched=rule, rule_id=rule.rule_id)
     allow = role.allow if role else policy.allow
     rule = _first_match(allow, request)
     if rule is not None:
-        return Verdict(True, HOST, rule.rule_id, f"{host} is allowed by rule {rule.pattern.text}", matched=rule)
-    default = (role.default if role and role.default else None) or policy.default
-    whose = f"role {role.name}" if role and role.default else "the policy"
-    origin = role.origin if role and role.default else policy.default_origin
+        return Verdict(True, HOST, rule.where, f"{host} is allowed by rule {rule.pattern.text}", matched=rule,
+                       rule_id=rule.rule_id)
+    own = role is not None and role.default is not None
+    default = role.default if own else policy.default
+    whose = f"role {role.name}" if own else "the policy"
+    origin = role.origin if own else policy.default_origin
+    rule_id = rule_ids.default(default, role.name if own else None)
     if default == ALLOW:
         return Verdict(True, HOST, f"default allow ({origin})",
-                       f"{host} matches no rule and {whose} allows by default")
+                       f"{host} matches no rule and {whose} allows by default", rule_id=rule_id)
     hint = _near_miss(allow, request)
     return Verdict(False, HOST, f"default deny ({origin})",
-                   f"{host} is not on the allowlist ({whose} denies by default){hint}")
+                   f"{host} is not on the allowlist ({whose} denies by default){hint}", rule_id=rule_id)
 
 
 def _first_match(table: HostTable, request: Request) -> HostRule | None:
@@ -195,34 +210,37 @@ def _near_miss(table: HostTable, request: Request) -> str:
     """Say why a rule naming the host did not match (expired, port, scheme...) — operators ask."""
     for rule in table.candidates(request.target.host):
         if rule.expired(request.at):
-            return f"; rule {rule.pattern.text} ({rule.rule_id}) expired {rule.expires:%Y-%m-%d %H:%M} UTC"
+            return f"; rule {rule.pattern.text} ({rule.where}) expired {rule.expires:%Y-%m-%d %H:%M} UTC"
         if rule.ports is not None and request.target.port not in rule.ports:
-            return f"; rule {rule.pattern.text} ({rule.rule_id}) allows only ports [{ports_text(rule.ports)}]"
+            return f"; rule {rule.pattern.text} ({rule.where}) allows only ports [{ports_text(rule.ports)}]"
         if rule.schemes is not None and request.target.scheme not in rule.schemes:
-            return f"; rule {rule.pattern.text} ({rule.rule_id}) allows only {sorted(rule.schemes)}"
+            return f"; rule {rule.pattern.text} ({rule.where}) allows only {sorted(rule.schemes)}"
         if request.websocket and not rule.websocket:
-            return f"; rule {rule.pattern.text} ({rule.rule_id}) does not allow WebSocket"
+            return f"; rule {rule.pattern.text} ({rule.where}) does not allow WebSocket"
         if rule.methods is not None and not request.tunnel and request.method.upper() not in rule.methods:
-            return f"; rule {rule.pattern.text} ({rule.rule_id}) allows only methods {sorted(rule.methods)}"
+            return f"; rule {rule.pattern.text} ({rule.where}) allows only methods {sorted(rule.methods)}"
         if rule.paths is not None:
-            return f"; rule {rule.pattern.text} ({rule.rule_id}) allows only paths {list(rule.paths)}"
+            return f"; rule {rule.pattern.text} ({rule.where}) allows only paths {list(rule.paths)}"
     return ""
 
 
-def _check_cname(policy: Policy, role: Role | None, name: str, request: Request | None) -> tuple[str, str] | None:
+def _check_cname(policy: Policy, role: Role | None, name: str, request: Request | None
+                 ) -> tuple[str, str, str] | None:
     """A CNAME may lead to a name the policy would refuse outright (db.internal, a denied host —
     for a client in a role, one its role denies too). A deny rule counts when it would refuse this
     same request sent to the alias's name (its ports, schemes, methods and paths included)."""
     try:
         host, _ = normalise_host(name.rstrip(".") or name)
     except HostFormError as err:
-        return f"cname:{err.form}", f"the name is an alias (CNAME) of {name!r}, which is refused: {err.reason}"
+        return (f"cname:{err.form}", f"the name is an alias (CNAME) of {name!r}, which is refused: {err.reason}",
+                "")
     aliased = replace(request, target=replace(request.target, host=host)) if request is not None else None
     tables = ((role.deny,) if role else ()) + (policy.deny,)
     for rule in (rule for table in tables for rule in table.candidates(host)):
         unconditional = not rule.needs_visible_request and rule.ports is None and rule.schemes is None
         if unconditional or (aliased is not None and _conditions_hold(rule, aliased)):
-            return rule.rule_id, f"the name is an alias (CNAME) of {host}, refused by deny rule {rule.pattern.text}"
+            return (rule.where, f"the name is an alias (CNAME) of {host}, refused by deny rule {rule.pattern.text}",
+                    rule.rule_id)
     return None
 
 
@@ -238,8 +256,7 @@ def _client_address(client: str | None) -> netaddr.IPAddress | None:
     if not client:
         return None
     try:
-        address = netaddr.IPAddress(client.split("%", 1)[0])
+        # A dual-stack listener reports IPv4 clients as ::ffff:a.b.c.d; roles are written in IPv4.
+        return netaddr.IPAddress(unwrap_mapped(client.split("%", 1)[0]))
     except (ValueError, netaddr.AddrFormatError):
         return None
-    # A dual-stack listener reports IPv4 clients as ::ffff:a.b.c.d; roles are written in IPv4.
-    return address.ipv4() if address.is_ipv4_mapped() else address

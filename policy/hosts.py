@@ -372,6 +372,39 @@ def _parse_authority_text(authority: str, what: str, port_required: bool, scheme
     return Target(scheme, host, port, "", ip)
 
 
+def split_host_port(text: str, default_port: int | None = None, min_port: int = 1) -> tuple[str, int]:
+    """An operator's ``HOST:PORT``, ``[IPv6]:PORT`` or ``:PORT`` (a listen address, a nameserver, a proxy to
+    use) → (host without brackets, port). The host is not judged here (the caller knows whether it must be
+    an IP, or may be empty). Without a port: ``default_port``, and then a bare IPv6 (``2001:db8::53``) is a
+    host too; with none, a port is required. ValueError says what is wrong.
+    """
+    if text.startswith("["):
+        host, close, rest = text[1:].partition("]")
+        if not close or ":" not in host or "[" in host or "]" in rest:
+            raise ValueError(f"got {text!r}; brackets must enclose an IPv6 address: [IPv6]:PORT")
+        if rest and not rest.startswith(":"):
+            raise ValueError(f"got {text!r}; expected [IPv6]:PORT")
+        port_text = rest[1:] if rest else None
+    elif "[" in text or "]" in text:
+        raise ValueError(f"got {text!r}; brackets must enclose a whole IPv6 address: [IPv6]:PORT")
+    elif text.count(":") == 1:
+        host, _, port_text = text.partition(":")
+    elif ":" in text:
+        if default_port is None:
+            raise ValueError(f"got {text!r}; an IPv6 address with a port needs brackets: [IPv6]:PORT")
+        host, port_text = text, None
+    else:
+        host, port_text = text, None
+    if port_text is None:
+        if default_port is None:
+            raise ValueError(f"got {text!r}; expected HOST:PORT")
+        return host, default_port
+    if not (_DECIMAL.fullmatch(port_text) and len(port_text) <= MAX_PORT_DIGITS
+            and min_port <= int(port_text) <= 65535):
+        raise ValueError(f"got {text!r}; port must be {min_port}-65535")
+    return host, int(port_text)
+
+
 def parse_authority(authority: str, scheme: str = "https") -> Target:
     """A CONNECT authority, ``host:port`` or ``[v6]:port``; the port is required."""
     scheme = _check_scheme(scheme, authority)

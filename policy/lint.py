@@ -38,25 +38,44 @@ def lint(policy: Policy, now: datetime | None = None) -> list[LintWarning]:
                 shadow = _shadowed_by(table, positions, i, rule)
                 if shadow is not None:
                     warnings.append(LintWarning(rule.origin, f"{prefix}{rule.pattern.text} is shadowed by the earlier "
-                                                             f"rule {shadow.pattern.text} ({shadow.rule_id}), "
+                                                             f"rule {shadow.pattern.text} ({shadow.where}), "
                                                              "which matches every request it would"))
         for rule in allow.rules:
             blocker = _blocking_deny(deny, policy.deny, rule)
             if blocker is not None:
                 warnings.append(LintWarning(rule.origin, f"{prefix}allow {rule.pattern.text} can never match: deny "
-                                                         f"rule {blocker.pattern.text} ({blocker.rule_id}) refuses "
+                                                         f"rule {blocker.pattern.text} ({blocker.where}) refuses "
                                                          "every host it names"))
     warnings += _overlapping_ranges(policy)
+    warnings += _address_literals_not_readmitted(policy, scopes)
     return warnings
+
+
+def _address_literals_not_readmitted(policy: Policy, scopes: list[tuple[str, HostTable, HostTable]]
+                                     ) -> list[LintWarning]:
+    """``allow: [10.0.0.5]`` lets the name through and the address rules refuse the connection: lists narrow
+    and never widen, so only an addresses.allow range re-admits a non-global address."""
+    out = []
+    for prefix, allow, _ in scopes:
+        for rule in allow.rules:
+            name = rule.pattern.name
+            if rule.pattern.kind is not PatternKind.EXACT or not (":" in name or name[-1:].isdigit()):
+                continue  # a name (a host ending in a number is refused unless it is a dotted quad)
+            checked = policy.addresses.check(name)
+            if not checked.allowed:
+                out.append(LintWarning(rule.origin, f"{prefix}allow {rule.pattern.text} can never be reached: "
+                                                    f"{checked.reason}. A host allow rule does not re-admit an "
+                                                    "address; addresses.allow is what re-admits a range"))
+    return out
 
 
 def _never_matches(policy: Policy, rule: HostRule, now: datetime) -> list[str]:
     out = []
     if rule.expired(now):
-        out.append(f"{rule.action} {rule.pattern.text} expired on {rule.expires:%Y-%m-%d %H:%M} UTC and no "
+        out.append(f"{rule.action} {rule.pattern.text} expired at {rule.expires:%Y-%m-%d %H:%M} UTC and no "
                    "longer matches")
     elif rule.expires is not None and (rule.expires - now).days < 14:
-        out.append(f"{rule.action} {rule.pattern.text} expires on {rule.expires:%Y-%m-%d %H:%M} UTC")
+        out.append(f"{rule.action} {rule.pattern.text} stops matching at {rule.expires:%Y-%m-%d %H:%M} UTC")
     if rule.ports is not None:
         usable = policy.connect_ports | policy.http_ports
         dead = sorted(rule.ports - usable)

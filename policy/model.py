@@ -35,6 +35,7 @@ class HostRule:
     action: str  # ALLOW or DENY
     pattern: HostPattern
     origin: Origin
+    id: str = ""  # stable across edits above it: the YAML `id:`, else derived (see policy/rule_ids.py)
     ports: frozenset[int] | None = None
     schemes: frozenset[str] | None = None
     methods: frozenset[str] | None = None
@@ -46,8 +47,14 @@ class HostRule:
     reason: str | None = None
 
     @property
-    def rule_id(self) -> str:
+    def where(self) -> str:
+        """Where the rule was written, for a human: ``policy.yaml:12`` or the flag that added it."""
         return str(self.origin)
+
+    @property
+    def rule_id(self) -> str:
+        """The stable id (metrics, records); a rule built by hand without one is named by where it was written."""
+        return self.id or self.where
 
     @property
     def needs_visible_request(self) -> bool:
@@ -167,6 +174,7 @@ class Policy:
     resolver: ResolverSettings = ResolverSettings()
     limits: Limits = Limits()
     log_query_strings: bool = False
+    tls_ech: str | None = None  # "allow" | "refuse"; None: refused on an allowlist (proxy/gate.py ech_allowed)
     address_rules_text: tuple[tuple[str, str, Origin], ...] = ()  # (action, cidr, origin), for lint/export
     # Which role a client address has never changes for one policy: remember it (IPSet membership costs
     # tens of microseconds, and one client sends many requests). Bounded; a new policy starts empty.

@@ -346,8 +346,7 @@ def self_refusal(pinned: str, port: int, verdict: Verdict) -> Verdict:
 def ech_allowed(policy: Policy) -> bool:
     """``tls.ech`` in the policy; unset, Encrypted Client Hello is refused where the policy is an
     allowlist (the outer name is all egresswall can check) and let through on the open web."""
-    setting = getattr(policy, "tls_ech", None)
-    return setting == "allow" if setting else policy.default == "allow"
+    return policy.tls_ech == "allow" if policy.tls_ech else policy.default == "allow"
 
 
 def safe_text(text: str, limit: int = 300) -> str:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import ipaddress
 import socket
 
+from policy.addresses import unwrap_mapped
+
 
 def client_key(ip: str) -> str:
     """One key per client whatever the listener's family: a dual-stack socket reports an IPv4
     client as ``::ffff:a.b.c.d``, and roles and caps are written for ``a.b.c.d``."""
-    return ip[7:] if ip.startswith("::ffff:") and "." in ip else ip
+    return unwrap_mapped(ip)
 
 
 def peer_of(peername: tuple | None) -> str:

@@ -32,8 +32,9 @@ def verdict_word(verdict: Verdict) -> str:
 
 
 def rule_id_of(verdict: Verdict) -> str:
-    """The stable id of what decided (a host rule's ``id``); stages without ids use their rule text."""
-    return getattr(verdict, "rule_id", "") or verdict.rule
+    """The stable id of what decided (a host rule's ``id``, policy/rule_ids.py); the verdicts the gate
+    makes itself (caps, TLS, audit) carry their rule text, which is stable already."""
+    return verdict.rule_id or verdict.rule
 
 
 @dataclass(slots=True)

@@ -10,13 +10,11 @@ from dataclasses import dataclass
 from http import HTTPStatus
 
 from policy.decision import Verdict
+from policy.wire import OWN_HEADER_PREFIX, REASON_HEADER, RULE_HEADER, RULE_ID_HEADER
 
 from .records import rule_id_of
 
-REASON_HEADER = "X-Egresswall-Reason"
-RULE_HEADER = "X-Egresswall-Rule"
-RULE_ID_HEADER = "X-Egresswall-Rule-Id"
-OWN_HEADER_PREFIX = "x-egresswall-"  # headers only egresswall may set; stripped from upstream responses
+__all__ = ["OWN_HEADER_PREFIX", "Refusal", "refusal_bytes", "refusal_parts"]
 
 
 @dataclass(frozen=True)

@@ -3,38 +3,24 @@
 The watcher polls the file's identity (the resolved path, inode, size and mtime) instead of
 using inotify, because a Kubernetes ConfigMap update swaps a symlink (``..data``) rather than
 writing the file, and polling sees that the same way it sees an edit. SIGHUP reloads at once.
+The file is read by ``proxy/policy_file.py`` (once, never blocking, only when whole): a file that may
+still be half-written is neither loaded nor counted as a failed reload; it is tried again each beat.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import stat
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from policy.loader import Overrides, PolicyError, load_policy
+from policy.errors import PolicyError
+from policy.loader import Overrides, parse_policy
 from policy.model import Policy
 
+from .policy_file import FileIdentity, Unsettled, identity, load_policy_file, read_policy_file
+
 log = logging.getLogger("egresswall.reload")
-
-
-@dataclass(frozen=True)
-class FileIdentity:
-    realpath: str
-    inode: int
-    size: int
-    mtime_ns: int
-
-
-def identity(path: str) -> FileIdentity | None:
-    try:
-        real = os.path.realpath(path)
-        st = os.stat(real)
-    except OSError:
-        return None
-    return FileIdentity(real, st.st_ino, st.st_size, st.st_mtime_ns)
+__all__ = ["FileIdentity", "PolicyHolder", "identity"]
 
 
 class PolicyHolder:
@@ -46,25 +32,32 @@ class PolicyHolder:
         self.path = path
         self.overrides = overrides
         self.on_reload = on_reload
-        self.policy: Policy = load_policy(path, overrides)  # the first load must succeed: fail closed
+        # The first load must succeed (fail closed); a file that may be half-written is waited for.
+        self.policy: Policy = load_policy_file(path, overrides)
         self.last_error: str | None = None
         self._seen = identity(str(self.policy.source))
+        self._unsettled: Unsettled | None = None  # a file still to be tried once it has settled
         self._task: asyncio.Task | None = None
 
     def reload(self) -> bool:
-        """Load the file again; keep the last good policy if the new one is invalid."""
+        """Load the file again; keep the last good policy if the new one is invalid (or not yet whole)."""
         seen = identity(str(self.policy.source))
         try:
-            _check_complete(str(self.policy.source))
-            new = load_policy(self.path, self.overrides)
+            read = read_policy_file(self.path, wait=False, unsettled=self._unsettled)
+            new = parse_policy(read.text, read.source, self.overrides)
+        except Unsettled as err:
+            if self._unsettled is None or self._unsettled.identity != err.identity:
+                log.warning("policy not reloaded yet, keeping the last good policy: %s", err.summary)
+            self._unsettled = err
+            return False
         except PolicyError as err:
-            self._seen = seen
+            self._seen, self._unsettled = seen, None
             self.last_error = str(err)
-            log.error("policy reload refused, keeping the last good policy: %s", err)
+            log.error("policy reload refused, keeping the last good policy: %s", err.summary)
             if self.on_reload:
                 self.on_reload(False, str(err))
             return False
-        self._seen = seen
+        self._seen, self._unsettled = seen, None
         self.policy = new
         self.last_error = None
         log.info("policy reloaded from %s", new.source)
@@ -73,7 +66,7 @@ class PolicyHolder:
         return True
 
     def changed(self) -> bool:
-        return identity(str(self.policy.source)) != self._seen
+        return self._unsettled is not None or identity(str(self.policy.source)) != self._seen
 
     def start_watching(self, interval: float = 0.25) -> None:
         self._task = asyncio.get_running_loop().create_task(self._watch(interval))
@@ -94,24 +87,6 @@ class PolicyHolder:
                         await asyncio.to_thread(self.reload) if _is_large(before) else self.reload()
             except Exception:  # never let the watcher die: a dead watcher means no more reloads
                 log.exception("policy watcher error")
-
-
-def _check_complete(path: str) -> None:
-    """Refuse a reload of a file that does not end with a newline. A file caught half-written almost
-    always ends mid-line, and its first half can be valid YAML that says less (a deny list cut short,
-    a host name cut to another name): the last good policy stays until the write is finished.
-    (Writing policy files atomically, to another name and renamed over, is safe at every byte.)"""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return  # load_policy says why
-    try:
-        st = os.fstat(fd)
-        if stat.S_ISREG(st.st_mode) and st.st_size > 0 and os.pread(fd, 1, st.st_size - 1) != b"\n":
-            raise PolicyError(path, 0, 0, "", "does not end with a newline, so it may be half-written; "
-                                              "keeping the last good policy until it does")
-    finally:
-        os.close(fd)
 
 
 def _is_large(ident: FileIdentity | None) -> bool:

@@ -19,6 +19,9 @@ from policy.addresses import (
     AddressRules,
     AddressVerdict,
     parse_address,
+    parse_cidr,
+    rfc6052_ipv4,
+    unwrap_mapped,
 )
 
 DEFAULT = AddressRules()
@@ -147,6 +150,9 @@ def test_ipv6_outside_global_unicast(text: str) -> None:
     ("100.100.100.200", ["Alibaba"]),
     ("192.0.0.192", ["Oracle"]),
     ("fd00:ec2::254", ["AWS"]),
+    ("169.254.0.23", ["Tencent"]),
+    ("169.254.42.42", ["Scaleway"]),
+    ("fd00:42::42", ["Scaleway"]),
 ])
 def test_cloud_metadata_named(text: str, names: list[str]) -> None:
     verdict = DEFAULT.check(text)
@@ -247,8 +253,9 @@ def test_deny_sees_mapped_and_wrapped_ipv4() -> None:
     for text in ("::ffff:93.184.216.34", "64:ff9b::5db8:d822", "2002:5db8:d822::1"):
         verdict = rules.check(text)
         assert verdict.rule == "address-deny 93.184.216.0/24", verdict
-    assert rules.check("::ffff:1.1.1.1").rule == "address-deny ::ffff:1.1.1.0/120"
-    assert rules.check("1.1.1.1").allowed  # an IPv6 rule does not deny the bare IPv4
+    # A range written IPv4-mapped is the IPv4 range it maps, as a mapped address is its IPv4 address.
+    assert rules.check("::ffff:1.1.1.1").rule == "address-deny 1.1.1.0/24"
+    assert rules.check("1.1.1.1").rule == "address-deny 1.1.1.0/24"
 
 
 def test_allowing_a_wrapping_does_not_readmit_what_it_wraps() -> None:
@@ -417,3 +424,136 @@ def test_python_is_global_is_not_enough() -> None:
     disagreements = [text for text in candidates
                      if ipaddress.ip_address(text).is_global and not DEFAULT.check(text).allowed]
     assert "64:ff9b::a9fe:a9fe" in disagreements
+
+
+# --- address-rule edge cases: rules normalised as targets are --------------------------------------
+
+def test_a_deny_written_ipv4_mapped_refuses_the_ipv4() -> None:
+    rules = AddressRules(deny=["::ffff:8.8.8.8/128"])
+    for text in ("8.8.8.8", "::ffff:8.8.8.8", "::ffff:808:808", "64:ff9b::808:808"):
+        verdict = rules.check(text)
+        assert not verdict.allowed and verdict.rule == "address-deny 8.8.8.8/32", (text, verdict)
+        assert verdict.rule_id == "addresses.deny:8.8.8.8/32"
+    assert rules.check("8.8.4.4").allowed
+
+
+@pytest.mark.parametrize("written, normalised", [
+    ("::ffff:8.8.8.8/128", "8.8.8.8/32"),
+    ("::ffff:10.0.0.0/104", "10.0.0.0/8"),
+    ("::ffff:0:0/96", "0.0.0.0/0"),
+    ("::ffff:c0a8:0/112", "192.168.0.0/16"),
+    ("::ffff:8.8.8.8", "8.8.8.8/32"),
+    ("::/0", "::/0"),  # wider than the mapped range: it names IPv6 space and stays IPv6
+    ("::ffff:0:0/95", None),  # host bits set
+    ("2001:db8::/32", "2001:db8::/32"),
+    ("10.0.0.0/8", "10.0.0.0/8"),
+])
+def test_parse_cidr_normalises_mapped_ranges(written: str, normalised: str | None) -> None:
+    if normalised is None:
+        with pytest.raises(ValueError, match="host bits are set"):
+            parse_cidr(written)
+    else:
+        assert str(parse_cidr(written)) == normalised
+
+
+@given(st.ip_addresses(v=4), st.integers(0, 32))
+def test_a_mapped_range_is_its_ipv4_range(v4: ipaddress.IPv4Address, length: int) -> None:
+    network = ipaddress.IPv4Network(f"{v4}/{length}", strict=False)
+    mapped = f"::ffff:{network.network_address}/{96 + length}"
+    assert str(parse_cidr(mapped)) == str(network)
+    deny = AddressRules(deny=[mapped])
+    assert not deny.check(str(v4)).allowed and not deny.check(f"::ffff:{v4}").allowed
+
+
+@pytest.mark.parametrize("inner, readmit, allowed", [
+    ("10.0.0.1", [], False),
+    ("127.0.0.1", [], False),
+    ("169.254.169.254", ["169.254.0.0/16"], False),  # metadata is never re-admitted by a range
+    ("8.8.8.8", [], True),
+    ("10.0.0.1", ["10.0.0.0/8"], True),  # the IPv4 inside is itself re-admitted
+])
+@pytest.mark.parametrize("length", [48, 56, 64, 96])
+def test_local_use_nat64_is_judged_by_the_ipv4_at_the_prefixs_position(inner: str, readmit: list[str], allowed: bool,
+                                                                        length: int) -> None:
+    prefix = {48: "64:ff9b:1::/48", 56: "64:ff9b:1:ab00::/56", 64: "64:ff9b:1:abcd::/64",
+              96: "64:ff9b:1:abcd:0:1::/96"}[length]
+    wrapped = _rfc6052_embed(ipaddress.IPv4Address(inner), ipaddress.IPv6Network(prefix))
+    assert str(rfc6052_ipv4(netaddr.IPAddress(str(wrapped)), length)) == inner
+    rules = AddressRules(allow=[prefix, *readmit])
+    verdict = rules.check(str(wrapped))
+    assert verdict.allowed is allowed, verdict
+    if not allowed:
+        assert inner in verdict.reason and "local-use" in verdict.reason
+    assert not DEFAULT.check(str(wrapped)).allowed  # without the allow: refused whole
+
+
+def test_local_use_nat64_under_a_range_of_no_translator_length_stays_refused() -> None:
+    wrapped = _rfc6052_embed(ipaddress.IPv4Address("8.8.8.8"), ipaddress.IPv6Network("64:ff9b:1::/96"))
+    for allow in ("64:ff9b::/32", "::/0", "64:ff9b:1::/80", "64:ff9b:1::808:808/128"):
+        verdict = AddressRules(allow=[allow]).check(str(wrapped))
+        assert not verdict.allowed and verdict.rule == "special-purpose 64:ff9b:1::/48", (allow, verdict)
+        assert "translator's prefix" in verdict.reason
+
+
+def _rfc6052_embed(v4: ipaddress.IPv4Address, prefix: ipaddress.IPv6Network) -> ipaddress.IPv6Address:
+    """RFC 6052, Section 2.2, written out by hand from its figure (independent of the module's table)."""
+    octets = v4.packed
+    out = bytearray(prefix.network_address.packed)
+    positions = {32: [4, 5, 6, 7], 40: [5, 6, 7, 9], 48: [6, 7, 9, 10], 56: [7, 9, 10, 11], 64: [9, 10, 11, 12],
+                 96: [12, 13, 14, 15]}[prefix.prefixlen]
+    for position, octet in zip(positions, octets, strict=True):
+        out[position] = octet
+    return ipaddress.IPv6Address(bytes(out))
+
+
+WRAP_PREFIXES = {
+    "IPv4-compatible": "::/96", "NAT64": "64:ff9b::/96", "6to4": "2002::/16", "Teredo": "2001::/32",
+}
+
+
+@given(st.one_of(refused_ipv4(), st.ip_addresses(v=4)), st.sampled_from(sorted(WRAP_PREFIXES)))
+def test_allowing_a_wrapping_prefix_readmits_only_what_its_ipv4_would_be(v4: ipaddress.IPv4Address,
+                                                                          label: str) -> None:
+    """Property: under an allow over a wrapping prefix, the wrapping of v4 passes exactly when v4 passes."""
+    if label == "IPv4-compatible" and int(v4) <= 1:
+        return  # :: and ::1 are blocks of their own
+    rules = AddressRules(allow=[WRAP_PREFIXES[label]])
+    assert rules.check(str(wrappings(v4)[label])).allowed == rules.check(str(v4)).allowed
+
+
+@given(st.ip_addresses(v=4), st.sampled_from([48, 56, 64, 96]))
+def test_local_use_nat64_allow_readmits_only_what_its_ipv4_would_be(v4: ipaddress.IPv4Address, length: int) -> None:
+    prefix = ipaddress.IPv6Network(f"64:ff9b:1::/{length}")
+    rules = AddressRules(allow=[str(prefix)])
+    assert rules.check(str(_rfc6052_embed(v4, prefix))).allowed == rules.check(str(v4)).allowed
+
+
+@pytest.mark.parametrize("address", ["169.254.0.23", "169.254.42.42", "169.254.169.254", "169.254.170.2"])
+def test_allowing_link_local_does_not_readmit_metadata(address: str) -> None:
+    rules = AddressRules(allow=["169.254.0.0/16"])
+    verdict = rules.check(address)
+    assert not verdict.allowed and verdict.rule == f"cloud-metadata {address}/32", verdict
+    assert "no addresses.allow range re-admits it" in verdict.reason
+    assert rules.check("169.254.1.1").allowed
+
+
+def test_refusals_by_address_say_how_a_range_is_readmitted() -> None:
+    for text, example in (("10.0.0.5", "10.0.0.5/32"), ("fd00::1", "fd00::1/128"), ("4000::1", "4000::1/128")):
+        reason = DEFAULT.check(text).reason
+        assert f"only an addresses.allow range re-admits it (e.g. {example})" in reason, reason
+        assert "a host allow rule cannot" in reason
+    assert "addresses.allow range over 64:ff9b::/96" in DEFAULT.check("64:ff9b::808:808").reason
+
+
+# --- one unwrap of ::ffff: -------------------------------------------------------------------------
+
+@given(st.ip_addresses(v=4))
+def test_unwrap_mapped_gives_the_ipv4(v4: ipaddress.IPv4Address) -> None:
+    for text in (f"::ffff:{v4}", str(ipaddress.IPv6Address(0xFFFF << 32 | int(v4))), f"0:0:0:0:0:FFFF:{v4}"):
+        assert unwrap_mapped(text) == str(v4)
+    assert unwrap_mapped(str(v4)) == str(v4)
+
+
+@given(st.one_of(st.ip_addresses(v=6).filter(lambda a: a.ipv4_mapped is None).map(str), st.text(max_size=30)))
+def test_unwrap_mapped_leaves_everything_else_alone(text: str) -> None:
+    assert unwrap_mapped(text) == text

@@ -235,3 +235,18 @@ def test_browse_with_a_running_proxy_asks_it_why_a_connect_was_refused(site, sta
     assert read["read"] and "lab article" in read["content"]
     done = run_cli("browse", url(site, "/"), "--proxy", f"{proxy.host}:{proxy.port}", "--policy", "x.yaml")
     assert done.returncode == 2 and "exclude each other" in done.stderr
+
+
+def test_browse_with_a_running_proxy_reports_a_refused_http_page_from_the_refusal_itself(site, start_proxy):
+    """A refused http:// page comes back as the proxy's 403 with X-Egresswall-Rule/-Reason: that is the
+    answer. Asking the proxy again with a CONNECT would be refused by port (ports.connect), report that
+    instead, and write a CONNECT nobody made into the operator's audit log."""
+    proxy = start_proxy(site.policy_text())
+    target = url(site, "/x", host="internal.lab.example")
+    done = run_cli("browse", target, "--proxy", f"{proxy.host}:{proxy.port}", "--format", "json")
+    assert done.returncode == 1, done.stderr
+    result = json.loads(done.stdout)
+    assert result["problem"] == "refused" and result["rule"] == "special-purpose 127.0.0.0/8", result
+    assert "127.0.0.3 is in 127.0.0.0/8" in result["reason"]
+    decisions = [r for r in proxy.audit() if r.get("event") == "decision" and r.get("host") == "internal.lab.example"]
+    assert decisions and all(r.get("method") != "CONNECT" for r in decisions), decisions

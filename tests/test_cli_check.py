@@ -63,7 +63,7 @@ def test_one_private_address_among_public_ones_is_refused(dns: DnsLab) -> None:
     assert out["rule"] == "special-purpose 10.0.0.0/8"
     assert "10.0.0.5" in out["reason"] and "10.0.0.0/8" in out["reason"] and "Private-Use" in out["reason"]
     assert "10.0.0.5" in out["resolved"] and "93.184.216.34" in out["resolved"]
-    assert "connect" not in out
+    assert "pinned" not in out
     assert dns.queried("mixed.example.com")
 
 
@@ -71,7 +71,7 @@ def test_all_public_addresses_are_allowed(dns: DnsLab) -> None:
     result = check(dns, "https://public.example.com/")
     assert result.returncode == 0, result.stdout + result.stderr
     out = fields(result.stdout)
-    assert out["verdict"] == "ALLOWED" and out["connect"] == "93.184.216.34"
+    assert out["verdict"] == "ALLOWED" and out["pinned"] == "93.184.216.34"
     assert out["rule"].startswith("default allow (") and out["rule"].endswith("default.yaml:10)")
 
 
@@ -83,7 +83,7 @@ def test_cname_to_an_internal_name_is_refused(dns: DnsLab) -> None:
     assert out["rule"] == "cname:local-suffix"
     assert "db.internal" in out["reason"] and "alias (CNAME)" in out["reason"]
     assert out["cnames"] == "db.internal"
-    assert "connect" not in out
+    assert "pinned" not in out
 
 
 @pytest.mark.parametrize("url, args, stage, rule_words", [
@@ -114,7 +114,7 @@ def test_lab_range_readmitted_by_address_rule(dns: DnsLab, tmp_path: Path) -> No
     assert out["rule"] == f"{policy}:5"
     assert out["reason"] == "lab.example.com is allowed by rule .example.com"
     assert sorted(out["resolved"].split(", ")) == ["198.18.0.7", "198.19.1.2"]
-    assert out["connect"] in ("198.18.0.7", "198.19.1.2")
+    assert out["pinned"] in ("198.18.0.7", "198.19.1.2")
 
 
 def test_lab_range_without_the_address_rule_is_refused(dns: DnsLab) -> None:
@@ -154,9 +154,10 @@ def test_json_output_parses(dns: DnsLab) -> None:
     mixed, public, alias = (json.loads(line) for line in lines)
     assert mixed["allowed"] is False and mixed["stage"] == "address" and "10.0.0.5" in mixed["addresses"]
     assert public == {
-        "url": "https://public.example.com/", "allowed": True, "report_only": False, "stage": "host",
-        "rule": public["rule"], "reason": "public.example.com matches no rule and the policy allows by default",
-        "role": None, "cnames": [], "addresses": public["addresses"], "connect": "93.184.216.34",
+        "url": "https://public.example.com/", "verdict": "allow", "allowed": True, "stage": "host",
+        "rule": public["rule"], "rule_id": "default:allow",
+        "reason": "public.example.com matches no rule and the policy allows by default",
+        "role": None, "cnames": [], "addresses": public["addresses"], "pinned": "93.184.216.34",
     }
     assert sorted(public["addresses"]) == ["2606:2800:220:1:248:1893:25c8:1946", "93.184.216.34"]
     assert alias["allowed"] is False and alias["cnames"] == ["db.internal"] and alias["rule"] == "cname:local-suffix"
@@ -192,7 +193,7 @@ def test_bad_policy_exits_2_with_position(dns: DnsLab, tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stdout == ""
     assert result.stderr == (f"egresswall: {policy}:6:7: hosts.allow[0].prot: unknown key 'prot'; expected one of: "
-                             "expires, host, intercept, methods, owner, paths, ports, reason, schemes, websocket\n")
+                             "expires, host, id, intercept, methods, owner, paths, ports, reason, schemes, websocket\n")
     assert dns.queries == []
 
 
@@ -211,3 +212,56 @@ def test_bad_nameserver_flag_exits_2() -> None:
     result = egresswall("check", "--nameserver", "127.0.0.1:99999", "https://a.example.com/")
     assert result.returncode == 2
     assert "port must be 1-65535" in result.stderr
+
+
+# --- stable rule ids, --client, address-rule edge cases (through the real CLI) -------------------------
+
+def test_json_names_the_stable_rule_id(dns: DnsLab, tmp_path: Path) -> None:
+    policy = tmp_path / "ids.yaml"
+    policy.write_text("version: 1\ndefault: deny\nhosts:\n  allow:\n    - public.example.com\n"
+                      "    - host: lab.example.com\n      id: lab-pages\naddresses:\n  deny: [93.184.216.0/24]\n")
+    result = check(dns, "--json", "--policy", str(policy), "--allow-range", "198.18.0.0/15",
+                   "https://lab.example.com/", "https://public.example.com/", "https://unlisted.example.com/")
+    lab, public, unlisted = (json.loads(line) for line in result.stdout.splitlines())
+    assert (lab["rule"], lab["rule_id"]) == (f"{policy}:6", "lab-pages")
+    assert (public["stage"], public["rule"], public["rule_id"]) == (
+        "address", f"address-deny 93.184.216.0/24 ({policy}:9)", "addresses.deny:93.184.216.0/24")
+    assert unlisted["rule_id"] == "default:deny" and unlisted["rule"] == f"default deny ({policy}:2)"
+    text = fields(check(dns, "--policy", str(policy), "--allow-range", "198.18.0.0/15",
+                        "https://lab.example.com/").stdout)
+    assert text["rule_id"] == "lab-pages"
+
+
+@pytest.mark.parametrize("client", ["nope", "10.0.0", "10.0.0.1/8", "[::1]", "fe80::1%eth0", "0x7f.1"])
+def test_client_must_be_an_address(client: str) -> None:
+    result = egresswall("check", "--client", client, "http://169.254.169.254/")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"egresswall: the client {client!r} is not an IP address"), lines
+
+
+def test_client_in_mapped_form_chooses_the_ipv4_role(tmp_path: Path) -> None:
+    policy = tmp_path / "roles.yaml"
+    policy.write_text("version: 1\ndefault: allow\nroles:\n  - name: ci\n    clients: [10.20.0.0/16]\n"
+                      "    default: deny\n")
+    result = egresswall("check", "--policy", str(policy), "--client", "::ffff:10.20.1.1", "http://8.8.8.8/")
+    assert result.returncode == 1 and fields(result.stdout)["role"] == "ci", result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("args, url, allowed, rule", [
+    (["--deny-range", "::ffff:8.8.8.8/128"], "http://8.8.8.8/", False, "address-deny 8.8.8.8/32 ("),
+    (["--deny-range", "::ffff:8.8.8.8/128"], "http://[::ffff:8.8.8.8]/", False, "address-deny 8.8.8.8/32 ("),
+    (["--allow-range", "64:ff9b:1::/48"], "http://[64:ff9b:1:a00:0:100::]/", False, "special-purpose 10.0.0.0/8"),
+    (["--allow-range", "64:ff9b:1::/48", "--allow-range", "10.0.0.0/8"], "http://[64:ff9b:1:a00:0:100::]/", True,
+     "default allow ("),
+    (["--allow-range", "64:ff9b:1::/48"], "http://[64:ff9b:1:808:8:800::]/", True, "default allow ("),
+    (["--allow-range", "169.254.0.0/16"], "http://169.254.0.23/", False, "cloud-metadata 169.254.0.23/32"),
+    (["--allow-range", "169.254.0.0/16"], "http://169.254.42.42/", False, "cloud-metadata 169.254.42.42/32"),
+    (["--allow-range", "169.254.0.0/16"], "http://169.254.1.1/", True, "default allow ("),
+])
+def test_address_rule_edge_cases(args: list[str], url: str, allowed: bool, rule: str) -> None:
+    result = egresswall("check", *args, url)  # IP literals: nothing is resolved
+    out = fields(result.stdout)
+    assert result.returncode == (0 if allowed else 1), result.stdout + result.stderr
+    assert out["rule"].startswith(rule), out

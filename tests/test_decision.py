@@ -322,9 +322,13 @@ def test_expiry_to_the_second() -> None:
 
 
 def test_expired_deny_rule_stops_refusing() -> None:
+    # A bare date is the whole day, UTC: the rule refuses through 2030-01-01 and stops at 2030-01-02T00:00Z.
     pol = policy("default: allow\nhosts:\n  deny:\n    - host: x.example.com\n      expires: '2030-01-01'\n")
-    assert not check(pol, "https://x.example.com/", at=datetime(2029, 12, 31, 23, 59, 59, tzinfo=UTC)).allowed
-    assert check(pol, "https://x.example.com/", at=datetime(2030, 1, 1, tzinfo=UTC)).allowed
+    assert not check(pol, "https://x.example.com/", at=datetime(2030, 1, 1, 23, 59, 59, tzinfo=UTC)).allowed
+    assert check(pol, "https://x.example.com/", at=datetime(2030, 1, 2, tzinfo=UTC)).allowed
+    timed = policy("default: allow\nhosts:\n  deny:\n    - host: x.example.com\n      expires: '2030-01-01T12:00Z'\n")
+    assert not check(timed, "https://x.example.com/", at=datetime(2030, 1, 1, 11, 59, 59, tzinfo=UTC)).allowed
+    assert check(timed, "https://x.example.com/", at=datetime(2030, 1, 1, 12, tzinfo=UTC)).allowed
 
 
 def test_expired_rule_falls_through_to_a_later_one() -> None:
@@ -693,3 +697,130 @@ def test_cname_to_a_host_denied_only_on_some_ports_is_refused_on_those_ports() -
     assert not on_443.allowed and "accounts.example.com" in on_443.reason
     on_8443 = decide(policy, Request(parse_url("https://alias.example.net:8443/"), "CONNECT", tunnel=True), alias)
     assert on_8443.allowed
+
+
+# --- stable rule ids -----------------------------------------------------------------------------------
+
+IDS = """\
+default: deny
+hosts:
+  deny:
+    - "*.ads.example.com"
+  allow:
+    - docs.python.org
+    - host: api.example.com
+      ports: [443]
+    - host: api.example.com
+      ports: [8443]
+    - host: vendor.example.net
+      id: vendor-trial
+roles:
+  - name: ci-runners
+    clients: [10.20.0.0/16]
+    hosts:
+      allow: [.pypi.org]
+  - name: builders
+    clients: [10.30.0.0/16]
+    default: allow
+addresses:
+  allow: [198.18.0.0/15]
+  deny: [8.8.8.0/24]
+ports: {connect: [443, 8443], http: [80]}
+"""
+
+
+def _ids(pol: Policy) -> dict[str, str]:
+    return {f"{r.pattern.text}:{sorted(r.ports or [])}": r.id for r in pol.all_host_rules()}
+
+
+def test_every_host_rule_has_a_derived_or_written_id() -> None:
+    pol = policy(IDS)
+    assert _ids(pol) == {
+        "*.ads.example.com:[]": "hosts.deny:*.ads.example.com",
+        "docs.python.org:[]": "hosts.allow:docs.python.org",
+        "api.example.com:[443]": "hosts.allow:api.example.com",
+        "api.example.com:[8443]": "hosts.allow:api.example.com#2",  # the same pattern twice in one list
+        "vendor.example.net:[]": "vendor-trial",
+        ".pypi.org:[]": "roles.ci-runners.allow:.pypi.org",
+    }
+
+
+def test_ids_do_not_move_when_lines_above_change() -> None:
+    before = policy(IDS)
+    after = policy("# a comment\nmode: enforce\n" + IDS.replace("    - docs.python.org\n",
+                                                                  "    - new.example.org\n    - docs.python.org\n"))
+    for host in ("https://docs.python.org/", "https://x.ads.example.com/", "https://vendor.example.net/"):
+        old, new = check(before, host), check(after, host)
+        assert old.rule_id == new.rule_id and old.rule != new.rule, (old, new)  # rule keeps file:line
+    assert check(after, "https://docs.python.org/").rule == "p.yaml:10"
+
+
+@pytest.mark.parametrize("request_, client, rule_id", [
+    ("https://docs.python.org/", None, "hosts.allow:docs.python.org"),
+    ("https://a.ads.example.com/", None, "hosts.deny:*.ads.example.com"),
+    ("https://api.example.com:8443/", None, "hosts.allow:api.example.com#2"),
+    ("https://unlisted.example.org/", None, "default:deny"),
+    ("https://files.pypi.org/", "10.20.1.1", "roles.ci-runners.allow:.pypi.org"),
+    ("https://unlisted.example.org/", "10.20.1.1", "default:deny"),  # the role has no default of its own
+    ("https://unlisted.example.org/", "10.30.1.1", "roles.builders.default:allow"),
+    ("https://a.ads.example.com/", "10.30.1.1", "hosts.deny:*.ads.example.com"),  # global deny rules apply
+])
+def test_verdicts_carry_the_stable_id(request_: str, client: str | None, rule_id: str) -> None:
+    verdict = check(policy(IDS), request_, client=client)
+    assert verdict.rule_id == rule_id, verdict
+    assert verdict.rule != rule_id  # the human text names file:line or the default's origin
+
+
+def test_every_other_stage_uses_its_rule_text_as_id() -> None:
+    pol = policy(IDS.replace("default: deny", "default: allow"))
+    cases = {
+        "http://user@a.example.com/": FORM,
+        "ftp://a.example.com/": FORM,
+        "http://a.example.com:8080/": PORT,
+    }
+    for text, stage in cases.items():
+        verdict = check(pol, text)
+        assert verdict.stage == stage and verdict.rule_id == verdict.rule and verdict.rule_id, verdict
+    scheme = precheck(pol, Request(Target("gopher", "a.example.com", 80)))
+    assert scheme.stage == SCHEME and scheme.rule_id == scheme.rule == "scheme"
+    special = check(pol, "https://a.example.com/", addresses=("10.0.0.5",))
+    assert special.stage == ADDRESS and special.rule_id == special.rule == "special-purpose 10.0.0.0/8"
+    unresolved = decide(pol, url("https://a.example.com/"))
+    assert unresolved.stage == RESOLVE and unresolved.rule_id == "dns:unresolved"
+    cname = check(pol, "https://a.example.com/", cnames=("db.internal",))
+    assert cname.stage == RESOLVE and cname.rule_id == cname.rule == "cname:local-suffix"
+
+
+def test_address_rules_have_ids_without_positions() -> None:
+    pol = policy(IDS.replace("default: deny", "default: allow"))
+    denied = check(pol, "https://a.example.com/", addresses=("8.8.8.8",))
+    assert denied.rule == "address-deny 8.8.8.0/24 (p.yaml:24)" and denied.rule_id == "addresses.deny:8.8.8.0/24"
+
+
+def test_a_cname_to_a_denied_name_carries_the_deny_rules_id() -> None:
+    pol = policy(IDS.replace("default: deny", "default: allow"))
+    verdict = check(pol, "https://a.example.com/", cnames=("x.ads.example.com",))
+    assert verdict.stage == RESOLVE and verdict.rule == "p.yaml:5"
+    assert verdict.rule_id == "hosts.deny:*.ads.example.com"
+
+
+@pytest.mark.parametrize("written", ["Vendor", "a b", "-x", "a:b", "x" * 65, "ü"])
+def test_a_written_id_must_be_a_short_slug(written: str) -> None:
+    from policy.loader import PolicyError
+
+    with pytest.raises(PolicyError) as info:
+        policy(f"hosts:\n  allow:\n    - host: a.example.com\n      id: '{written}'\n")
+    assert (info.value.line, info.value.column, info.value.key) == (5, 11, "hosts.allow[0].id")
+    assert "lower-case letters" in info.value.message
+
+
+def test_a_written_id_used_twice_is_an_error_naming_both_places() -> None:
+    from policy.loader import PolicyError
+
+    text = ("hosts:\n  allow:\n    - host: a.example.com\n      id: same\n"
+            "roles:\n  - name: r\n    clients: [10.0.0.0/8]\n    hosts:\n      deny:\n"
+            "        - host: b.example.com\n          id: same\n")
+    with pytest.raises(PolicyError) as info:
+        policy(text)
+    assert str(info.value) == ("p.yaml:12:15: roles[0].hosts.deny[0].id: duplicate rule id 'same' "
+                               "(first used at p.yaml:5:11); ids must be unique")

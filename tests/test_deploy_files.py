@@ -471,8 +471,8 @@ def test_compose_policy_is_the_kubernetes_policy():
 
 
 def test_compose_policy_loads():
-    loader = pytest.importorskip("policy.loader")
-    loader.load_policy(COMPOSE_DIR / "policy" / "policy.yaml")
+    policy_file = pytest.importorskip("proxy.policy_file")
+    policy_file.load_policy_file(COMPOSE_DIR / "policy" / "policy.yaml")
 
 
 def _set(path: list, value):

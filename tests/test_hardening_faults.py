@@ -212,9 +212,12 @@ def test_policy_file_fault_keeps_the_last_good_policy(lab, start_proxy, fault):
 
 @pytest.mark.parametrize("cut", ["mid-host", "mid-key"])
 def test_policy_caught_half_written_is_not_loaded(lab, start_proxy, cut):
-    """A non-atomic write, paused half way long enough for the watcher to look. Cut "mid-host", the first
-    half is valid YAML that denies 'other.lab.ex' instead of other.lab.example: loading it would widen
-    the policy. It must not be loaded; the finished file then is."""
+    """A non-atomic write, paused half way long enough for the watcher to look (and for a SIGHUP). Cut
+    "mid-host", the first half is valid YAML that denies 'other.lab.ex' instead of other.lab.example: loading
+    it would widen the policy. A file without a final newline is used only once it has stayed unchanged for
+    proxy.policy_file.SETTLE_SECONDS; a writer that finishes within that is never seen half way."""
+    from proxy.policy_file import SETTLE_SECONDS
+
     text = lab.policy_text(GOOD_EXTRA)
     proxy = start_proxy(text)
     _enforcing_the_good_policy(proxy, lab)
@@ -224,14 +227,18 @@ def test_policy_caught_half_written_is_not_loaded(lab, start_proxy, cut):
     with open(proxy.policy_path, "w") as f:  # in place, as a naive editor or `cat > file` does
         f.write(new[:at])
         f.flush()
-        wait_for(lambda: metric(proxy, 'egresswall_policy_reloads_total{result="failure"}') >= 1)
+        started = time.monotonic()
+        wait_for(lambda: "may be half-written" in proxy.stderr)
         proxy.signal(signal.SIGHUP)
         time.sleep(0.3)
         _enforcing_the_good_policy(proxy, lab)
+        assert metric(proxy, 'egresswall_policy_reloads_total{result="failure"}') == 0  # waited for, not refused
+        paused = time.monotonic() - started
+        assert paused < SETTLE_SECONDS - 0.2, f"the checks took {paused:.1f}s: too slow to show anything"
         f.write(new[at:])
     wait_for(lambda: proxy.get(f"http://public.lab.example:{lab.public.port}/")[0] == 403)
     assert proxy.get(f"http://other.lab.example:{lab.public.port}/")[0] == 403
-    assert "half-written" in proxy.stderr
+    assert metric(proxy, 'egresswall_policy_reloads_total{result="success"}') == 1
 
 
 def test_sighup_storm_while_requests_flow(lab, start_proxy):

@@ -20,6 +20,7 @@ from policy.hosts import (
     parse_authority,
     parse_host_header,
     parse_url,
+    split_host_port,
 )
 
 FORMS = {
@@ -512,3 +513,58 @@ def test_property_authority_round_trips(host, port, scheme):
     again = parse_authority(target.authority, target.scheme)
     assert (again.host, again.port, again.ip) == (target.host, target.port, target.ip)
     assert host_header_agrees(target, target.authority)
+
+
+# --- HOST:PORT as operators write it (listen addresses, nameservers, --proxy) ----------------------------
+
+@pytest.mark.parametrize("text, default, expected", [
+    ("127.0.0.1:3128", None, ("127.0.0.1", 3128)),
+    ("proxy.example.com:8080", None, ("proxy.example.com", 8080)),
+    ("[::1]:9090", None, ("::1", 9090)),
+    (":3128", None, ("", 3128)),
+    ("10.0.0.53", 53, ("10.0.0.53", 53)),
+    ("2001:db8::53", 53, ("2001:db8::53", 53)),  # a bare IPv6 is a host when a default port applies
+    ("[2001:db8::53]", 53, ("2001:db8::53", 53)),
+    ("[fd00::53]:5353", 53, ("fd00::53", 5353)),
+])
+def test_split_host_port(text: str, default: int | None, expected: tuple[str, int]) -> None:
+    assert split_host_port(text, default) == expected
+
+
+@pytest.mark.parametrize("text, default, words", [
+    ("127.0.0.1", None, "expected HOST:PORT"),
+    ("::1:3128", None, "needs brackets"),  # which colon is the port's? never guessed
+    ("[::1]3128", None, "expected [IPv6]:PORT"),
+    ("[127.0.0.1]:80", None, "brackets must enclose an IPv6"),
+    ("[::1", None, "brackets must enclose"),
+    ("h:0", None, "port must be 1-65535"),
+    ("h:65536", None, "port must be 1-65535"),
+    ("h:+80", None, "port must be"),
+    ("h:٨٠", None, "port must be"),  # Arabic-Indic digits: str.isdigit() would say yes
+    ("h:", None, "port must be"),
+    ("h:000000080", None, "port must be"),
+])
+def test_split_host_port_refuses(text: str, default: int | None, words: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(words)):
+        split_host_port(text, default)
+
+
+def test_split_host_port_may_allow_port_zero_for_listeners() -> None:
+    assert split_host_port("127.0.0.1:0", min_port=0) == ("127.0.0.1", 0)
+
+
+@given(st.one_of(st.ip_addresses().map(str), st.from_regex(r"[a-z0-9-]{1,20}(\.[a-z0-9-]{1,20}){1,3}", fullmatch=True)),
+       st.integers(1, 65535))
+def test_split_host_port_round_trip(host: str, port: int) -> None:
+    written = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    assert split_host_port(written) == (host, port)
+    assert split_host_port(written, default_port=53) == (host, port)
+
+
+@given(any_text, st.one_of(st.none(), st.integers(1, 65535)))
+def test_split_host_port_returns_or_raises_value_error(text: str, default: int | None) -> None:
+    try:
+        host, port = split_host_port(text, default)
+    except ValueError:
+        return
+    assert 1 <= port <= 65535 and "]" not in host

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from policy.lint import lint
-from policy.loader import DEFAULT_POLICY, load_policy, parse_policy
+from policy.loader import parse_policy
+from proxy.policy_file import DEFAULT_POLICY, load_policy_file
 
 NOW = datetime(2030, 1, 1, tzinfo=UTC)
 EXAMPLE = Path(DEFAULT_POLICY).parent / "examples" / "allowlist.yaml"
@@ -29,8 +30,8 @@ def only(body: str, now: datetime = NOW) -> str:
 
 
 def test_clean_policies_have_no_warnings() -> None:
-    assert lint(load_policy(), now=NOW) == []
-    assert lint(load_policy(EXAMPLE), now=datetime(2026, 1, 1, tzinfo=UTC)) == []
+    assert lint(load_policy_file(), now=NOW) == []
+    assert lint(load_policy_file(EXAMPLE), now=datetime(2026, 1, 1, tzinfo=UTC)) == []
     body = """\
 default: deny
 hosts:
@@ -58,18 +59,21 @@ roles:
 
 def test_expired_entry() -> None:
     body = "hosts:\n  allow:\n    - host: old.example.com\n      expires: '2029-12-31T23:59:59Z'\n"
-    assert only(body) == ("p.yaml:4:7: hosts.allow[0]: allow old.example.com expired on 2029-12-31 23:59 UTC "
+    assert only(body) == ("p.yaml:4:7: hosts.allow[0]: allow old.example.com expired at 2029-12-31 23:59 UTC "
                           "and no longer matches")
 
 
 def test_expired_exactly_now() -> None:
-    body = "hosts:\n  deny:\n    - host: old.example.com\n      expires: '2030-01-01'\n"
-    assert "expired on 2030-01-01 00:00 UTC" in only(body)
+    # A bare date is the whole day (UTC): '2029-12-31' stops matching at 2030-01-01 00:00, which is NOW.
+    body = "hosts:\n  deny:\n    - host: old.example.com\n      expires: '2029-12-31'\n"
+    assert "expired at 2030-01-01 00:00 UTC" in only(body)
+    today = "hosts:\n  deny:\n    - host: old.example.com\n      expires: '2030-01-01'\n"
+    assert "stops matching at 2030-01-02 00:00 UTC" in only(today)  # still matches today
 
 
 def test_soon_expiring_entry() -> None:
     body = "hosts:\n  allow:\n    - host: soon.example.com\n      expires: '2030-01-10'\n"
-    assert only(body) == "p.yaml:4:7: hosts.allow[0]: allow soon.example.com expires on 2030-01-10 00:00 UTC"
+    assert only(body) == "p.yaml:4:7: hosts.allow[0]: allow soon.example.com stops matching at 2030-01-11 00:00 UTC"
     later = "hosts:\n  allow:\n    - host: later.example.com\n      expires: '2030-03-01'\n"
     assert warnings(later) == []
 
@@ -231,3 +235,80 @@ def test_deny_rule_with_paths_on_a_host_that_is_not_intercepted_is_flagged() -> 
     assert any("checked only in plain HTTP" in m for m in messages)
     intercepted = text + "  allow:\n    - host: a.example.com\n      intercept: true\n"
     assert not any("checked only in plain HTTP" in w.message for w in lint(parse_policy(intercepted, "p.yaml")))
+
+
+# --- every error at once -------------------------------------------------------------------------------
+
+MANY_ERRORS = """version: 1
+default: nope
+hosts:
+  allow:
+    - user@example.com
+    - good.example.com
+    - host: a.example.com
+      prots: [443]
+  deny:
+    - a..b.example.com
+addresses:
+  allow: [10.0.0.1/8]
+roles:
+  - name: ci
+    clients: [10.20.0.0/16]
+    hosts:
+      allow: [localhost]
+resolver:
+  ttl_floor: 600
+  ttl_ceiling: 60
+mode: enforce
+mode: report
+"""
+
+
+def test_lint_shows_every_error_in_file_order_with_positions(tmp_path: Path) -> None:
+    path = tmp_path / "many.yaml"
+    path.write_text(MANY_ERRORS)
+    result = run_lint(str(path))
+    assert result.returncode == 2 and result.stdout == ""
+    lines = result.stderr.splitlines()
+    expected = [
+        (2, 10, "default: got 'nope'"),
+        (5, 7, "hosts.allow[0]: host pattern 'user@example.com': userinfo"),
+        (8, 7, "hosts.allow[2].prots: unknown key 'prots'"),
+        (10, 7, "hosts.deny[0]: host pattern 'a..b.example.com': empty-label"),
+        (12, 11, "addresses.allow[0]: got '10.0.0.1/8'; expected an address or CIDR range (host bits are set"),
+        (17, 15, "roles[0].hosts.allow[0]: host pattern 'localhost'"),
+        (19, 14, "resolver.ttl_floor: ttl_floor is greater than ttl_ceiling"),
+        (22, 1, "mode: duplicate key (first written on line 21)"),
+    ]
+    assert len(lines) == len(expected), result.stderr
+    for line, (row, column, words) in zip(lines, expected, strict=True):
+        assert line.startswith(f"egresswall: {path}:{row}:{column}: {words}"), line
+
+
+# --- host allow rules naming an address the address rules refuse ----------------------------------------
+
+def test_allow_rule_naming_a_private_address_is_flagged() -> None:
+    message = only("hosts:\n  allow:\n    - 10.0.0.5\n")
+    assert message.startswith("p.yaml:4:7: hosts.allow[0]: allow 10.0.0.5 can never be reached: 10.0.0.5 is in "
+                              "10.0.0.0/8 (Private-Use, RFC 1918)"), message
+    assert "addresses.allow is what re-admits a range" in message and "e.g. 10.0.0.5/32" in message
+
+
+@pytest.mark.parametrize("body, words", [
+    ("hosts:\n  allow:\n    - '[fd00::1]'\n", "fd00::1 is in fc00::/7"),
+    ("hosts:\n  allow:\n    - 169.254.169.254\naddresses:\n  allow: [169.254.0.0/16]\n", "cloud metadata"),
+    ("roles:\n  - name: ci\n    clients: [10.20.0.0/16]\n    hosts:\n      allow: ['127.0.0.1']\n",
+     "role ci: allow 127.0.0.1 can never be reached"),
+])
+def test_other_unreachable_address_literals(body: str, words: str) -> None:
+    assert words in only(body)
+
+
+@pytest.mark.parametrize("body", [
+    "hosts:\n  allow:\n    - 10.0.0.5\naddresses:\n  allow: [10.0.0.0/24]\n",  # re-admitted: fine
+    "hosts:\n  allow:\n    - 93.184.216.34\n",  # global
+    "hosts:\n  deny:\n    - 10.0.0.5\n",  # a deny rule narrows; nothing to say
+    "hosts:\n  allow:\n    - a10.example.com\n",
+])
+def test_address_literals_that_can_work_are_not_flagged(body: str) -> None:
+    assert warnings(body) == []

@@ -13,9 +13,10 @@ import jsonschema
 import pytest
 import yaml
 
-from policy.loader import DEFAULT_POLICY, Overrides, PolicyError, load_policy, parse_policy
+from policy.loader import Overrides, PolicyError, parse_policy
 from policy.model import ALLOW, DENY, ENFORCE
 from policy.patterns import PatternKind
+from proxy.policy_file import DEFAULT_POLICY, load_policy_file
 
 POLICY_DIR = Path(DEFAULT_POLICY).parent
 EXAMPLE = POLICY_DIR / "examples" / "allowlist.yaml"
@@ -58,15 +59,15 @@ def test_schema_is_a_valid_draft_2020_12_schema() -> None:
 def test_bundled_policies_load_and_validate_in_an_editor(path: Path) -> None:
     text = Path(path).read_text()
     assert editor_errors(text) == []
-    policy = load_policy(path)
+    policy = load_policy_file(path)
     assert policy.source == str(path)
     assert policy.mode == ENFORCE
 
 
 def test_default_policy_is_open_web_with_cloud_metadata_refused() -> None:
-    policy = load_policy()  # None: the bundled default
+    policy = load_policy_file()  # None: the bundled default
     assert policy.default == ALLOW
-    assert policy.connect_ports == {443} and policy.http_ports == {80}
+    assert policy.connect_ports == {443, 80} and policy.http_ports == {80}  # 80: ws:// from a browser
     assert policy.addresses.refuse_cloud_metadata is True
     assert {r.pattern.text for r in policy.deny.rules} == {"update.googleapis.com", "accounts.google.com"}
     assert not policy.addresses.check("169.254.169.254").allowed
@@ -76,7 +77,7 @@ def test_default_policy_is_open_web_with_cloud_metadata_refused() -> None:
 
 
 def test_example_allowlist_contents() -> None:
-    policy = load_policy(EXAMPLE)
+    policy = load_policy_file(EXAMPLE)
     assert policy.default == DENY
     kinds = {r.pattern.text: r.pattern.kind for r in policy.allow.rules}
     assert kinds[".wikipedia.org"] is PatternKind.DOMAIN
@@ -85,7 +86,7 @@ def test_example_allowlist_contents() -> None:
     api = next(r for r in policy.allow.rules if r.pattern.text == "api.example.com")
     assert api.intercept and api.methods == {"GET"} and api.paths == ("/v1/public/",)
     vendor = next(r for r in policy.allow.rules if r.pattern.text == "vendor.example.net")
-    assert vendor.expires == datetime(2027, 6, 30, tzinfo=UTC)
+    assert vendor.expires == datetime(2027, 7, 1, tzinfo=UTC)  # "expires: 2027-06-30": through the end of 30 June
     assert [role.name for role in policy.roles] == ["ci-runners"]
     # Each rule knows the line it was written on.
     lines = EXAMPLE.read_text().splitlines()
@@ -115,7 +116,7 @@ BAD = [
      "unknown key 'foo'; expected one of: addresses, default, hosts"),
     ("unknown key in host entry",
      "version: 1\nhosts:\n  allow:\n    - host: a.example.com\n      ports: [443]\n      prots: [443]\n",
-     (6, 7), "hosts.allow[0].prots", "unknown key 'prots'; expected one of: expires, host, intercept"),
+     (6, 7), "hosts.allow[0].prots", "unknown key 'prots'; expected one of: expires, host, id, intercept"),
     ("unknown key in a role's host entry",
      "version: 1\nroles:\n  - name: ci\n    clients: [10.0.0.0/8]\n    hosts:\n      deny:\n"
      "        - host: a.example.com\n          bogus: 1\n",
@@ -225,13 +226,13 @@ def test_python_tags_are_refused_not_executed(tmp_path: Path) -> None:
 
 def test_directory(tmp_path: Path) -> None:
     with pytest.raises(PolicyError) as info:
-        load_policy(tmp_path)
+        load_policy_file(tmp_path)
     assert str(info.value) == f"{tmp_path}: is a directory, not a policy file"
 
 
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(PolicyError) as info:
-        load_policy(tmp_path / "nope.yaml")
+        load_policy_file(tmp_path / "nope.yaml")
     assert str(info.value) == f"{tmp_path / 'nope.yaml'}: no such file"
 
 
@@ -239,7 +240,7 @@ def test_not_utf8(tmp_path: Path) -> None:
     path = tmp_path / "latin1.yaml"
     path.write_bytes("version: 1\n# caf\xe9\n".encode("latin-1"))
     with pytest.raises(PolicyError) as info:
-        load_policy(path)
+        load_policy_file(path)
     assert str(info.value).startswith(f"{path}: cannot be read:")
 
 
@@ -288,11 +289,13 @@ def test_dates_stay_text() -> None:
     rule = policy.allow.rules[0]
     assert rule.owner == "2027-06-30" and isinstance(rule.owner, str)
     assert rule.reason == "2027-06-30T10:00:00Z"
-    assert rule.expires == datetime(2030, 1, 2, tzinfo=UTC)
+    assert rule.expires == datetime(2030, 1, 3, tzinfo=UTC)  # a bare date: the whole day
 
 
 @pytest.mark.parametrize("written, expires", [
-    ("2030-01-02", datetime(2030, 1, 2, tzinfo=UTC)),
+    ("2030-01-02", datetime(2030, 1, 3, tzinfo=UTC)),  # a bare date is the whole day, UTC
+    ("2030-12-31", datetime(2031, 1, 1, tzinfo=UTC)),
+    ("2028-02-29", datetime(2028, 3, 1, tzinfo=UTC)),
     ("2030-01-02T10:30", datetime(2030, 1, 2, 10, 30, tzinfo=UTC)),
     ("2030-01-02 10:30:15Z", datetime(2030, 1, 2, 10, 30, 15, tzinfo=UTC)),
     ("2030-01-02T12:00:00+02:00", datetime(2030, 1, 2, 10, 0, tzinfo=UTC)),
@@ -390,3 +393,78 @@ def test_mode_override() -> None:
 def test_ip_literal_patterns(written: str, name: str) -> None:
     pattern = parse_policy(f"version: 1\nhosts:\n  allow:\n    - {written}\n").allow.rules[0].pattern
     assert pattern.kind is PatternKind.EXACT and pattern.name == name
+
+
+# --- every problem at once -----------------------------------------------------------------------------
+
+def test_every_problem_is_collected_in_file_order() -> None:
+    text = ("version: 1\nhosts:\n  deny:\n    - a..example.com\n  allow:\n    - host: a.example.com\n"
+            "      ports: [0]\n    - b@example.com\n    - c.example.com\n    - host: d.example.com\n"
+            "      expires: 2027-02-30\nports:\n  connect: [443, '9-1']\n")
+    err = load_error(text, "p.yaml")
+    where = [(p.line, p.column, p.key) for p in err.problems]
+    assert where == [(4, 7, "hosts.deny[0]"), (7, 15, "hosts.allow[0].ports[0]"), (8, 7, "hosts.allow[1]"),
+                     (11, 16, "hosts.allow[3].expires"), (13, 18, "ports.connect[1]")], str(err)
+    # The first problem is the error's own; str() lists every one, a line each; summary is one line.
+    assert (err.line, err.column, err.key) == (4, 7, "hosts.deny[0]")
+    assert str(err).splitlines() == [str(p) for p in err.problems]
+    assert err.summary == f"{err.problems[0]} (and 4 more errors)"
+
+
+def test_a_value_the_schema_refuses_is_reported_once() -> None:
+    """A role whose clients are not a list is one problem, not also 'no clients' or a broken role."""
+    err = load_error("version: 1\nroles:\n  - name: ci\n    clients: 10.0.0.0/8\n"
+                     "    hosts:\n      allow: [localhost]\n", "p.yaml")
+    assert [(p.line, p.key) for p in err.problems] == [(4, "roles[0].clients"), (6, "roles[0].hosts.allow[0]")]
+
+
+def test_a_single_problem_keeps_its_shape() -> None:
+    err = load_error("version: 1\nmode: enforcing\n", "p.yaml")
+    assert len(err.problems) == 1 and str(err) == "p.yaml:2:7: mode: got 'enforcing'; expected one of: enforce, report"
+    assert err.summary == str(err)
+
+
+def test_policy_error_pickles_with_every_problem() -> None:
+    import pickle
+
+    err = load_error("version: 1\nmode: x\ndefault: y\n", "p.yaml")
+    again = pickle.loads(pickle.dumps(err))
+    assert again.problems == err.problems and str(again) == str(err)
+
+
+def test_a_bare_expiry_date_means_the_same_in_code_example_schema_and_readme() -> None:
+    """``expires: 2027-06-30`` is the whole of that day in UTC: the rule stops at 2027-07-01T00:00Z."""
+    vendor = next(r for r in load_policy_file(EXAMPLE).allow.rules if r.pattern.text == "vendor.example.net")
+    stops = vendor.expires
+    assert stops == datetime(2027, 7, 1, tzinfo=UTC)
+    assert not vendor.expired(datetime(2027, 6, 30, 23, 59, 59, tzinfo=UTC)) and vendor.expired(stops)
+    said = f"{stops:%Y-%m-%dT%H:%MZ}"
+    example_line = next(line for line in EXAMPLE.read_text().splitlines() if "expires:" in line)
+    assert "2027-06-30" in example_line and said in example_line, example_line
+    schema_words = SCHEMA["$defs"]["hostEntry"]["oneOf"][1]["properties"]["expires"]["description"]
+    assert "2027-06-30" in schema_words and said in schema_words
+    readme = (POLICY_DIR.parent / "README.md").read_text()
+    assert f"expires: 2027-06-30            # a bare date is the whole day (UTC): matches until {said}" in readme
+
+
+def test_the_policy_package_reads_no_files() -> None:
+    """policy/ is the pure core: the loader takes text (proxy/policy_file.py reads files). The one read is
+    schema.py's own package data at import; resolver.py does DNS, no files."""
+    import ast
+
+    calls = {"open", "read_text", "read_bytes", "fdopen", "stat", "fstat", "listdir", "scandir"}
+    found = []
+    for path in sorted(POLICY_DIR.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+                if name in calls and not (path.name == "schema.py" and name == "read_text"):
+                    found.append(f"{path.name}:{node.lineno}: {name}()")
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                found += [f"{path.name}:{node.lineno}: imports {n}" for n in names if n in ("os", "pathlib", "stat")]
+    assert found == []
+    import policy.loader
+
+    assert not hasattr(policy.loader, "load_policy") and not hasattr(policy.loader, "DEFAULT_POLICY")

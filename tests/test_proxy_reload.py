@@ -55,11 +55,45 @@ def test_invalid_edit_keeps_the_last_good_policy_and_logs_the_location(lab, star
 def test_deleted_or_half_written_file_keeps_the_last_good_policy(lab, start_proxy):
     proxy = start_proxy(lab.policy_text("hosts:\n  deny:\n    - public.lab.example\n"))
     proxy.policy_path.write_text("version: 1\nhosts:\n  deny: [")
-    wait_for(lambda: "reload refused" in proxy.stderr, timeout=2.0)
+    # No final newline: waited for (it may be half-written) and, once settled, refused as invalid YAML.
+    wait_for(lambda: "reload refused" in proxy.stderr, timeout=4.0)
     os.unlink(proxy.policy_path)
     proxy.signal(signal.SIGHUP)
     time.sleep(0.5)
     assert status_of(proxy, lab) == 403
+
+
+def test_a_complete_file_without_a_final_newline_loads_reloads_and_lints_alike(lab, start_proxy):
+    """VS Code saves without a final newline. Such a file is taken once it has stayed unchanged for
+    proxy.policy_file.SETTLE_SECONDS (it may be half-written before): by the first load, by the watcher's
+    reload, by SIGHUP and by lint alike — never refused for the missing newline."""
+    from proxy.policy_file import SETTLE_SECONDS
+
+    proxy = start_proxy(lab.policy_text().rstrip("\n"))  # the first load waits for it, then takes it
+    assert status_of(proxy, lab) == 200
+    written = time.monotonic()
+    proxy.policy_path.write_text(lab.policy_text("hosts:\n  deny:\n    - public.lab.example").rstrip("\n"))
+    took = wait_for(lambda: status_of(proxy, lab) == 403, timeout=SETTLE_SECONDS + 2.0)
+    assert time.monotonic() - written >= SETTLE_SECONDS - 0.3, "taken before it had settled"
+    assert took < SETTLE_SECONDS + 2.0
+    _, body = proxy.admin("/metrics")
+    assert 'egresswall_policy_reloads_total{result="success"} 1' in body
+    assert 'egresswall_policy_reloads_total{result="failure"}' not in body or \
+        'egresswall_policy_reloads_total{result="failure"} 0' in body
+    assert "reload refused" not in proxy.stderr
+    # SIGHUP on a fresh edit: not refused either, taken once settled.
+    proxy.policy_path.write_text(lab.policy_text().rstrip("\n"))
+    proxy.signal(signal.SIGHUP)
+    wait_for(lambda: status_of(proxy, lab) == 200, timeout=SETTLE_SECONDS + 2.0)
+    assert "reload refused" not in proxy.stderr
+    # lint decides the same on the same file, also right after a write (it waits for the file to settle).
+    import subprocess
+    import sys
+
+    proxy.policy_path.write_text(lab.policy_text().rstrip("\n"))
+    result = subprocess.run([sys.executable, "-m", "proxy.cli", "lint", str(proxy.policy_path)], capture_output=True,
+                            text=True, timeout=60, cwd=Path(__file__).resolve().parent.parent)
+    assert result.returncode == 0 and ": valid;" in result.stdout, result.stdout + result.stderr
 
 
 def test_configmap_symlink_swap_is_seen(lab, tmp_path):

@@ -152,8 +152,8 @@ def test_export_comments_on_what_squid_cannot_express() -> None:
                                                        "      intercept: true\n    - host: soon.example\n")
     exported = export_policy(parse_policy(text, "p.yaml"), now=datetime(2026, 1, 1, tzinfo=UTC))
     assert "pinning" in exported and "IPv4-mapped" in exported
-    assert "expires 2999-01-01 00:00 UTC: squid has no date ACL" in exported
-    assert "expired 2001-01-01 00:00 UTC: not written" in exported and "gone.example\n" not in exported.split(
+    assert "expires 2999-01-02 00:00 UTC: squid has no date ACL" in exported
+    assert "expired 2001-01-02 00:00 UTC: not written" in exported and "gone.example\n" not in exported.split(
         "not written")[1].split("\n# ")[0]
     assert "intercept: true: squid (without ssl_bump) sees only the CONNECT" in exported
     assert "urlpath_regex ^/v1/" in exported

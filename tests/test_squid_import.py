@@ -18,7 +18,7 @@ from squid_compat.losses import CONDITIONAL_DEFAULT, DENY_OVERLAP, HTTPS_FORM
 from policy.decision import Request, Resolution, decide
 from policy.hosts import HostFormError, parse_authority, parse_url
 from policy.lint import lint
-from policy.loader import load_policy
+from proxy.policy_file import load_policy_file
 
 PUBLIC = ("93.184.216.34",)
 CLIENT = "203.0.113.50"
@@ -419,7 +419,7 @@ def test_output_loads_lints_clean_and_carries_the_warnings_as_comments(tmp_path:
     result = imported(DEBIAN)
     path = tmp_path / "policy.yaml"
     path.write_text(result.yaml)
-    policy = load_policy(path)
+    policy = load_policy_file(path)
     assert lint(policy) == []
     assert "# Warnings (also printed on stderr):" in result.yaml
     assert "#   squid.conf:7: warning: http_access allow localhost manager" in result.yaml

@@ -33,6 +33,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from policy.hosts import DEFAULT_PORTS
+from policy.wire import refusal_from_headers
+
 from ..launch import ContainmentOptions, launch, plan_launch
 
 ROUTES = ("navigation", "redirect", "fetch", "websocket", "img", "script", "iframe", "css", "beacon", "form-post",
@@ -44,7 +47,6 @@ PEER_ANSWERED = ("ERR_EMPTY_RESPONSE", "ERR_CONNECTION_CLOSED", "ERR_CONNECTION_
                  "ERR_INVALID_HTTP_RESPONSE", "ERR_INVALID_RESPONSE", "ERR_RESPONSE_HEADERS_TRUNCATED",
                  "ERR_SSL_PROTOCOL_ERROR", "ERR_CERT_AUTHORITY_INVALID", "ERR_CERT_COMMON_NAME_INVALID",
                  "ERR_CERT_INVALID")
-RULE_HEADER, REASON_HEADER = "x-egresswall-rule", "x-egresswall-reason"
 CONCURRENCY = 6
 PAGE_ONLY = ("websocket", "webrtc-stun", "dns-prefetch", "preconnect")  # no request event to judge by
 
@@ -95,7 +97,7 @@ def canonical_url(url: str) -> str:
     with contextlib.suppress(ValueError):
         host = ipaddress.ip_address(host).exploded
     scheme = parts.scheme.lower()
-    if port == {"http": 80, "ws": 80, "https": 443, "wss": 443}.get(scheme):
+    if port == DEFAULT_PORTS.get(scheme):
         port = None
     authority = host + (f":{port}" if port is not None else "")
     query = f"?{parts.query}" if parts.query else ""
@@ -145,9 +147,9 @@ class Evidence:
         if 300 <= response.status < 400 and request.redirected_to is not None:
             return
         route = self._route_of(_first(request))
-        headers = response.headers  # no round trip: event handlers must not block on the driver
-        if RULE_HEADER in headers:
-            detail = f"egresswall refused ({headers[RULE_HEADER]}): {headers.get(REASON_HEADER, '')}"
+        refusal = refusal_from_headers(response.headers)  # no round trip: handlers must not block on the driver
+        if refusal is not None:
+            detail = f"egresswall refused ({refusal[0]}): {refusal[1]}"
             self.observed[url].append(("refused", detail, route or ""))
         else:
             self.observed[url].append(("answered", f"HTTP {response.status}", route or ""))
@@ -332,10 +334,10 @@ def _navigate(context: Any, route: str, target: str, timeout: float) -> dict[str
             return {"route": route, "target": target, "outcome": outcome, "error": code}
         if response is None:
             return {"route": route, "target": target, "outcome": "error", "error": "no response (same-document?)"}
-        headers = _headers(response)
-        if RULE_HEADER in headers:
+        refusal = refusal_from_headers(_headers(response))
+        if refusal is not None:
             return {"route": route, "target": target, "outcome": "blocked",
-                    "error": f"egresswall refused ({headers[RULE_HEADER]}): {headers.get(REASON_HEADER, '')}"}
+                    "error": f"egresswall refused ({refusal[0]}): {refusal[1]}"}
         where = f" from {response.url}" if canonical_url(response.url) != canonical_url(target) else ""
         return {"route": route, "target": target, "outcome": "reached", "error": f"HTTP {response.status}{where}"}
     finally:

@@ -24,6 +24,8 @@ from urllib.parse import urlsplit
 
 from dnslab import Behaviour, Record  # tests/dnslab.py (the package's __init__ puts tests/ on sys.path)
 
+from policy.hosts import DEFAULT_PORTS
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # ---- links ---------------------------------------------------------------------------------------
@@ -121,7 +123,7 @@ class Target:
         parts = urlsplit(self.url)
         if parts.port:
             return parts.port
-        return {"http": 80, "ws": 80, "https": 443, "wss": 443}.get(parts.scheme, 0)
+        return DEFAULT_PORTS.get(parts.scheme, 0)
 
 
 _I = INTERNAL

@@ -58,5 +58,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     except Exception as err:
         message, status = describe(err)
-        print(f"egresswall: {message}", file=sys.stderr, flush=True)
+        for line in message.splitlines() or [""]:  # a policy with several problems: one line each
+            print(f"egresswall: {line}", file=sys.stderr, flush=True)
         return status

@@ -7,6 +7,7 @@ import json
 
 from browser.launch import launch
 from browser.reader import PageReader, ProxyQuery, ReadLimits, format_markdown, format_text
+from policy.hosts import split_host_port
 
 from . import logs
 from .browser_proxy import add_proxy_choice, browser_proxy
@@ -40,11 +41,7 @@ def cmd_browse(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise UsageError(str(err)) from None
     with browser_proxy(args) as proxy:
-        if proxy.embedded:
-            refusals = proxy.embedded.refusals
-        else:
-            host, _, port = proxy.address.rpartition(":")
-            refusals = ProxyQuery(host.strip("[]"), int(port))
+        refusals = proxy.embedded.refusals if proxy.embedded else ProxyQuery(*split_host_port(proxy.address))
         with sync_playwright() as playwright:
             browser = launch(playwright, proxy.plan)
             try:

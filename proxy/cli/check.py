@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+from dataclasses import replace
 
+from policy.addresses import parse_client_address
 from policy.decision import Request, Verdict, refuse_form
 from policy.hosts import HostFormError, parse_url
 from policy.model import Policy
 from policy.resolver import DnsResolver, resolve_and_decide
+from proxy.records import verdict_word
 
+from .errors import UsageError
 from .options import add_policy_options, load_from_args
 
 EXIT_ALLOWED, EXIT_REFUSED = 0, 1
@@ -27,6 +31,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    if args.client:
+        try:
+            args.client = parse_client_address(args.client)
+        except ValueError as err:
+            raise UsageError(str(err)) from None  # says the client given and why it is no address
     policy = load_from_args(args)
     resolver = DnsResolver.for_policy(policy)
     results = [asyncio.run(_check_one(policy, resolver, url, args)) for url in args.url]
@@ -43,6 +52,14 @@ async def _check_one(policy: Policy, resolver: DnsResolver, url: str, args: argp
         target = parse_url(url)
     except HostFormError as err:
         return url, refuse_form(err), None
+    if target.scheme == "ws":
+        # As a browser sends it: Chromium opens ws:// as CONNECT host:port, and egresswall then parses and
+        # decides the upgrade request inside. Both must pass, exactly as in the proxy.
+        connect = Request(target=replace(target, scheme="http", path=""), method="CONNECT", client=args.client,
+                          tunnel=True, inspected=target.port in policy.http_ports)
+        verdict, resolution = await resolve_and_decide(policy, connect, resolver)
+        if not verdict.allowed:
+            return url, verdict, resolution
     tunnel = target.scheme in ("https", "wss") and not policy.intercepts(target.host)
     request = Request(target=target, method=args.method.upper(), client=args.client, tunnel=tunnel,
                       websocket=target.scheme in ("ws", "wss"))
@@ -58,7 +75,7 @@ def _verdict_word(verdict: Verdict) -> str:
 
 def _print_verdict(url: str, verdict: Verdict, resolution) -> None:
     rows = [("url", url), ("verdict", _verdict_word(verdict)), ("stage", verdict.stage), ("rule", verdict.rule),
-            ("reason", verdict.reason)]
+            ("rule_id", verdict.rule_id), ("reason", verdict.reason)]
     if verdict.role:
         rows.append(("role", verdict.role))
     if resolution is not None and resolution.cnames:
@@ -66,14 +83,15 @@ def _print_verdict(url: str, verdict: Verdict, resolution) -> None:
     if verdict.addresses:
         rows.append(("resolved", ", ".join(verdict.addresses)))
     if verdict.pinned:
-        rows.append(("connect", verdict.pinned))
+        rows.append(("pinned", verdict.pinned))
     for key, value in rows:
         print(f"{key:<9} {value}")
     print()
 
 
 def _verdict_json(url: str, verdict: Verdict, resolution) -> dict:
-    return {"url": url, "allowed": verdict.allowed, "report_only": verdict.report_only, "stage": verdict.stage,
-            "rule": verdict.rule, "reason": verdict.reason, "role": verdict.role,
+    """The audit record's vocabulary (proxy/audit-record.schema.json): verdict allow / refuse / report."""
+    return {"url": url, "verdict": verdict_word(verdict), "allowed": verdict.allowed, "stage": verdict.stage,
+            "rule": verdict.rule, "rule_id": verdict.rule_id, "reason": verdict.reason, "role": verdict.role,
             "cnames": list(resolution.cnames) if resolution else [], "addresses": list(verdict.addresses),
-            "connect": verdict.pinned}
+            "pinned": verdict.pinned}

@@ -6,8 +6,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from policy.loader import DEFAULT_POLICY, Overrides, load_policy, parse_nameserver
+from policy.hosts import split_host_port
+from policy.loader import Overrides, parse_nameserver
 from policy.model import Policy
+from proxy.policy_file import DEFAULT_POLICY
+from proxy.policy_file import load_policy_file as _load_policy_file
 
 from .errors import UsageError
 
@@ -53,8 +56,8 @@ def policy_path(args: argparse.Namespace) -> str:
 
 
 def load_policy_file(path: str | Path, overrides: Overrides | None = None) -> Policy:
-    """The command line's one call into the loader."""
-    return load_policy(path, overrides)
+    """The command line's one call into the loader (which reads the file once, in proxy/policy_file.py)."""
+    return _load_policy_file(path, overrides)
 
 
 def load_from_args(args: argparse.Namespace) -> Policy:
@@ -62,11 +65,10 @@ def load_from_args(args: argparse.Namespace) -> Policy:
 
 
 def parse_hostport(text: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
-    """``HOST:PORT``, ``[v6]:PORT`` or ``:PORT`` (the default host)."""
-    if text.startswith("["):
-        host, sep, port = text[1:].partition("]:")
-    else:
-        host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535 or ("[" in host or "]" in host):
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT (an IPv6 address in brackets, [::1]:3128), got {text!r}")
-    return host or default_host, int(port)
+    """``HOST:PORT``, ``[v6]:PORT`` or ``:PORT`` (the default host); port 0 picks a free one."""
+    try:
+        host, port = split_host_port(text, min_port=0)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT (an IPv6 address in brackets, [::1]:3128): "
+                                         f"{err}") from None
+    return host or default_host, port

@@ -32,8 +32,9 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
+from policy.hosts import DEFAULT_PORTS
+
 DENIED, MISS, TUNNEL, NONE = "TCP_DENIED", "TCP_MISS", "TCP_TUNNEL", "NONE_NONE"
-DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
 
 
 def select_squid_records(record: dict[str, Any]) -> bool:

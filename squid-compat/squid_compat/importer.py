@@ -17,7 +17,7 @@ from pathlib import Path
 
 import netaddr
 
-from policy.addresses import AddressRules, parse_address
+from policy.addresses import AddressRules, parse_cidr
 from policy.loader import PolicyError, parse_policy
 from policy.model import ALLOW, DENY, Policy
 
@@ -144,12 +144,8 @@ class _Importer:
         self.readmit = netaddr.IPSet()
         for cidr in readmit:
             try:
-                address, _, length = cidr.partition("/")
-                parse_address(address)
-                network = netaddr.IPNetwork(cidr)
-                if network.ip != network.network:
-                    raise ValueError(f"host bits are set; did you mean {network.cidr}?")
-            except (ValueError, netaddr.AddrFormatError) as err:
+                network = parse_cidr(cidr)
+            except ValueError as err:
                 raise ValueError(f"--readmit {cidr}: not an address range ({err})") from None
             self.readmit.add(network)
         self.table = AclTable()

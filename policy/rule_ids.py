@@ -1,0 +1,39 @@
+"""Stable rule ids: a name for each rule that does not change when lines above it change.
+
+Metrics are labelled by these and audit records carry them (``file:line`` stays the human text, in
+``rule``). A host rule's id is its YAML ``id:`` when it has one (a short slug, unique in the policy), else
+one derived from the list it is in and its pattern as written:
+
+* ``hosts.allow:docs.python.org``, ``hosts.deny:*.ads.example.com``;
+* ``roles.ci-runners.allow:.pypi.org`` (a role's own lists);
+* a second rule with the same pattern in the same list gets ``#2`` (``hosts.allow:api.example.com#2``).
+
+The default has ``default:deny`` / ``default:allow``, a role's own default ``roles.ci-runners.default:deny``;
+an address rule ``addresses.allow:198.18.0.0/15``. Every other refusal (form, scheme, port, special-purpose
+address, DNS) is already named without a position (``ports.connect``, ``special-purpose 10.0.0.0/8``) and
+that name is its id. A derived id always holds ':'; a written one never does, so they cannot collide.
+"""
+
+from __future__ import annotations
+
+import re
+
+ID_SLUG = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
+ID_WORDS = "1-64 lower-case letters, digits, '.', '_' or '-', starting with a letter or digit"
+
+
+def host_list(action: str, role: str | None = None) -> str:
+    """The list a host rule is in: ``hosts.allow``, ``roles.ci-runners.deny``."""
+    return f"roles.{role}.{action}" if role is not None else f"hosts.{action}"
+
+
+def derived(list_name: str, pattern_text: str, occurrence: int = 1) -> str:
+    return f"{list_name}:{pattern_text}" + (f"#{occurrence}" if occurrence > 1 else "")
+
+
+def default(action: str, role: str | None = None) -> str:
+    return f"roles.{role}.default:{action}" if role is not None else f"default:{action}"
+
+
+def address_rule(action: str, network: object) -> str:
+    return f"addresses.{action}:{network}"

@@ -1,0 +1,141 @@
+"""The policy document against ``schema.json``, every error turned into "what was found, what was expected".
+
+``schema.json`` is this package's own data, shipped beside this module for editors to validate with. It is
+read once, when this module is imported, through ``importlib.resources`` (as an import reads a module's
+code): the schema is part of the program, not input, and nothing here reads a file at decision or load
+time after that. Its validators are built on first use and kept.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from functools import cache
+from importlib import resources
+from typing import Any
+
+import jsonschema
+
+from .errors import PolicyProblem
+from .yamldoc import KeyPath, YamlDocument
+
+SCHEMA: dict[str, Any] = json.loads(resources.files(__package__).joinpath("schema.json").read_text("utf-8"))
+
+
+def schema() -> dict[str, Any]:
+    return SCHEMA
+
+
+def schema_problems(doc: YamlDocument) -> tuple[list[PolicyProblem], list[KeyPath]]:
+    """Every schema error of the document, and the key paths whose values cannot be used because of them.
+
+    Host lists can hold a million plain strings, so they are checked apart: a non-empty string is a valid
+    entry by the schema's own rule (its pattern is judged later, with a reason), and only mapping entries
+    go through the validator.
+    """
+    problems: list[PolicyProblem] = []
+    bad: list[KeyPath] = []
+    slim, host_lists = _without_host_entries(doc.data)
+    _collect(doc, _document_validator().iter_errors(slim), (), problems, bad)
+    entry_validator = _entry_validator()
+    for path, entries in host_lists:
+        for i, entry in enumerate(entries):
+            if not (isinstance(entry, str) and entry):
+                _collect(doc, entry_validator.iter_errors(entry), (*path, i), problems, bad)
+    return problems, bad
+
+
+def _collect(doc: YamlDocument, errors: Iterable[jsonschema.ValidationError], prefix: KeyPath,
+             problems: list[PolicyProblem], bad: list[KeyPath]) -> None:
+    seen: set[tuple[KeyPath, str]] = set()
+    for found in errors:
+        err = _most_specific(found)
+        path = (*prefix, *err.absolute_path)
+        if err.validator == "additionalProperties" and isinstance(err.instance, dict):
+            known = err.schema.get("properties", {})
+            allowed = ", ".join(sorted(known))
+            for key in (key for key in err.instance if key not in known):  # in file order
+                problems.append(doc.key_problem(path, str(key), f"unknown key {key!r}; expected one of: {allowed}"))
+                bad.append((*path, str(key)))
+            continue
+        message = _explain(err)
+        if (path, message) in seen:
+            continue
+        seen.add((path, message))
+        problems.append(doc.problem(path, message))
+        if err.validator == "required" and isinstance(err.instance, dict):
+            bad.extend((*path, key) for key in err.validator_value if key not in err.instance)
+        else:
+            bad.append(path)
+
+
+@cache
+def _document_validator() -> jsonschema.Draft202012Validator:
+    return jsonschema.Draft202012Validator(SCHEMA)
+
+
+@cache
+def _entry_validator() -> jsonschema.Draft202012Validator:
+    return jsonschema.Draft202012Validator({"$ref": "#/$defs/hostEntry", "$defs": SCHEMA["$defs"]})
+
+
+def _without_host_entries(data: Any) -> tuple[Any, list[tuple[KeyPath, list[Any]]]]:
+    """A shallow copy of the document with every host list emptied, and the lists taken out."""
+    lists: list[tuple[KeyPath, list[Any]]] = []
+
+    def strip(hosts: Any, at: KeyPath) -> Any:
+        if not isinstance(hosts, dict):
+            return hosts
+        out = dict(hosts)
+        for action in ("allow", "deny"):
+            if isinstance(out.get(action), list):
+                lists.append(((*at, action), out[action]))
+                out[action] = []
+        return out
+
+    if not isinstance(data, dict):
+        return data, lists
+    slim = dict(data)
+    if "hosts" in slim:
+        slim["hosts"] = strip(slim["hosts"], ("hosts",))
+    if isinstance(slim.get("roles"), list):
+        slim["roles"] = [
+            {**role, "hosts": strip(role["hosts"], ("roles", i, "hosts"))} if isinstance(role, dict) and "hosts" in role
+            else role for i, role in enumerate(slim["roles"])]
+    return slim, lists
+
+
+def _most_specific(err: jsonschema.ValidationError) -> jsonschema.ValidationError:
+    """For a oneOf (string or mapping), report the branch the operator was evidently writing."""
+    if err.validator == "oneOf" and err.context:
+        instance_is_mapping = isinstance(err.instance, dict)
+        branch = [e for e in err.context if (e.schema.get("type") == "object") == instance_is_mapping
+                  or e.relative_schema_path[0] == (1 if instance_is_mapping else 0)]
+        deepest = max(branch or err.context, key=lambda e: len(e.absolute_path))
+        return _most_specific(deepest)
+    return err
+
+
+def _explain(err: jsonschema.ValidationError) -> str:
+    """Turn a schema error into 'what was found, what was expected'."""
+    kind, expected, found = err.validator, err.validator_value, err.instance
+    if kind == "required":
+        missing = [key for key in expected if not isinstance(found, dict) or key not in found]
+        return f"missing key; expected {', '.join(map(repr, missing or expected))}"
+    if kind == "enum":
+        return f"got {found!r}; expected one of: {', '.join(map(str, expected))}"
+    if kind == "const":
+        return f"got {found!r}; expected {expected!r}"
+    if kind == "type":
+        return f"got {type(found).__name__} {found!r}; expected {expected}"
+    if kind == "oneOf":
+        return f"got {found!r}; expected a host pattern string or a mapping with 'host'"
+    if kind == "pattern":
+        what = err.schema.get("title")
+        return f"got {found!r}; expected text matching {expected}" + (f" ({what})" if what else "")
+    if kind in ("minimum", "maximum", "exclusiveMinimum"):
+        return f"got {found!r}; expected a value {_BOUND_WORDS[kind]} {expected}"
+    return err.message
+
+
+_BOUND_WORDS = {"minimum": ">=", "maximum": "<=", "exclusiveMinimum": ">"}

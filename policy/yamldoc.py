@@ -1,0 +1,179 @@
+"""A YAML document that remembers where everything was written: text in, data plus positions out.
+
+Pure: it parses text it is given and never opens a file. YAML is read strictly (see ``_StrictLoader``), and
+every key path of the data leads back to a ``file:line:column`` (or to the command-line flag that added the
+value), so that each problem found later can point at the line to fix.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import yaml
+
+from .errors import PolicyError, PolicyProblem
+from .model import Origin
+
+KeyPath = tuple[str | int, ...]
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that reads plain scalars as YAML 1.2 (what editors validating with schema.json use).
+
+    YAML 1.1 traps are removed, not guessed at: dates stay text (checked by the schema); only
+    true/false are booleans (``default: no`` is the text 'no', an error, not False); integers are
+    plain decimals (``0443`` is not octal 291 and ``1:30`` not sexagesimal 90: both are text, an error).
+    Duplicate keys (YAML would silently keep the last one) are found by ``YamlDocument``.
+    """
+
+
+_YAML11_ONLY = {"tag:yaml.org,2002:timestamp", "tag:yaml.org,2002:bool", "tag:yaml.org,2002:int"}
+_StrictLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in _YAML11_ONLY]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_StrictLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                    list("tTfF"))
+_StrictLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?(?:0|[1-9][0-9]*)$"),
+                                    list("-+0123456789"))
+
+
+class _StrictCLoader(yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoader):  # type: ignore[misc]
+    """The same rules, with libyaml doing the parsing: a million-entry allowlist composes in seconds."""
+
+
+_StrictCLoader.yaml_implicit_resolvers = _StrictLoader.yaml_implicit_resolvers
+
+
+class YamlDocument:
+    """The YAML data plus a way back from any key path to where it was written.
+
+    ``problems`` holds what was wrong but did not stop the parse (duplicate keys); a document that is
+    not YAML at all raises ``PolicyError`` from ``parse``.
+    """
+
+    def __init__(self, source: str, root: yaml.Node | None, data: Any, problems: list[PolicyProblem]) -> None:
+        self.source, self.root, self.data = source, root, data
+        self.problems = problems
+        self.extra_origins: dict[KeyPath, Origin] = {}  # values added by command-line flags
+
+    @property
+    def is_empty(self) -> bool:
+        return self.root is None or (isinstance(self.root, yaml.ScalarNode)
+                                     and self.root.tag == "tag:yaml.org,2002:null")
+
+    @classmethod
+    def parse(cls, text: str, source: str) -> YamlDocument:
+        try:
+            root = _compose(text)
+        except yaml.MarkedYAMLError as err:
+            raise _yaml_error(source, err, "not valid YAML") from None
+        except yaml.YAMLError as err:
+            raise PolicyError(source, 0, 0, "", f"not valid YAML: {err}") from None
+        if root is None:
+            return cls(source, None, None, [])
+        problems = list(_duplicate_keys(root, source))
+        loader = _StrictLoader("")
+        try:
+            data = loader.construct_document(root)
+        except yaml.MarkedYAMLError as err:  # an unhashable (complex) key, an unknown tag such as !!python/...
+            raise _yaml_error(source, err, "not valid policy YAML") from None
+        finally:
+            loader.dispose()
+        return cls(source, root, data, problems)
+
+    def origin(self, path: KeyPath) -> Origin:
+        if path in self.extra_origins:
+            return self.extra_origins[path]
+        node = self.root
+        for step in path:
+            child = _child(node, step)
+            if child is None:
+                break
+            node = child
+        mark = node.start_mark if node is not None else None
+        return Origin(self.source, mark.line + 1 if mark else 0, mark.column + 1 if mark else 0, dotted(path))
+
+    def origins_of_items(self, path: KeyPath, count: int) -> list[Origin]:
+        """The origins of items 0..count-1 of the list at path (one walk for the list, not one per item)."""
+        node = self.root
+        for step in path:
+            node = _child(node, step) if node is not None else None
+        if not isinstance(node, yaml.SequenceNode) or any((*path, i) in self.extra_origins for i in range(count)):
+            return [self.origin((*path, i)) for i in range(count)]
+        at = dotted(path)
+        return [Origin(self.source, item.start_mark.line + 1, item.start_mark.column + 1, f"{at}[{i}]")
+                for i, item in enumerate(node.value[:count])]
+
+    def problem(self, path: KeyPath, message: str) -> PolicyProblem:
+        origin = self.origin(path)  # a value added by a flag names the flag, not the file
+        return PolicyProblem(origin.source, origin.line, origin.column, dotted(path), message)
+
+    def key_problem(self, path: KeyPath, key: str, message: str) -> PolicyProblem:
+        """A problem with a key itself (an unknown key): point at the key, not at its mapping."""
+        node = self.root
+        for step in path:
+            node = _child(node, step)
+        for key_node, _ in node.value if isinstance(node, yaml.MappingNode) else ():
+            if isinstance(key_node, yaml.ScalarNode) and key_node.value == key:
+                mark = key_node.start_mark
+                return PolicyProblem(self.source, mark.line + 1, mark.column + 1, dotted((*path, key)), message)
+        return self.problem(path, message)
+
+    def error(self, path: KeyPath, message: str) -> PolicyError:
+        return PolicyError.of([self.problem(path, message)])
+
+
+def dotted(path: Iterable[str | int]) -> str:
+    """("hosts", "allow", 3, "ports") → "hosts.allow[3].ports"."""
+    out = ""
+    for step in path:
+        out += f"[{step}]" if isinstance(step, int) else (f".{step}" if out else step)
+    return out
+
+
+def _compose(text: str) -> yaml.Node | None:
+    """libyaml for speed; on an error, the pure-Python parser again for its more precise message."""
+    try:
+        return yaml.compose(text, Loader=_StrictCLoader)
+    except yaml.YAMLError:
+        return yaml.compose(text, Loader=_StrictLoader)
+
+
+def _yaml_error(source: str, err: yaml.MarkedYAMLError, what: str) -> PolicyError:
+    mark = err.problem_mark or err.context_mark
+    line, column = (mark.line + 1, mark.column + 1) if mark else (0, 0)
+    return PolicyError(source, line, column, "", f"{what}: {err.problem or err}")
+
+
+def _duplicate_keys(root: yaml.Node, source: str) -> Iterable[PolicyProblem]:
+    """Every key written twice in one mapping. Iterative: a deep document must not exhaust the stack."""
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, yaml.Node] = {}
+            for key, value in node.value:
+                name = key.value if isinstance(key, yaml.ScalarNode) else id(key)
+                if name in seen:
+                    first = seen[name].start_mark.line + 1
+                    mark = key.start_mark
+                    yield PolicyProblem(source, mark.line + 1, mark.column + 1, str(name),
+                                        f"duplicate key (first written on line {first}); YAML would keep only the last")
+                else:
+                    seen[name] = key
+                stack.append(value)
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
+
+
+def _child(node: yaml.Node | None, step: str | int) -> yaml.Node | None:
+    if isinstance(node, yaml.MappingNode) and isinstance(step, str):
+        for key, value in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.value == step:
+                return value
+    if isinstance(node, yaml.SequenceNode) and isinstance(step, int) and step < len(node.value):
+        return node.value[step]
+    return None
