@@ -214,19 +214,20 @@ def _prepare(args: argparse.Namespace):
 # ---- browser-server ------------------------------------------------------------------------------
 
 def cmd_browser_server(args: argparse.Namespace) -> int:
-    from .server import BrowserServer, check_bind_address
+    from .server import BrowserServer, ServerLimits, check_bind_address
 
     _logging()
     try:
         check_bind_address(args.host, args.allow_non_loopback)
-    except ContainmentError as err:
+        limits = ServerLimits.from_options(vars(args))
+    except (ContainmentError, ValueError) as err:
         print(f"egresswall: {err}", file=sys.stderr)
         return EXIT_ERROR
     prepared = _prepare(args)
     if prepared is None:
         return EXIT_ERROR
     _, embedded, plan = prepared
-    server = BrowserServer(plan, args.host, args.port)
+    server = BrowserServer(plan, args.host, args.port, limits=limits)
     try:
         asyncio.run(server.run())
     except ContainmentError as err:
@@ -261,4 +262,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     server.add_argument("--allow-non-loopback", action="store_true",
                         help="allow binding a non-loopback address (the server has NO authentication)")
     _add_proxy_choice(server)
+    from .cgroup import parse_memory_size
+    from .server import ServerLimits as L  # noqa: N817 - the defaults, named in each help text
+
+    limits = server.add_argument_group("limits (see browser/README.md)")
+    limits.add_argument("--max-contexts", type=int, default=L.max_contexts, metavar="N",
+                        help=f"contexts open at once over all clients (default {L.max_contexts})")
+    limits.add_argument("--max-contexts-per-client", type=int, default=L.max_contexts_per_client, metavar="N",
+                        help=f"contexts open at once per client address (default {L.max_contexts_per_client})")
+    limits.add_argument("--max-connections", type=int, default=L.max_connections, metavar="N",
+                        help=f"client connections over all clients (default {L.max_connections})")
+    limits.add_argument("--max-connections-per-client", type=int, default=L.max_connections_per_client,
+                        metavar="N", help=f"client connections per address (default {L.max_connections_per_client})")
+    limits.add_argument("--context-idle", type=float, default=L.context_idle, metavar="S",
+                        help=f"close a context after S seconds without a call (default {L.context_idle:g})")
+    limits.add_argument("--connection-idle", type=float, default=L.connection_idle, metavar="S",
+                        help=f"close a connection after S seconds without a call (default {L.connection_idle:g})")
+    limits.add_argument("--max-message-bytes", type=int, default=L.max_message_bytes, metavar="N",
+                        help=f"largest protocol message either way; bigger closes the connection "
+                             f"(default {L.max_message_bytes})")
+    limits.add_argument("--max-calls-in-flight", type=int, default=L.max_calls_in_flight, metavar="N",
+                        help=f"unanswered calls per connection (default {L.max_calls_in_flight})")
+    limits.add_argument("--browser-memory-max", type=parse_memory_size, default=L.browser_memory_max, metavar="SIZE",
+                        help="the browser's memory cgroup limit, e.g. 2G, or off (default 2G)")
+    limits.add_argument("--browser-cgroup-parent", type=Path, metavar="DIR",
+                        help="create the browser's cgroup under DIR (default: the server's own cgroup)")
     server.set_defaults(func=cmd_browser_server)

@@ -44,7 +44,7 @@ def protocol() -> ProtocolFilter:
 
 @pytest.mark.parametrize("guid,method,params,why", [
     ("browser@1", "newContext", {"proxy": {"server": "http://10.0.0.1:3128"}}, "'proxy'"),
-    ("browser@1", "newContextForReuse", {"proxy": {"server": "socks5://x:1"}}, "'proxy'"),
+    ("browser@1", "newContextForReuse", {"proxy": {"server": "socks5://x:1"}}, "context reuse"),
     ("browser@1", "newContext", {"clientCertificates": [{"origin": "https://x"}]}, "'clientCertificates'"),
     ("playwright", "newRequest", {"baseURL": "http://10.0.0.1/"}, "Playwright.newRequest"),
     ("browser-type@1", "launch", {"executablePath": "/bin/sh"}, "BrowserType.launch"),
