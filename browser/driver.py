@@ -35,6 +35,7 @@ class BrowserProcess:
         self.exit_status: int | None = None
         self.exit_reason: str | None = None  # why it ended, said to its clients
         self.stopping = False  # stopped by the server, not died
+        self._tasks: set[asyncio.Task] = set()  # held here: the loop keeps only weak references
 
     async def start(self) -> None:
         from playwright._impl._driver import compute_driver_executable, get_driver_env
@@ -51,7 +52,7 @@ class BrowserProcess:
             argv = self.cgroup.enter_command(argv)
         self._driver = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, env=get_driver_env())
-        asyncio.get_running_loop().create_task(self._watch(self._driver))
+        self._spawn(self._watch(self._driver))
         assert self._driver.stdout is not None
         try:
             while True:
@@ -66,8 +67,13 @@ class BrowserProcess:
                     break
         except TimeoutError:
             raise ContainmentError(f"the browser did not start within {self.start_timeout:g} seconds") from None
-        asyncio.get_running_loop().create_task(self._drain(self._driver.stdout))
+        self._spawn(self._drain(self._driver.stdout))
         await self._verify()
+
+    def _spawn(self, work) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _verify(self) -> None:
         argv = await asyncio.to_thread(browser_command_line, self.plan.user_data_dir)

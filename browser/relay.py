@@ -70,7 +70,7 @@ class Relay:
         """Close the client connection (idle, browser gone...); ``run`` then winds the rest down."""
         if self.ending is None:
             self.ending = ending
-            asyncio.get_running_loop().create_task(self.client.close(ending.code, close_reason(ending.reason)))
+            self.server.spawn(self.client.close(ending.code, close_reason(ending.reason)))
 
     async def reap(self, context: str, why: str, reason: str) -> None:
         """Ask the browser to close one of this connection's contexts; its slot is freed when it closed."""
@@ -166,8 +166,7 @@ class Relay:
             if seen.unexpected_context is not None:
                 log.warning("a context was created for %s without newContext: closed", self.peer)
                 self.server.metrics.contexts_refused["unexpected"] += 1
-                asyncio.get_running_loop().create_task(
-                    self.reap(seen.unexpected_context, "unexpected", "a context not opened by newContext"))
+                self.server.spawn(self.reap(seen.unexpected_context, "unexpected", "not opened by newContext"))
             if seen.swallow or not client_open:
                 continue
             try:

@@ -144,6 +144,13 @@ class BrowserServer:
         self._stop = asyncio.Event()
         self._oom_kills_seen = 0
         self._exits: list[float] = []
+        self._background: set[asyncio.Task] = set()  # held here: the loop keeps only weak references
+
+    def spawn(self, work) -> None:
+        """Run ``work`` in the background (closing a connection, reaping a context)."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     @property
     def refusals(self) -> int:
@@ -213,7 +220,10 @@ class BrowserServer:
                  self.ceiling.parent)
 
     async def _start_browser(self, workdir: Path) -> None:
-        group = self.ceiling.group() if self.ceiling is not None else None  # CgroupError: the server ends
+        try:
+            group = self.ceiling.group() if self.ceiling is not None else None
+        except CgroupError as err:  # it worked at start: fail closed rather than run without the ceiling
+            raise ContainmentError(f"the browser's memory cgroup: {err}") from None
         browser = BrowserProcess(self.plan, workdir, group, self.start_timeout)
         self.browser = browser
         self.metrics.browser_starts += 1
@@ -265,7 +275,7 @@ class BrowserServer:
                 for context in relay.tracker.idle_contexts(now, limits.context_idle):
                     log.info("closing a context of %s: no call for %g s (the idle limit)", relay.peer,
                              limits.context_idle)
-                    asyncio.get_running_loop().create_task(relay.reap(
+                    self.spawn(relay.reap(
                         context.guid, "idle", f"closed by the egresswall browser server: no call for "
                                               f"{limits.context_idle:g} s (its idle limit)"))
                 if relay.tracker.idle_for(now) >= limits.connection_idle:

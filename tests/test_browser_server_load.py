@@ -160,11 +160,14 @@ def test_six_clients_past_a_cap_of_four_get_four_contexts_and_the_rest_are_refus
 def test_an_idle_context_and_an_idle_connection_are_closed_and_their_slots_freed(serve):
     from playwright.async_api import Error, async_playwright
 
-    server = serve("--context-idle", "2", "--connection-idle", "6", "--max-contexts-per-client", "1")
+    server = serve("--context-idle", "2", "--connection-idle", "6", "--max-contexts-per-client", "1",
+                   "--max-connections-per-client", "1")
 
     async def scenario() -> None:
         async with async_playwright() as playwright:
             browser = await playwright.chromium.connect(server.endpoint, timeout=60_000)
+            with pytest.raises(Error, match="(?s)503 .*1 of 1 connections in use for this client; close one"):
+                await playwright.chromium.connect(server.endpoint, timeout=60_000)
             disconnected = asyncio.Event()
             browser.on("disconnected", lambda _: disconnected.set())
             context = await browser.new_context()
@@ -173,10 +176,13 @@ def test_an_idle_context_and_an_idle_connection_are_closed_and_their_slots_freed
             closed = asyncio.Event()
             context.on("close", lambda _: closed.set())
             started = time.monotonic()
+            # a call left waiting does not keep the context past its idle limit: it fails with the reason
+            with pytest.raises(Error, match=r"no call for 2 s \(its idle limit\)"):
+                await page.wait_for_timeout(30_000)
             await asyncio.wait_for(closed.wait(), 20)
             idle = time.monotonic() - started
             print(f"the idle context was closed after {idle:.1f} s (limit 2 s)")
-            assert idle >= 1.5
+            assert 1.5 <= idle < 20
             with pytest.raises(Error):
                 await page.title()
             # its slot is free: the per-client cap of one admits the next context
@@ -191,11 +197,73 @@ def test_an_idle_context_and_an_idle_connection_are_closed_and_their_slots_freed
             await asyncio.wait_for(disconnected.wait(), 30)
             print(f"the idle connection was closed after {time.monotonic() - started:.1f} s (limit 6 s)")
             assert time.monotonic() - started >= 4
+            # and its connection slot is free again
+            browser = await playwright.chromium.connect(server.endpoint, timeout=60_000)
+            await browser.close()
         await eventually(lambda: server.metrics()['egresswall_browser_connections_closed_total{reason="idle"}'] == 1)
 
     asyncio.run(scenario())
     assert "no call for 2 s (the idle limit)" in server.stderr
     assert "no call for 6 s (the idle limit)" in server.stderr
+
+
+# ---- Chromium's sandbox -----------------------------------------------------------------------------
+
+def test_a_client_cannot_turn_the_sandbox_off(serve):
+    """Launch options never reach the driver: launch calls are refused whole (the driver denies them
+    too), ``chromiumSandbox`` and sandbox switches are refused in any call, and Playwright's
+    ``x-playwright-launch-options`` handshake header is not forwarded (no second browser, same flags)."""
+    import json
+
+    from playwright.async_api import async_playwright
+    from websockets.asyncio.client import connect
+
+    server = serve()
+    _, chromium = driver_and_chromium(server)
+    argv = Path(f"/proc/{chromium}/cmdline").read_bytes()
+
+    async def raw_calls() -> list[str]:
+        from importlib.metadata import version
+
+        user_agent = f"Playwright/{version('playwright')} (x64; test) python/3"
+        async with connect(server.endpoint, user_agent_header=user_agent, max_size=None) as ws:
+            await ws.send(json.dumps({"id": 1, "guid": "", "method": "initialize", "params": {"sdkLanguage": "python"},
+                                      "metadata": {}}))
+            initializer = None
+            while initializer is None:
+                message = json.loads(await asyncio.wait_for(ws.recv(), 30))
+                if message.get("method") == "__create__" and message["params"]["type"] == "Playwright":
+                    initializer = message["params"]["initializer"]
+            calls = [(initializer["chromium"]["guid"], "launch", {"chromiumSandbox": False, "args": ["--no-sandbox"]}),
+                     (initializer["preLaunchedBrowser"]["guid"], "newContext", {"chromiumSandbox": False}),
+                     (initializer["preLaunchedBrowser"]["guid"], "newContext", {"x": {"args": ["--no-sandbox"]}})]
+            answers = []
+            for number, (guid, method, params) in enumerate(calls, start=2):
+                await ws.send(json.dumps({"id": number, "guid": guid, "method": method, "params": params,
+                                          "metadata": {}}))
+                while True:
+                    message = json.loads(await asyncio.wait_for(ws.recv(), 30))
+                    if message.get("id") == number:
+                        answers.append(message["error"]["error"]["message"])
+                        break
+            return answers
+
+    launch, sandbox_option, sandbox_switch = asyncio.run(raw_calls())
+    assert "BrowserType.launch: launching or connecting browsers is the server's business" in launch
+    assert "'chromiumSandbox'" in sandbox_option and "'--no-sandbox'" in sandbox_switch
+
+    async def with_header() -> None:
+        options = json.dumps({"chromiumSandbox": False, "args": ["--disable-gpu-sandbox"], "headless": False})
+        async with async_playwright() as playwright:
+            browser = await playwright.chromium.connect(server.endpoint, timeout=60_000,
+                                                        headers={"x-playwright-launch-options": options})
+            page = await (await browser.new_context()).new_page()
+            await page.set_content("<p>same browser</p>")
+            await browser.close()
+
+    asyncio.run(with_header())
+    assert driver_and_chromium(server)[1] == chromium
+    assert Path(f"/proc/{chromium}/cmdline").read_bytes() == argv and b"--disable-gpu-sandbox" not in argv
 
 
 # ---- bounded messages ------------------------------------------------------------------------------
