@@ -9,9 +9,10 @@ itself is chosen, the browser exits, its clients see their contexts closed, and 
 new one. The group is not set to ``memory.oom.group`` (which would kill every client's pages for one
 page's allocation) and gets no swap.
 
-cgroup v2 needs the memory controller enabled for the parent's children (``cgroup.subtree_control``);
-v1 needs the memory hierarchy mounted and writable. Where neither holds, the server says so once at
-start and the container's (or host's) limit is the ceiling.
+cgroup v2 needs the memory controller enabled for the parent's children (``cgroup.subtree_control``),
+which a group with processes of its own cannot have: a server alone in its group moves itself into a
+leaf child first (``_delegate_memory``). v1 needs the memory hierarchy mounted and writable. Where
+neither holds, the server says so once at start and the container's (or host's) limit is the ceiling.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PREFIX = "egresswall-browser-"
+SERVER_LEAF = "egresswall-server"  # cgroup v2: where the server moves itself to delegate memory (see below)
 MIN_CEILING = 128 * 2**20  # Chromium and the driver alone take about 300 MB: less cannot work
 _SIZE = re.compile(r"(?i)(\d{1,16})\s*(|b|k|kb|kib|m|mb|mib|g|gb|gib|t|tb|tib)")
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -152,6 +154,7 @@ class MemoryCeiling:
     @classmethod
     def prepare(cls, limit: int, parent: Path | None = None) -> MemoryCeiling:
         """Check that a group can be made here (one is made and removed again), or CgroupError."""
+        explicit = parent
         if parent is None:
             found = locate(_read(Path("/proc/self/cgroup")), _read(Path("/proc/self/mountinfo")))
             if isinstance(found, str):
@@ -161,22 +164,39 @@ class MemoryCeiling:
             version = version_of(parent)
         ceiling = cls(parent, version, limit)
         if version == 2:
-            ceiling._delegate_memory()
+            ceiling._delegate_memory(own_group=explicit is None)
         ceiling.remove_stale()
         ceiling.group().remove()
         return ceiling
 
-    def _delegate_memory(self) -> None:
+    def _delegate_memory(self, own_group: bool) -> None:
+        """cgroup v2 lets a group's children have a memory limit only when the group enables the
+        controller for them, and a group with processes of its own cannot. When the server is alone in
+        its own group (a systemd unit with ``Delegate=``, a container of its own), it moves itself into a
+        leaf child, ``egresswall-server``, as systemd advises for delegated groups, and enables it."""
         control = self.parent / "cgroup.subtree_control"
         if "memory" in _read(control).split():
             return
         try:
             control.write_text("+memory")
+            return
         except OSError as err:
-            why = ("the group has processes of its own (cgroup v2 allows controllers only for groups "
-                   "without them): give the server a delegated group to create children in"
-                   if err.errno == errno.EBUSY else err.strerror)
-            raise CgroupError(f"cannot enable the memory controller for children of {self.parent}: {why}") from None
+            first = err
+        alone = own_group and first.errno == errno.EBUSY and _read(self.parent / "cgroup.procs").split() == [
+            str(os.getpid())]
+        if alone:
+            leaf = self.parent / SERVER_LEAF
+            try:
+                leaf.mkdir(exist_ok=True)
+                (leaf / "cgroup.procs").write_text(str(os.getpid()))
+                control.write_text("+memory")
+                return
+            except OSError as err:
+                first = err
+        why = ("the group has processes besides this server (cgroup v2 enables controllers only for groups "
+               "without processes of their own): give the server a delegated group of its own, or name one with "
+               "--browser-cgroup-parent" if first.errno == errno.EBUSY else first.strerror)
+        raise CgroupError(f"cannot enable the memory controller for children of {self.parent}: {why}")
 
     def group(self) -> BrowserCgroup:
         self._made += 1

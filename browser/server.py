@@ -176,14 +176,13 @@ class BrowserServer:
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                         loop.add_signal_handler(sig, self._stop.set)
-                supervisor = asyncio.create_task(self._supervise(workdir))
-                tasks = [supervisor, asyncio.create_task(self._watch_limits())]
+                tasks = [asyncio.create_task(self._supervise(workdir)), asyncio.create_task(self._watch_limits())]
                 stop = asyncio.create_task(self._stop.wait())
-                done, _ = await asyncio.wait({supervisor, stop}, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait({*tasks, stop}, return_when=asyncio.FIRST_COMPLETED)
                 stop.cancel()
                 self.stopping = True
-                if supervisor in done:
-                    supervisor.result()  # a browser that could not be started again: the server ends
+                for task in done - {stop}:
+                    task.result()  # a browser that could not be started again (or a bug): the server ends
         finally:
             self.stopping = True
             for task in tasks:
@@ -195,9 +194,9 @@ class BrowserServer:
                 await self.browser.stop()
             shutil.rmtree(workdir, ignore_errors=True)
             m = self.metrics
-            log.info("browser server stopped: %d contexts opened, %d refused, %d reaped; %d browser exits",
-                     m.contexts_opened, sum(m.contexts_refused.values()), sum(m.contexts_reaped.values()),
-                     sum(m.browser_exits.values()))
+            log.info("browser server stopped: %d contexts opened, %d refused, %d closed when idle; %d browser exits",
+                     m.contexts_opened, sum(m.contexts_refused.values()),
+                     m.contexts_reaped["idle"] + m.contexts_reaped["connection_idle"], sum(m.browser_exits.values()))
 
     def stop(self) -> None:
         self._stop.set()
@@ -278,7 +277,7 @@ class BrowserServer:
                     self.spawn(relay.reap(
                         context.guid, "idle", f"closed by the egresswall browser server: no call for "
                                               f"{limits.context_idle:g} s (its idle limit)"))
-                if relay.tracker.idle_for(now) >= limits.connection_idle:
+                if relay.ending is None and relay.tracker.idle_for(now) >= limits.connection_idle:
                     log.info("closing the connection of %s: no call for %g s (the idle limit)", relay.peer,
                              limits.connection_idle)
                     relay.end(Ending(1000, f"no call for {limits.connection_idle:g} s (the idle limit): closed by "
