@@ -99,10 +99,13 @@ class ObjectTree:
         return []
 
     def create(self, guid: str, kind: str, parent: str) -> None:
+        if guid == "" or guid == parent:
+            return  # the root is not created, and nothing is its own parent
         if guid in self.types:
-            self.dispose(guid)  # a reused guid starts a new object
+            self.dispose(guid)  # a reused guid starts a new object (and drops what was under the old one)
+        known_parent = parent in self.types
         self.types[guid] = kind
-        if parent in self.types:
+        if known_parent:
             self.parents[guid] = parent
             self._children.setdefault(parent, set()).add(guid)
 

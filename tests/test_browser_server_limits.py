@@ -27,7 +27,7 @@ from browser.cgroup import (
 from browser.metrics import BrowserMetrics
 from browser.objects import ObjectTree, read_server_message
 from browser.protocol_filter import ProtocolFilter
-from browser.server import ServerLimits
+from browser.server import ServerLimits, client_key
 from browser.tracker import ConnectionTracker
 
 # ---- caps ----------------------------------------------------------------------------------------
@@ -105,6 +105,58 @@ def test_replies_are_read_by_their_prefix_and_events_by_guid_and_method():
     spaced = read_server_message('{ "result": {}, "id": 5 }')
     assert spaced.call_id == 5
     assert read_server_message(b"\x00").call_id is None and read_server_message("not json").method is None
+
+
+ids = st.one_of(st.integers(-2**40, 2**40), st.text(max_size=30))
+json_values = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=20)),
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                       max_size=3), max_leaves=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(call_id=ids, kind=st.sampled_from(["result", "error", "none"]), body=st.dictionaries(
+    st.text(max_size=8), json_values, max_size=3), compact=st.booleans(), wanted=st.booleans())
+def test_the_prefix_reading_of_a_reply_agrees_with_parsing_it(call_id, kind, body, compact, wanted):
+    """However the id is spelled (escapes, quotes, negative numbers) and whatever the reply holds, the
+    cheap reading gives what parsing the whole message gives."""
+    message: dict = {"id": call_id}
+    if kind != "none":
+        message[kind] = body
+    text = json.dumps(message, separators=(",", ":") if compact else None)
+    seen = read_server_message(text, {call_id} if wanted else ())
+    assert seen.call_id == call_id and seen.ok == (kind != "error") and seen.method is None
+    assert seen.result == (body if wanted and kind == "result" else None)
+
+
+@settings(max_examples=300, deadline=None)
+@given(guid=st.text(max_size=40), method=st.text(max_size=20), params=st.dictionaries(st.text(max_size=8),
+                                                                                      json_values, max_size=3))
+def test_the_prefix_reading_of_an_event_agrees_with_parsing_it(guid, method, params):
+    seen = read_server_message(json.dumps({"guid": guid, "method": method, "params": params}, separators=(",", ":")))
+    assert (seen.call_id, seen.guid, seen.method) == (None, guid, method)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["create", "adopt", "dispose"]), st.integers(0, 8), st.integers(0, 8)),
+                max_size=60))
+def test_the_object_tree_stays_a_tree(steps):
+    tree = ObjectTree()
+    for action, a, b in steps:
+        guid, other = f"o{a}", ("" if b == 0 else f"o{b}")
+        if action == "create":
+            tree.create(guid, "Page", other)
+        elif action == "adopt":
+            tree.adopt(guid, other)
+        else:
+            tree.dispose(guid)
+        for child, parent in tree.parents.items():
+            assert child in tree.types and parent in tree.types
+        for guid in tree.types:  # no cycles: every chain ends at the root or an orphan
+            seen, current = set(), guid
+            while current in tree.parents:
+                assert current not in seen
+                seen.add(current)
+                current = tree.parents[current]
 
 
 def test_the_object_tree_follows_create_adopt_and_dispose():
@@ -337,6 +389,17 @@ def test_a_real_group_is_made_with_its_limit_and_removed():
     finally:
         group.remove()
     assert not group.path.exists()
+
+
+def test_clients_are_keyed_by_address():
+    class Peer:
+        def __init__(self, address):
+            self.remote_address = address
+
+    assert client_key(Peer(("127.0.0.5", 40000))) == "127.0.0.5"
+    assert client_key(Peer(("::ffff:127.0.0.5", 40000, 0, 0))) == "127.0.0.5"
+    assert client_key(Peer(("::1", 1, 0, 0))) == "::1"
+    assert client_key(Peer(None)) == "unknown"
 
 
 # ---- options -------------------------------------------------------------------------------------
