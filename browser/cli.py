@@ -240,6 +240,15 @@ def cmd_browser_server(args: argparse.Namespace) -> int:
     return 0
 
 
+def _memory_size(text: str) -> int | None:
+    from .cgroup import parse_memory_size
+
+    try:
+        return parse_memory_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     browse = sub.add_parser("browse", help="read pages in the contained Chromium (exit 0 iff every URL was read)")
     browse.add_argument("url", nargs="+")
@@ -262,7 +271,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     server.add_argument("--allow-non-loopback", action="store_true",
                         help="allow binding a non-loopback address (the server has NO authentication)")
     _add_proxy_choice(server)
-    from .cgroup import parse_memory_size
     from .server import ServerLimits as L  # noqa: N817 - the defaults, named in each help text
 
     limits = server.add_argument_group("limits (see browser/README.md)")
@@ -283,7 +291,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                              f"(default {L.max_message_bytes})")
     limits.add_argument("--max-calls-in-flight", type=int, default=L.max_calls_in_flight, metavar="N",
                         help=f"unanswered calls per connection (default {L.max_calls_in_flight})")
-    limits.add_argument("--browser-memory-max", type=parse_memory_size, default=L.browser_memory_max, metavar="SIZE",
+    limits.add_argument("--browser-memory-max", type=_memory_size, default=L.browser_memory_max, metavar="SIZE",
                         help="the browser's memory cgroup limit, e.g. 2G, or off (default 2G)")
     limits.add_argument("--browser-cgroup-parent", type=Path, metavar="DIR",
                         help="create the browser's cgroup under DIR (default: the server's own cgroup)")

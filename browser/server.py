@@ -69,24 +69,26 @@ class ServerLimits:
     browser_cgroup_parent: Path | None = None  # where to create the browser's group; None: the server's own group
 
     def __post_init__(self) -> None:
+        # (a per-client cap above the global one is allowed: the global one then decides)
         for name in ("max_contexts", "max_contexts_per_client", "max_connections", "max_connections_per_client",
                      "max_calls_in_flight"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1")
-        if self.max_contexts_per_client > self.max_contexts:
-            raise ValueError("max_contexts_per_client cannot exceed max_contexts")
-        if self.max_connections_per_client > self.max_connections:
-            raise ValueError("max_connections_per_client cannot exceed max_connections")
+                raise ValueError(f"{_option(name)} must be at least 1 (got {getattr(self, name)})")
         for name in ("context_idle", "connection_idle"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be a positive number of seconds")
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"{_option(name)} must be a positive number of seconds (got {getattr(self, name)})")
         if self.max_message_bytes < 1 * MiB:
-            raise ValueError("max_message_bytes below 1 MiB would refuse ordinary pages and screenshots")
+            raise ValueError(f"{_option('max_message_bytes')} below 1 MiB (1048576) would refuse ordinary pages and "
+                             "screenshots")
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> ServerLimits:
         """From parsed command-line options named like the fields (an absent one keeps its default)."""
         return cls(**{f.name: options[f.name] for f in fields(cls) if f.name in options})
+
+
+def _option(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
 
 
 def client_key(connection) -> str:

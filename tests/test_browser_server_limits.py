@@ -409,10 +409,12 @@ def test_server_limits_have_safe_defaults_and_refuse_nonsense():
     limits = ServerLimits()
     assert limits.max_contexts_per_client <= limits.max_contexts and limits.browser_memory_max
     assert limits.max_message_bytes == 32 * 2**20
-    for bad in ({"max_contexts": 0}, {"max_contexts": 2, "max_contexts_per_client": 3}, {"context_idle": 0},
-                {"connection_idle": -1}, {"max_message_bytes": 1000}, {"max_calls_in_flight": 0}):
-        with pytest.raises(ValueError):
+    for bad in ({"max_contexts": 0}, {"max_connections_per_client": 0}, {"context_idle": 0},
+                {"connection_idle": -1}, {"context_idle": float("nan")}, {"max_message_bytes": 1000},
+                {"max_calls_in_flight": 0}):
+        with pytest.raises(ValueError, match="^--"):
             ServerLimits(**bad)
+    assert ServerLimits(max_contexts=1).max_contexts_per_client == 2  # the global cap then decides
     parsed = ServerLimits.from_options({"max_contexts": 4, "browser_memory_max": None, "port": 3000,
                                         "browser_cgroup_parent": Path("/x")})
     assert parsed.max_contexts == 4 and parsed.browser_memory_max is None
