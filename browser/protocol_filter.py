@@ -17,8 +17,16 @@ message through ``ProtocolFilter.from_client`` and refuses:
   ``Playwright.newRequest`` (an HTTP client in the driver process that no browser flag governs),
   ``Browser.startServer``/``stopServer`` and ``killForTests``.
 
-Everything else passes unchanged. Object types come from the server's own ``__create__`` messages, so
-a message for an object the filter has not seen created is refused too (fail closed).
+Everything else passes unchanged. Object types come from the server's own ``__create__`` messages (the
+connection's ``ObjectTree``, shared with the context accounting), so a message for an object the filter
+has not seen created is refused too (fail closed).
+
+Chromium's sandbox: a client cannot turn it off. ``chromiumSandbox`` and a launch's ``args`` only exist
+in launch calls (``BrowserType.launch*``, ``Android.launchBrowser``, ``Electron.launch``), which are
+refused whole, and the driver runs ``launch-server`` with launching denied besides; the relay forwards
+no handshake header but ``User-Agent``, so Playwright's ``x-playwright-launch-options`` header never
+reaches the driver. As a second layer ``chromiumSandbox`` is refused anywhere in a call's parameters,
+and so is a sandbox-disabling switch in any ``args`` list.
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from typing import Any
+
+from .objects import ObjectTree, read_server_message
 
 REFUSED_INTERFACES = {
     "BrowserType": "launching or connecting browsers is the server's business",
@@ -47,13 +57,18 @@ REFUSED_METHODS = {
     ("Browser", "startServer"): "the browser cannot start servers for clients",
     ("Browser", "stopServer"): "the browser cannot start servers for clients",
     ("Browser", "killForTests"): "killing the shared browser is not offered",
+    ("Browser", "newContextForReuse"): "the test runner's context reuse is not offered; use newContext",
 }
 # Anywhere in a message's parameters.
 REFUSED_PARAMS = {
     "proxy": "a proxy option would override egresswall for this context",
     "clientCertificates": "client certificates make Playwright proxy the context's traffic itself",
     "socksProxyPort": "a SOCKS proxy option would carry traffic past egresswall",
+    "chromiumSandbox": "Chromium's sandbox is the server's setting",
 }
+# Chromium switches that turn its sandbox (or a part of it) off, refused in any "args" list.
+SANDBOX_SWITCHES = ("--no-sandbox", "--disable-setuid-sandbox", "--no-zygote-sandbox",
+                    "--disable-seccomp-filter-sandbox", "--disable-namespace-sandbox", "--disable-gpu-sandbox")
 # At the top level of a message's parameters: options of a launch.
 REFUSED_LAUNCH_PARAMS = ("executablePath", "args", "ignoreDefaultArgs", "ignoreAllDefaultArgs", "chromiumSandbox",
                          "env", "channel", "cdpPort", "endpointURL", "wsEndpoint", "userDataDir")
@@ -75,26 +90,35 @@ class Refusal:
             "name": "Error", "stack": "", "message": f"egresswall browser-server refused this call: {self.reason}"}}})
 
 
-class ProtocolFilter:
-    """Per connection: the object types the server created, and the verdict on each client message."""
+@dataclass(frozen=True)
+class ClientCall:
+    """A client message that passed the filter."""
 
-    def __init__(self) -> None:
-        self.types: dict[str, str] = {"": "Root"}
+    call_id: int | str | None
+    guid: str
+    method: str
+    interface: str
+
+
+class ProtocolFilter:
+    """Per connection: the verdict on each client message, by the types in the connection's object tree."""
+
+    def __init__(self, tree: ObjectTree | None = None) -> None:
+        self.tree = tree if tree is not None else ObjectTree()
+
+    @property
+    def types(self) -> dict[str, str]:
+        return self.tree.types
 
     def from_server(self, text: str | bytes) -> None:
-        if isinstance(text, bytes) or "__create__" not in text and "__dispose__" not in text:
-            return
-        try:
-            message = json.loads(text)
-        except ValueError:
-            return
-        method, params = message.get("method"), message.get("params") or {}
-        if method == "__create__" and isinstance(params.get("guid"), str):
-            self.types[params["guid"]] = str(params.get("type"))
-        elif method == "__dispose__" and message.get("guid"):
-            self.types.pop(message["guid"], None)
+        """Track the objects a server message creates or drops (the relay does this through the tree)."""
+        self.tree.observe(read_server_message(text))
 
     def from_client(self, text: str | bytes) -> Refusal | None:
+        verdict = self.check(text)
+        return verdict if isinstance(verdict, Refusal) else None
+
+    def check(self, text: str | bytes) -> ClientCall | Refusal:
         if isinstance(text, bytes):
             return Refusal(None, "binary frames are not part of Playwright's protocol")
         try:
@@ -103,13 +127,19 @@ class ProtocolFilter:
             return Refusal(None, "a message that is not JSON")
         if not isinstance(message, dict):
             return Refusal(None, "a message that is not a JSON object")
-        message_id = message.get("id") if isinstance(message.get("id"), int | str) else None
+        raw_id = message.get("id")
+        message_id = raw_id if isinstance(raw_id, int | str) and not isinstance(raw_id, bool) else None
         guid, method = message.get("guid"), message.get("method")
         if not isinstance(guid, str) or not isinstance(method, str):
             return Refusal(message_id, "a message without guid and method")
-        interface = self.types.get(guid)
+        interface = self.tree.type_of(guid)
         if interface is None:
             return Refusal(message_id, f"{method} on an object this connection was never given ({guid[:80]!r})")
+        refusal = self._refusal(message_id, interface, method, message.get("params"))
+        return refusal if refusal is not None else ClientCall(message_id, guid, method, interface)
+
+    @staticmethod
+    def _refusal(message_id: int | str | None, interface: str, method: str, params: Any) -> Refusal | None:
         if interface in REFUSED_INTERFACES:
             return Refusal(message_id, f"{interface}.{method}: {REFUSED_INTERFACES[interface]}")
         if method.startswith("launch") or (method.startswith("connect") and interface != "WebSocketRoute"):
@@ -117,7 +147,6 @@ class ProtocolFilter:
         why = REFUSED_METHODS.get((interface, method))
         if why:
             return Refusal(message_id, f"{interface}.{method}: {why}")
-        params = message.get("params")
         if params is None:
             return None
         if not isinstance(params, dict):
@@ -134,7 +163,32 @@ class ProtocolFilter:
         if found:
             why = REFUSED_PARAMS.get(found, "parameters nested too deeply to check")
             return Refusal(message_id, f"{interface}.{method} with {found!r}: {why}")
+        switch = _sandbox_switch(params)
+        if switch:
+            return Refusal(message_id, f"{interface}.{method} with {switch!r}: Chromium's sandbox is the server's "
+                                       "setting")
         return None
+
+
+def _sandbox_switch(value: Any, depth: int = 0) -> str | None:
+    """A sandbox-disabling switch in an ``args`` list anywhere in the parameters."""
+    if depth > 64:
+        return None  # _find_key already refused anything this deep
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if key == "args" and isinstance(item, list):
+                for arg in item:
+                    if isinstance(arg, str) and arg.split("=", 1)[0].strip().lower() in SANDBOX_SWITCHES:
+                        return arg[:60]
+            found = _sandbox_switch(item, depth + 1)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for item in value:
+            found = _sandbox_switch(item, depth + 1)
+            if found:
+                return found
+    return None
 
 
 def _find_key(value: Any, names: dict[str, str], depth: int = 0) -> str | None:

@@ -1,11 +1,19 @@
 """``egresswall browser-server``: one contained Chromium that remote Playwright clients share.
 
 Playwright's driver (the Node.js one shipped inside the ``playwright`` Python package) runs
-``launch-server`` with the launcher's plan: Chromium is launched once, server-side, with the
+``launch-server`` with the launcher's plan (``driver.py``): Chromium is launched server-side, with the
 containment flags and the proxy. The driver listens on 127.0.0.1 at a random port and an unguessable
-path; clients never reach it. They connect (``chromium.connect(ws_endpoint)``) to a relay that parses
-every message of Playwright's protocol and refuses the calls that would change the proxy, launch or
-connect another browser, or open a socket from the driver process (``protocol_filter.py``).
+path; clients never reach it. They connect (``chromium.connect(ws_endpoint)``) to a relay (``relay.py``)
+that parses every message of Playwright's protocol and refuses the calls that would change the proxy,
+launch or connect another browser, or open a socket from the driver process (``protocol_filter.py``).
+
+Under load (``ServerLimits``): contexts and connections are capped over all clients and per client,
+admitted before anything reaches the browser (``caps.py``, ``tracker.py``); idle contexts and idle
+connections are closed on the server's own clock; protocol messages are bounded in size and in number
+in flight; the browser runs in a memory cgroup of its own where the host allows one (``cgroup.py``).
+When the browser dies (killed at its ceiling, or from outside) its clients' connections are closed
+with the reason and a new browser is started; the server keeps serving. Counters are served as
+``GET /metrics`` on the same port (``metrics.py``).
 
 It has NO authentication: anyone who can open a WebSocket to it drives a browser (and that browser's
 egress is whatever the policy allows). Keep it on loopback or on a network only its clients reach;
@@ -19,18 +27,81 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
-import json
 import logging
-import secrets
+import shutil
 import signal
 import sys
 import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
-from .launch import ContainmentError, LaunchPlan, browser_command_line, verify_command_line
-from .protocol_filter import ProtocolFilter
+from .caps import CapRefusal, Caps
+from .cgroup import CgroupError, MemoryCeiling
+from .driver import BrowserProcess
+from .launch import ContainmentError, LaunchPlan
+from .metrics import BrowserMetrics
+from .relay import MAX_QUEUE, Ending, Relay, close_reason
 
 log = logging.getLogger("egresswall.browser")
+MiB = 2**20
+RESTART_BACKOFF_MAX = 30.0  # seconds between restarts of a browser that keeps dying
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one browser server lets its clients hold. The defaults suit a host (or container) with
+    about 4 GiB for the browser: 8 contexts at a few hundred MB each under a 2 GiB ceiling."""
+
+    max_contexts: int = 8  # contexts open (or opening) over all clients
+    max_contexts_per_client: int = 2
+    max_connections: int = 32
+    max_connections_per_client: int = 8
+    context_idle: float = 300.0  # seconds without a call on a context (or its pages...) before it is closed
+    connection_idle: float = 600.0  # seconds without a call on a connection before it is closed
+    # 32 MiB: a full-page PNG screenshot of a long page (1280 x 16000 px is typically 5-15 MB, 4/3 of
+    # that in base64) or page.content() of a very large page; Playwright's own client limit is 256 MiB.
+    max_message_bytes: int = 32 * MiB
+    max_calls_in_flight: int = 64  # calls a connection has sent and not had answered
+    browser_memory_max: int | None = 2 * 2**30  # the browser's cgroup limit; None: no ceiling of our own
+    browser_cgroup_parent: Path | None = None  # where to create the browser's group; None: the server's own group
+
+    def __post_init__(self) -> None:
+        # (a per-client cap above the global one is allowed: the global one then decides)
+        for name in ("max_contexts", "max_contexts_per_client", "max_connections", "max_connections_per_client",
+                     "max_calls_in_flight"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{_option(name)} must be at least 1 (got {getattr(self, name)})")
+        for name in ("context_idle", "connection_idle"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"{_option(name)} must be a positive number of seconds (got {getattr(self, name)})")
+        if self.max_message_bytes < 1 * MiB:
+            raise ValueError(f"{_option('max_message_bytes')} below 1 MiB (1048576) would refuse ordinary pages and "
+                             "screenshots")
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> ServerLimits:
+        """From parsed command-line options named like the fields (an absent one keeps its default)."""
+        return cls(**{f.name: options[f.name] for f in fields(cls) if f.name in options})
+
+
+def _option(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def client_key(connection) -> str:
+    """What the per-client caps count by: the peer's address. Session grants, when clients have them,
+    key by the session here instead (the caps take any string)."""
+    address = connection.remote_address
+    host = str(address[0]) if address else "unknown"
+    try:
+        parsed = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    mapped = getattr(parsed, "ipv4_mapped", None)
+    return str(mapped or parsed)
 
 
 def check_bind_address(host: str, allow_non_loopback: bool) -> None:
@@ -54,26 +125,50 @@ def is_loopback(host: str) -> bool:
 
 
 class BrowserServer:
-    def __init__(self, plan: LaunchPlan, host: str = "127.0.0.1", port: int = 3000,
-                 start_timeout: float = 60.0) -> None:
+    def __init__(self, plan: LaunchPlan, host: str = "127.0.0.1", port: int = 3000, start_timeout: float = 60.0,
+                 limits: ServerLimits | None = None, key_of: Callable[[Any], str] = client_key) -> None:
         self.plan = plan
         self.host, self.port = host, port
         self.start_timeout = start_timeout
-        self.upstream: str | None = None  # the driver's own endpoint, with its secret path
+        self.limits = limits or ServerLimits()
+        self.key_of = key_of
         self.endpoint: str | None = None  # what clients connect to
-        self.refusals = 0
-        self._driver: asyncio.subprocess.Process | None = None
+        self.metrics = BrowserMetrics()
+        self.context_caps = Caps(self.limits.max_contexts, self.limits.max_contexts_per_client, "contexts",
+                                 "close one")
+        self.connection_caps = Caps(self.limits.max_connections, self.limits.max_connections_per_client,
+                                    "connections", "close one")
+        self.relays: set[Relay] = set()
+        self.browser: BrowserProcess | None = None
+        self.ceiling: MemoryCeiling | None = None
+        self.ready = asyncio.Event()
+        self.stopping = False
         self._stop = asyncio.Event()
+        self._oom_kills_seen = 0
+        self._exits: list[float] = []
+        self._background: set[asyncio.Task] = set()  # held here: the loop keeps only weak references
+
+    def spawn(self, work) -> None:
+        """Run ``work`` in the background (closing a connection, reaping a context)."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    @property
+    def refusals(self) -> int:
+        return sum(self.metrics.calls_refused.values())
 
     async def run(self) -> None:
         from websockets.asyncio.server import serve
 
         workdir = Path(tempfile.mkdtemp(prefix="egresswall-server-"))
+        self._prepare_ceiling()
+        tasks: list[asyncio.Task] = []
         try:
-            await self._start_driver(workdir)
-            await self._verify_browser()
-            async with serve(self._relay, self.host, self.port, max_size=None, ping_interval=None,
-                             process_request=_refuse_web_origins, server_header=None) as server:
+            await self._start_browser(workdir)
+            async with serve(self._handle, self.host, self.port, max_size=self.limits.max_message_bytes,
+                             max_queue=MAX_QUEUE, ping_interval=None, process_request=self._process_request,
+                             server_header=None) as server:
                 bound = server.sockets[0].getsockname()
                 host = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
                 self.endpoint = f"ws://{host}:{bound[1]}/"
@@ -83,128 +178,173 @@ class BrowserServer:
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                         loop.add_signal_handler(sig, self._stop.set)
-                driver_exit = asyncio.create_task(self._driver.wait())
+                tasks = [asyncio.create_task(self._supervise(workdir)), asyncio.create_task(self._watch_limits())]
                 stop = asyncio.create_task(self._stop.wait())
-                done, _ = await asyncio.wait({driver_exit, stop}, return_when=asyncio.FIRST_COMPLETED)
-                if driver_exit in done:
-                    raise ContainmentError(f"the browser exited (driver status {driver_exit.result()})")
+                done, _ = await asyncio.wait({*tasks, stop}, return_when=asyncio.FIRST_COMPLETED)
                 stop.cancel()
+                self.stopping = True
+                for task in done - {stop}:
+                    task.result()  # a browser that could not be started again (or a bug): the server ends
         finally:
-            await self._stop_driver()
-            for file in workdir.iterdir():
-                file.unlink()
-            workdir.rmdir()
+            self.stopping = True
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError, ContainmentError, CgroupError):
+                    await task
+            if self.browser is not None:
+                await self.browser.stop()
+            shutil.rmtree(workdir, ignore_errors=True)
+            m = self.metrics
+            log.info("browser server stopped: %d contexts opened, %d refused, %d closed when idle; %d browser exits",
+                     m.contexts_opened, sum(m.contexts_refused.values()),
+                     m.contexts_reaped["idle"] + m.contexts_reaped["connection_idle"], sum(m.browser_exits.values()))
 
     def stop(self) -> None:
         self._stop.set()
 
-    async def _start_driver(self, workdir: Path) -> None:
-        from playwright._impl._driver import compute_driver_executable, get_driver_env
+    # ---- the browser ----------------------------------------------------------------------------
 
-        config = self.plan.server_config()
-        config.update(host="127.0.0.1", port=0, wsPath="/" + secrets.token_urlsafe(24))
-        config_file = workdir / "launch-server.json"
-        config_file.touch(mode=0o600)
-        config_file.write_text(json.dumps(config))
-        node, cli = compute_driver_executable()
-        self._driver = await asyncio.create_subprocess_exec(
-            node, cli, "launch-server", "--browser", "chromium", "--config", str(config_file),
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, env=get_driver_env())
-        assert self._driver.stdout is not None
-        try:
-            while True:
-                line = await asyncio.wait_for(self._driver.stdout.readline(), self.start_timeout)
-                if not line:
-                    raise ContainmentError(f"the Playwright driver exited before the browser started "
-                                           f"(status {await self._driver.wait()})")
-                text = line.decode(errors="replace").strip()
-                if text.startswith("ws://"):
-                    self.upstream = text
-                    break
-        except TimeoutError:
-            raise ContainmentError(f"the browser did not start within {self.start_timeout:g} seconds") from None
-        asyncio.get_running_loop().create_task(self._drain(self._driver.stdout))
-
-    async def _verify_browser(self) -> None:
-        argv = await asyncio.to_thread(browser_command_line, self.plan.user_data_dir)
-        problems = ["the browser process was not found in /proc"] if argv is None else verify_command_line(argv,
-                                                                                                           self.plan)
-        if problems:
-            raise ContainmentError("the launched Chromium is not contained: " + "; ".join(problems))
-
-    @staticmethod
-    async def _drain(stream: asyncio.StreamReader) -> None:
-        while await stream.readline():
-            pass
-
-    async def _stop_driver(self) -> None:
-        driver = self._driver
-        if driver is None or driver.returncode is not None:
+    def _prepare_ceiling(self) -> None:
+        limit = self.limits.browser_memory_max
+        if limit is None:
+            log.warning("no browser memory ceiling (--browser-memory-max off): the container's or host's memory "
+                        "limit is the ceiling")
             return
-        driver.send_signal(signal.SIGTERM)  # Playwright closes the browser on SIGTERM
         try:
-            await asyncio.wait_for(driver.wait(), 15)
-        except TimeoutError:
-            driver.kill()
-            await driver.wait()
-
-    async def _relay(self, client) -> None:
-        from websockets.asyncio.client import connect
-        from websockets.exceptions import ConnectionClosed, InvalidStatus
-
-        assert self.upstream is not None
-        user_agent = client.request.headers.get("User-Agent")  # the driver checks the client's version in it
-        peer = client.remote_address
-        try:
-            upstream = await connect(self.upstream, max_size=None, ping_interval=None, open_timeout=30,
-                                     user_agent_header=user_agent, compression=None)
-        except InvalidStatus as err:
-            body = err.response.body.decode(errors="replace")[:300] if err.response.body else ""
-            await client.close(1011, f"the browser server refused the connection: {body}"[:120])
+            self.ceiling = MemoryCeiling.prepare(limit, self.limits.browser_cgroup_parent)
+        except CgroupError as err:
+            log.warning("browser memory ceiling not applied: %s; the container's or host's memory limit is the "
+                        "ceiling", err)
             return
-        except OSError as err:
-            await client.close(1011, f"the browser is not reachable: {err}"[:120])
-            return
-        protocol = ProtocolFilter()
-        log.info("client %s connected", peer)
+        log.info("browser memory ceiling: %d MiB (cgroup v%d, groups under %s)", limit // MiB, self.ceiling.version,
+                 self.ceiling.parent)
 
-        async def client_to_server() -> None:
-            async for message in client:
-                refusal = protocol.from_client(message)
-                if refusal is None:
-                    await upstream.send(message)
-                    continue
-                self.refusals += 1
-                log.warning("refused from %s: %s", peer, refusal.reason)
-                reply = refusal.reply()
-                if reply is None:
-                    await client.close(1008, refusal.reason[:120])
-                    return
-                await client.send(reply)
-
-        async def server_to_client() -> None:
-            async for message in upstream:
-                protocol.from_server(message)
-                await client.send(message)
-
-        tasks = [asyncio.create_task(client_to_server()), asyncio.create_task(server_to_client())]
+    async def _start_browser(self, workdir: Path) -> None:
         try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            group = self.ceiling.group() if self.ceiling is not None else None
+        except CgroupError as err:  # it worked at start: fail closed rather than run without the ceiling
+            raise ContainmentError(f"the browser's memory cgroup: {err}") from None
+        browser = BrowserProcess(self.plan, workdir, group, self.start_timeout)
+        self.browser = browser
+        self.metrics.browser_starts += 1
+        self._oom_kills_seen = group.oom_kills() if group is not None else 0
+        await browser.start()
+        self.ready.set()
+
+    async def _supervise(self, workdir: Path) -> None:
+        """Start a new browser each time one exits while serving (backing off if it keeps dying)."""
+        while True:
+            browser = self.browser
+            assert browser is not None
+            await browser.exited.wait()
+            self.ready.clear()
+            self._count_oom_kills()
+            label = "memory_ceiling" if browser.killed_at_ceiling() else "unexpected"
+            self.metrics.browser_exits[label] += 1
+            log.warning("%s (driver status %s); starting a new one", browser.exit_reason, browser.exit_status)
+            await browser.release()
+            now = time.monotonic()
+            self._exits = [t for t in self._exits if now - t < 60] + [now]
+            if len(self._exits) >= 3:
+                await asyncio.sleep(min(2.0 ** (len(self._exits) - 2), RESTART_BACKOFF_MAX))
+            await self._start_browser(workdir)
+            log.info("a new browser is serving")
+
+    def _count_oom_kills(self) -> None:
+        group = self.browser.cgroup if self.browser is not None else None
+        if group is None:
+            return
+        kills = group.oom_kills()
+        if kills > self._oom_kills_seen:
+            self.metrics.oom_kills += kills - self._oom_kills_seen
+            log.warning("the kernel killed %d process(es) of the browser at its memory ceiling of %d MiB (a page "
+                        "that grew: its client sees the page crash)", kills - self._oom_kills_seen,
+                        (self.limits.browser_memory_max or 0) // MiB)
+            self._oom_kills_seen = kills
+
+    # ---- idle limits and the ceiling's watch ----------------------------------------------------
+
+    async def _watch_limits(self) -> None:
+        limits = self.limits
+        tick = min(1.0, limits.context_idle / 4, limits.connection_idle / 4)
+        while True:
+            await asyncio.sleep(tick)
+            self._count_oom_kills()
+            now = time.monotonic()
+            for relay in list(self.relays):
+                for context in relay.tracker.idle_contexts(now, limits.context_idle):
+                    log.info("closing a context of %s: no call for %g s (the idle limit)", relay.peer,
+                             limits.context_idle)
+                    self.spawn(relay.reap(
+                        context.guid, "idle", f"closed by the egresswall browser server: no call for "
+                                              f"{limits.context_idle:g} s (its idle limit)"))
+                if relay.ending is None and relay.tracker.idle_for(now) >= limits.connection_idle:
+                    log.info("closing the connection of %s: no call for %g s (the idle limit)", relay.peer,
+                             limits.connection_idle)
+                    relay.end(Ending(1000, f"no call for {limits.connection_idle:g} s (the idle limit): closed by "
+                                           "the server", "idle"))
+
+    # ---- connections ----------------------------------------------------------------------------
+
+    def _process_request(self, connection, request):
+        if request.path == "/metrics":
+            return connection.respond(200, self.render_metrics())
+        if "Origin" in request.headers:
+            # a handshake with an Origin header comes from a web page: refused (cross-site WebSocket)
+            self.metrics.connections_refused["web_origin"] += 1
+            return connection.respond(403, "egresswall browser-server: WebSocket connections from web pages are "
+                                           "refused\n")
+        refusal = self._connection_refusal(self.key_of(connection))
+        if refusal is not None:  # answered before the handshake; _handle takes the slot itself
+            self.metrics.connections_refused[refusal.scope] += 1
+            return connection.respond(503, f"egresswall browser-server: {refusal.reason}\n")
+        return None
+
+    def _connection_refusal(self, key: str) -> CapRefusal | None:
+        probe = self.connection_caps.reserve(key)
+        if isinstance(probe, CapRefusal):
+            return probe
+        probe.release()
+        return None
+
+    async def _handle(self, connection) -> None:
+        key = self.key_of(connection)
+        slot = self.connection_caps.reserve(key)
+        if isinstance(slot, CapRefusal):  # lost a race with another handshake since _process_request
+            self.metrics.connections_refused[slot.scope] += 1
+            await connection.close(1013, close_reason(slot.reason))
+            return
+        relay: Relay | None = None
+        try:
+            self.metrics.connections_accepted += 1
+            try:
+                await asyncio.wait_for(self.ready.wait(), self.start_timeout + RESTART_BACKOFF_MAX)
+            except TimeoutError:
+                await connection.close(1013, "the browser is restarting; try again")
+                return
+            browser = self.browser
+            assert browser is not None and browser.upstream is not None
+            relay = Relay(self, connection, key, browser)
+            self.relays.add(relay)
+            await relay.run(browser.upstream)
         finally:
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError, ConnectionClosed):
-                    await task
-            await upstream.close()
-            await client.close()
-            log.info("client %s disconnected", peer)
+            slot.release()
+            if relay is not None:
+                self.relays.discard(relay)
 
+    # ---- metrics --------------------------------------------------------------------------------
 
-def _refuse_web_origins(connection, request):
-    """A handshake with an Origin header comes from a web page: refused (cross-site WebSocket)."""
-    if "Origin" in request.headers:
-        return connection.respond(403, "egresswall browser-server: WebSocket connections from web pages are "
-                                       "refused\n")
-    return None
-
+    def render_metrics(self) -> str:
+        group = self.browser.cgroup if self.browser is not None else None
+        gauges = {
+            "contexts_open": ("Contexts open now.", sum(len(r.tracker.contexts) for r in self.relays)),
+            "contexts_held": ("Context slots taken now (open, or opening).", self.context_caps.in_use),
+            "contexts_max": ("The cap on contexts over all clients.", self.limits.max_contexts),
+            "connections_open": ("Client connections open now.", self.connection_caps.in_use),
+            "memory_ceiling_bytes": ("The browser's memory cgroup limit (0: none applied).",
+                                     self.limits.browser_memory_max if self.ceiling is not None else 0),
+            "memory_bytes": ("Memory the browser's cgroup holds now (0: no cgroup).",
+                             group.usage() if group is not None else 0),
+        }
+        return self.metrics.render(gauges)

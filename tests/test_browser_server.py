@@ -44,7 +44,7 @@ def protocol() -> ProtocolFilter:
 
 @pytest.mark.parametrize("guid,method,params,why", [
     ("browser@1", "newContext", {"proxy": {"server": "http://10.0.0.1:3128"}}, "'proxy'"),
-    ("browser@1", "newContextForReuse", {"proxy": {"server": "socks5://x:1"}}, "'proxy'"),
+    ("browser@1", "newContextForReuse", {"proxy": {"server": "socks5://x:1"}}, "context reuse"),
     ("browser@1", "newContext", {"clientCertificates": [{"origin": "https://x"}]}, "'clientCertificates'"),
     ("playwright", "newRequest", {"baseURL": "http://10.0.0.1/"}, "Playwright.newRequest"),
     ("browser-type@1", "launch", {"executablePath": "/bin/sh"}, "BrowserType.launch"),
@@ -98,11 +98,14 @@ def test_non_loopback_bind_is_refused_without_the_flag():
 # ---- the real server ----------------------------------------------------------------------------------
 
 class ServerProcess:
-    def __init__(self, proxy: str, log: Path) -> None:
+    """``egresswall browser-server`` as a process of its own (``extra``: more command-line options)."""
+
+    def __init__(self, proxy: str, log: Path, *extra: str) -> None:
         self.log = log
         self._err = open(log, "wb")  # noqa: SIM115 - open for the process's life
         self.process = subprocess.Popen([sys.executable, "-m", "proxy.cli", "browser-server", "--port", "0",
-                                         "--proxy", proxy], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=self._err)
+                                         "--proxy", proxy, *extra], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                        stderr=self._err)
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             match = re.search(r"listening on (ws://\S+)", log.read_text(errors="replace"))
@@ -118,6 +121,22 @@ class ServerProcess:
     @property
     def stderr(self) -> str:
         return self.log.read_text(errors="replace")
+
+    def metrics(self) -> dict[str, float]:
+        """``GET /metrics`` of the server: sample (with its labels) → value."""
+        from urllib.request import urlopen
+
+        with urlopen(self.endpoint.replace("ws://", "http://") + "metrics", timeout=10) as response:
+            text = response.read().decode()
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines() if line and not line.startswith("#")}
+
+    def resident_bytes(self) -> int:
+        """The server process's own resident set (VmRSS), not the browser's."""
+        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmRSS")
 
     def stop(self) -> int:
         if self.process.poll() is None:

@@ -40,7 +40,14 @@ def imports_of(module: str, path: Path, known: set[str]) -> set[str]:
     is_package = path.name == "__init__.py"
     package = module if is_package else module.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    # ``if TYPE_CHECKING:`` imports exist for the type checker only and never run: not edges.
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
+                   for stmt in block.body for n in ast.walk(stmt)}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         names: list[str] = []
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]

@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+from pathlib import Path
 
-from browser.server import BrowserServer, check_bind_address
+from browser.cgroup import parse_memory_size
+from browser.server import BrowserServer, ServerLimits, check_bind_address
 from proxy.listeners import BROWSER_SERVER, ListenError, check_free
 
 from . import logs
 from .browser_proxy import add_proxy_choice, browser_proxy
+from .errors import UsageError
 
 _CANNOT_LISTEN = (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES)
 
@@ -23,16 +26,54 @@ def register(sub: argparse._SubParsersAction) -> None:
     server.add_argument("--allow-non-loopback", action="store_true",
                         help="allow binding a non-loopback address (the server has NO authentication)")
     add_proxy_choice(server)
+    _add_limits(server)
     server.set_defaults(func=cmd_browser_server)
+
+
+def _memory_size(text: str) -> int | None:
+    try:
+        return parse_memory_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _add_limits(server: argparse.ArgumentParser) -> None:
+    d = ServerLimits  # the defaults, named in each help text (browser/README.md has the why)
+    limits = server.add_argument_group("limits (see browser/README.md)")
+    limits.add_argument("--max-contexts", type=int, default=d.max_contexts, metavar="N",
+                        help=f"contexts open at once over all clients (default {d.max_contexts})")
+    limits.add_argument("--max-contexts-per-client", type=int, default=d.max_contexts_per_client, metavar="N",
+                        help=f"contexts open at once per client address (default {d.max_contexts_per_client})")
+    limits.add_argument("--max-connections", type=int, default=d.max_connections, metavar="N",
+                        help=f"client connections over all clients (default {d.max_connections})")
+    limits.add_argument("--max-connections-per-client", type=int, default=d.max_connections_per_client,
+                        metavar="N", help=f"client connections per address (default {d.max_connections_per_client})")
+    limits.add_argument("--context-idle", type=float, default=d.context_idle, metavar="S",
+                        help=f"close a context after S seconds without a call (default {d.context_idle:g})")
+    limits.add_argument("--connection-idle", type=float, default=d.connection_idle, metavar="S",
+                        help=f"close a connection after S seconds without a call (default {d.connection_idle:g})")
+    limits.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, metavar="N",
+                        help=f"largest protocol message either way; bigger closes the connection "
+                             f"(default {d.max_message_bytes})")
+    limits.add_argument("--max-calls-in-flight", type=int, default=d.max_calls_in_flight, metavar="N",
+                        help=f"unanswered calls per connection (default {d.max_calls_in_flight})")
+    limits.add_argument("--browser-memory-max", type=_memory_size, default=d.browser_memory_max, metavar="SIZE",
+                        help="the browser's memory cgroup limit, e.g. 2G, or off (default 2G)")
+    limits.add_argument("--browser-cgroup-parent", type=Path, metavar="DIR",
+                        help="create the browser's cgroup under DIR (default: the server's own cgroup)")
 
 
 def cmd_browser_server(args: argparse.Namespace) -> int:
     logs.configure(quiet_libraries=("websockets",))
     check_bind_address(args.host, args.allow_non_loopback)
+    try:
+        limits = ServerLimits.from_options(vars(args))
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     # Before a proxy and a browser are started for nothing: the port is the operator's most likely mistake.
     check_free(BROWSER_SERVER, args.host, args.port)
     with browser_proxy(args) as proxy:
-        server = BrowserServer(proxy.plan, args.host, args.port)
+        server = BrowserServer(proxy.plan, args.host, args.port, limits=limits)
         try:
             asyncio.run(server.run())
         except OSError as err:
