@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test lint bench bench-quick soak
+.PHONY: run test lint images bench bench-quick soak
 
 run:
 	@ci/install.sh
@@ -12,6 +12,12 @@ test:
 	@ci/install.sh --all
 	$(PY) -m ruff check policy proxy browser squid-compat ci tests
 	$(PY) -m pytest tests
+
+# The proxy, browser and netlock images from compose/Dockerfile.* (buildah, on a Debian base made with
+# mmdebstrap), their root filesystems exported to build/images/ (ci/images.sh; IMAGES_ARGS e.g. "--only proxy").
+images:
+	@ci/install.sh --images
+	ci/images.sh $(IMAGES_ARGS)
 
 lint:
 	$(PY) -m ruff check policy proxy browser squid-compat ci tests
