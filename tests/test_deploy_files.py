@@ -1276,8 +1276,8 @@ def shared_problems(docs: list[dict]) -> list[str]:
                 if secret.get("secretName") != CA_SECRET or items != {"mitmproxy-ca-cert.pem"}:
                     problems.append(f"{deployment['metadata']['name']}: the browser does not trust the shared CA's "
                                     "certificate from the Secret (and only the certificate)")
-    redis = [d for d in docs if d["kind"] == "Deployment"
-             and any((c.get("command") or [""])[0] == "redis-server" for c in d["spec"]["template"]["spec"]["containers"])]
+    redis = [d for d in docs if d["kind"] == "Deployment" and any(
+        (c.get("command") or [""])[0] == "redis-server" for c in d["spec"]["template"]["spec"]["containers"])]
     if len(redis) != 1 or redis[0]["spec"].get("replicas") != 1:
         problems.append("no single Redis Deployment for the replicas' shared session store")
     return problems
