@@ -2,16 +2,30 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test lint bench bench-quick soak
+.PHONY: run test lint images compose-lab bench bench-quick soak
 
 run:
 	@ci/install.sh
 	$(VENV)/bin/egresswall run --policy policy/default.yaml --listen 127.0.0.1:3128
 
+# The images are built first: tests/test_containment_compose.py runs the compose topology from their root
+# filesystems (README, "Deployment proven").
 test:
-	@ci/install.sh --all
+	@ci/install.sh --all --images
+	@if [ "$$(id -u)" -eq 0 ]; then ci/images.sh; \
+	 else echo "make test: not root, so no images are built (the lab tests, which need root, skip)"; fi
 	$(PY) -m ruff check policy proxy browser squid-compat ci tests
 	$(PY) -m pytest tests
+
+# The proxy, browser and netlock images from compose/Dockerfile.* (buildah, on a Debian base made with
+# mmdebstrap), their root filesystems exported to build/images/ (ci/images.sh; IMAGES_ARGS e.g. "--only proxy").
+images:
+	@ci/install.sh --images
+	ci/images.sh $(IMAGES_ARGS)
+
+# The compose topology in the containment lab, by hand, with its negative twin (make test runs it too).
+compose-lab: images
+	ci/compose-lab --negative
 
 lint:
 	$(PY) -m ruff check policy proxy browser squid-compat ci tests

@@ -301,8 +301,9 @@ def plan_launch(proxy: str, *, engine: str = "chromium", executable: str | None 
                 headless: bool = True, sandbox: bool | None = None, user_data_dir: str | None = None,
                 extra_args: Sequence[str] = ()) -> LaunchPlan:
     """Build a contained launch. ``ca_files``: certificates whose key Chromium should accept for TLS
-    (the proxy's CA when the policy intercepts; a lab's own certificate). ``sandbox`` None means on,
-    except as root, where Chromium cannot start with it (then off, logged)."""
+    (the proxy's CA when the policy intercepts; a lab's own certificate). ``sandbox``: None or True means
+    Chromium's sandbox is on, and as root (where it cannot run) the launch is refused; False turns it
+    off, logged."""
     check_engine(engine)
     proxy_server = check_proxy_url(proxy)
     problems = managed_policy_problems()
@@ -357,19 +358,19 @@ def _check_extra_arg(arg: str) -> None:
 
 
 def _sandbox_choice(sandbox: bool | None) -> bool:
-    if sandbox is None:
-        if running_as_root():
-            log.warning("running as root (%s): Chromium cannot use its sandbox as root, so it starts with "
-                        "--no-sandbox. Run as an unprivileged user to keep the sandbox (see browser/README.md).",
-                        getpass.getuser())
-            return False
-        return True
-    if sandbox and running_as_root():
-        raise ContainmentError("Chromium's sandbox cannot run as root; run as an unprivileged user, or turn the "
-                               "sandbox off explicitly")
-    if not sandbox:
+    """Chromium's sandbox is on unless the caller turned it off in so many words. As root it cannot run
+    (Chromium refuses to start), and quietly turning it off would take away the browser's own boundary
+    around hostile pages: so as root a launch is refused unless ``sandbox=False`` (``--no-sandbox``) says
+    the caller knows."""
+    if sandbox is False:
         log.warning("Chromium's sandbox is OFF by request (--no-sandbox): a compromised renderer is not confined")
-    return sandbox
+        return False
+    if running_as_root():
+        raise ContainmentError(
+            f"running as root ({getpass.getuser()}): Chromium's sandbox cannot run as root, and egresswall does "
+            "not turn it off unasked; run as an unprivileged user to keep it, or pass --no-sandbox to run "
+            "without it")
+    return True
 
 
 def write_profile(profile: Path, containment: ContainmentOptions) -> None:

@@ -2,18 +2,22 @@
 # The one install script: the README's commands, CI and the Dockerfiles all run this, so every install
 # step an image takes is one CI has taken too.
 #
-#   ci/install.sh [--browser] [--squid] [--lab] [--bench] [--all] [--no-venv] [--venv=DIR]
+#   ci/install.sh [--browser] [--squid] [--lab] [--images] [--bench] [--all] [--python] [--no-venv] [--venv=DIR]
 #
-# Always: find a Python >= 3.12 (mitmproxy 12 needs it), make a venv, pip-install egresswall into it.
+# Always: find a Python >= 3.12 (mitmproxy 12 needs it; as root, Debian's python3 is installed when there is
+# none), make a venv, pip-install egresswall into it.
 # --browser: Debian's chromium (Playwright drives it; nothing downloads a browser build).
 # --squid:   Debian's squid (benchmarks and the differential test compare against it).
 # --lab:     iproute2, nftables and tcpdump for the network-namespace containment lab.
+# --images:  mmdebstrap and buildah, which build the images from compose/Dockerfile.* (ci/images.sh).
 # --bench:   squid, nginx-light, wrk and curl for the side-by-side benchmark (make bench).
+# --python:  with --no-venv: still find (or install) the Python, so a Dockerfile can take that step apart.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv="${EGRESSWALL_VENV:-$here/.venv}"
 want_venv=1
+want_python=0
 apt_packages=()
 
 for arg in "$@"; do
@@ -21,11 +25,13 @@ for arg in "$@"; do
     --browser) apt_packages+=(chromium fonts-liberation) ;;
     --squid) apt_packages+=(squid) ;;
     --lab) apt_packages+=(iproute2 nftables tcpdump) ;;
+    --images) apt_packages+=(mmdebstrap buildah) ;;
     --bench) apt_packages+=(squid nginx-light wrk curl) ;;
     --all) apt_packages+=(chromium fonts-liberation squid iproute2 nftables tcpdump) ;;
     --no-venv) want_venv=0 ;;
+    --python) want_python=1 ;;
     --venv=*) venv="${arg#--venv=}" ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "install.sh: unknown option $arg" >&2; exit 2 ;;
   esac
 done
@@ -69,13 +75,16 @@ find_python() {
 
 [ ${#apt_packages[@]} -gt 0 ] && install_debian_packages "${apt_packages[@]}"
 
-if [ "$want_venv" -eq 1 ]; then
+if [ "$want_venv" -eq 1 ] || [ "$want_python" -eq 1 ]; then
   python=$(find_python) || {
     if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
       install_debian_packages python3 python3-venv; python=$(find_python) || true
     fi
     [ -n "${python:-}" ] || { say "no Python >= 3.12 found; set EGRESSWALL_PYTHON=/path/to/python3.12"; exit 1; }
   }
+fi
+
+if [ "$want_venv" -eq 1 ]; then
   # Rebuild the venv when its Python is gone or too old; reinstall when pyproject.toml changed.
   if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
     say "creating $venv with $python"
@@ -84,8 +93,12 @@ if [ "$want_venv" -eq 1 ]; then
   stamp="$venv/.egresswall-installed"
   want=$(cat "$here/pyproject.toml" | sha256sum | cut -d' ' -f1)
   if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    pip_options=(-q --disable-pip-version-check)
+    # An image build's secret "build-ca" (ci/images.sh passes the build machine's CA bundle, for registries
+    # reached through a TLS-inspecting proxy): pip trusts it for this install; no image keeps it.
+    [ -s /run/secrets/build-ca ] && pip_options+=(--cert /run/secrets/build-ca)
     say "pip install -e $here[test]"
-    "$venv/bin/python" -m pip install -q --disable-pip-version-check -e "$here[test]"
+    "$venv/bin/python" -m pip install "${pip_options[@]}" -e "$here[test]"
     echo "$want" > "$stamp"
   fi
 fi

@@ -12,6 +12,7 @@ import subprocess
 import time
 
 import pytest
+from unprivileged import SANDBOX
 
 from browser import launch as launcher
 from browser.launch import (
@@ -30,7 +31,7 @@ from browser.launch import (
 
 @pytest.fixture
 def plan():
-    made = plan_launch("127.0.0.1:3128")
+    made = plan_launch("127.0.0.1:3128", sandbox=SANDBOX)
     yield made
     made.cleanup()
 
@@ -74,7 +75,7 @@ def test_profile_preferences_pin_webrtc_and_turn_doh_off(plan):
 
 def test_weakening_is_explicit_and_loud(caplog):
     with caplog.at_level(logging.WARNING, logger="egresswall.browser"):
-        weak = plan_launch("127.0.0.1:3128", containment=ContainmentOptions(loopback_bypass_fix=False,
+        weak = plan_launch("127.0.0.1:3128", sandbox=SANDBOX, containment=ContainmentOptions(loopback_bypass_fix=False,
                                                                             webrtc_policy=False))
     try:
         assert not flag_values(weak.args, "--proxy-bypass-list")
@@ -129,21 +130,6 @@ def test_extra_arguments_cannot_change_containment(arg):
         plan_launch("127.0.0.1:3128", extra_args=[arg])
 
 
-def test_sandbox_on_for_unprivileged_users_and_off_as_root_with_a_warning(monkeypatch, caplog):
-    monkeypatch.setattr(launcher, "running_as_root", lambda: False)
-    plan = plan_launch("127.0.0.1:3128")
-    assert plan.chromium_sandbox and "--no-sandbox" not in plan.args
-    plan.cleanup()
-    monkeypatch.setattr(launcher, "running_as_root", lambda: True)
-    with caplog.at_level(logging.WARNING, logger="egresswall.browser"):
-        plan = plan_launch("127.0.0.1:3128")
-    assert not plan.chromium_sandbox and "--no-sandbox" in plan.args
-    assert "cannot use its sandbox as root" in caplog.text
-    plan.cleanup()
-    with pytest.raises(ContainmentError, match="cannot run as root"):
-        plan_launch("127.0.0.1:3128", sandbox=True)
-
-
 def test_spki_hash_is_base64_sha256_of_the_subject_public_key_info(lab):
     from cryptography import x509
     from cryptography.hazmat.primitives import serialization
@@ -157,7 +143,7 @@ def test_spki_hash_is_base64_sha256_of_the_subject_public_key_info(lab):
         der2 = subprocess.run(["openssl", "pkey", "-pubin", "-outform", "der"], input=pubkey, capture_output=True,
                               check=True).stdout
         assert spki_hash(lab.cert_file) == base64.b64encode(hashlib.sha256(der2).digest()).decode()
-    plan = plan_launch("127.0.0.1:3128", ca_files=[lab.cert_file])
+    plan = plan_launch("127.0.0.1:3128", ca_files=[lab.cert_file], sandbox=SANDBOX)
     assert flag_values(plan.args, "--ignore-certificate-errors-spki-list") == [spki_hash(lab.cert_file)]
     plan.cleanup()
 
@@ -190,7 +176,7 @@ def test_real_chromium_gets_the_planned_argv_and_stays_quiet_when_idle(lab, star
     from playwright.sync_api import sync_playwright
 
     proxy = start_proxy(lab.policy_text())
-    plan = plan_launch(f"{proxy.host}:{proxy.port}")
+    plan = plan_launch(f"{proxy.host}:{proxy.port}", sandbox=SANDBOX)
     lab.public.serve("/page/quiet", "<html><head><title>quiet</title></head><body><p>quiet page</p></body></html>")
     try:
         with sync_playwright() as playwright:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from unprivileged import NO_SANDBOX_ARGS, SANDBOX
 
 from browser.probe import OUTCOMES, PAGE_DIR, ROUTES, ProbeError, load_targets, run_probe, validate_targets
 from browser.probe.runner import canonical_url
@@ -77,7 +78,7 @@ def test_probe_reports_every_route_and_nothing_internal_is_reached(lab, start_pr
     proxy = start_proxy(lab.policy_text())
     targets = lab_targets(lab)
     before = (list(lab.internal.connections), list(lab.internal_tls.connections))
-    report = run_probe(probe_page, targets, f"{proxy.host}:{proxy.port}", timeout=5)
+    report = run_probe(probe_page, targets, f"{proxy.host}:{proxy.port}", timeout=5, sandbox=SANDBOX)
 
     # one row per target of every route, in the targets' order, with a known outcome
     assert [(r["route"], r["target"]) for r in report] == [(k, t) for k, ts in targets.items() for t in ts]
@@ -114,7 +115,7 @@ def test_weakened_loopback_bypass_is_noticed_by_the_probe_and_the_stand_in(lab, 
     before = len(lab.internal.connections)
     report = run_probe(probe_page, {"fetch": [f"http://127.0.0.3:{port}/weak-fetch"],
                                     "navigation": [f"http://127.0.0.3:{port}/weak-nav"]},
-                       f"{proxy.host}:{proxy.port}", weaken={"loopback-bypass"}, timeout=5)
+                       f"{proxy.host}:{proxy.port}", weaken={"loopback-bypass"}, timeout=5, sandbox=SANDBOX)
     assert [r["outcome"] for r in report] == ["reached", "reached"], report
     assert len(lab.internal.connections) > before
     assert not [d for d in proxy.decisions() if d["host"] == "127.0.0.3"]  # the proxy never saw them
@@ -129,7 +130,8 @@ def test_probe_command_line_contract(lab, start_proxy, probe_page, tmp_path):
                                    "navigation": f"http://public.lab.example:{port}/hello"}))
     out = tmp_path / "report.json"
     done = subprocess.run([sys.executable, "-m", "browser.probe", "--page-url", probe_page, "--targets", str(targets),
-                           "--proxy", f"{proxy.host}:{proxy.port}", "--out", str(out), "--timeout", "5"],
+                           "--proxy", f"{proxy.host}:{proxy.port}", "--out", str(out), "--timeout", "5",
+                           *NO_SANDBOX_ARGS],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     report = json.loads(out.read_text())

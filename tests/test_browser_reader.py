@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from unprivileged import NO_SANDBOX_ARGS, SANDBOX
 
 from browser.launch import launch, plan_launch
 from browser.reader import PageReader, ReadLimits, cut_at_paragraph
@@ -79,7 +80,7 @@ def playwright():
 @pytest.fixture(scope="module")
 def browser(embedded, playwright):
     assert embedded.intercepts_anything()
-    plan = plan_launch(embedded.address, ca_files=[embedded.ca_file])
+    plan = plan_launch(embedded.address, ca_files=[embedded.ca_file], sandbox=SANDBOX)
     chromium = launch(playwright, plan)
     yield chromium
     chromium.close()
@@ -185,7 +186,7 @@ def test_intercepted_host_path_rule_allows_one_path_and_refuses_another(reader, 
 
 def test_without_the_spki_flag_the_intercepted_host_fails_on_its_certificate(embedded, site, playwright):
     """The negative control: the same page in a browser that was not told the proxy CA's key."""
-    plan = plan_launch(embedded.address)
+    plan = plan_launch(embedded.address, sandbox=SANDBOX)
     try:
         chromium = launch(playwright, plan)
         try:
@@ -208,8 +209,8 @@ def test_cut_at_paragraph_unit():
 # ---- the command line --------------------------------------------------------------------------------
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "proxy.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "proxy.cli", *args, *NO_SANDBOX_ARGS], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def test_browse_command_prints_the_page_and_the_refusal(site, tmp_path):

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from unprivileged import NO_SANDBOX_ARGS
 
 from browser.launch import ContainmentError
 from browser.protocol_filter import ProtocolFilter
@@ -104,8 +105,8 @@ class ServerProcess:
         self.log = log
         self._err = open(log, "wb")  # noqa: SIM115 - open for the process's life
         self.process = subprocess.Popen([sys.executable, "-m", "proxy.cli", "browser-server", "--port", "0",
-                                         "--proxy", proxy, *extra], cwd=ROOT, stdout=subprocess.DEVNULL,
-                                        stderr=self._err)
+                                         "--proxy", proxy, *NO_SANDBOX_ARGS, *extra], cwd=ROOT,
+                                        stdout=subprocess.DEVNULL, stderr=self._err)
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             match = re.search(r"listening on (ws://\S+)", log.read_text(errors="replace"))

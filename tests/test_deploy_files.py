@@ -93,7 +93,10 @@ def nonroot_user(user: object) -> bool:
 # -- Dockerfiles -----------------------------------------------------------------------------------
 
 INSTALL_SCRIPT = "ci/install.sh"
-INSTALL_FLAGS = {"--browser", "--squid", "--lab", "--all", "--no-venv"}
+INSTALL_FLAGS = {"--browser", "--squid", "--lab", "--all", "--no-venv", "--python"}
+# The one RUN flag allowed: the build machine's CA bundle as a secret file for pip (ci/images.sh), which
+# installs nothing by itself and which no image keeps. Every other mount or network option is refused.
+BUILD_CA_SECRET = "--mount=type=secret,id=build-ca,required=false"
 # RUN may call the install script, or these, which create users and directories and install nothing.
 NON_INSTALLING = {"useradd", "groupadd", "mkdir", "chown", "chmod", "ln", "true"}
 # Words that mean "installing by another route" wherever they appear in a RUN (also inside sh -c '...').
@@ -146,6 +149,8 @@ def _shell_commands(command: str) -> list[list[str]]:
 def _run_problems(rest: str) -> tuple[list[str], bool]:
     """Problems with one RUN instruction, and whether it ran the install script."""
     problems, ran_script = [], False
+    if rest.startswith(BUILD_CA_SECRET + " "):
+        rest = rest[len(BUILD_CA_SECRET):].strip()
     if rest.startswith("--"):
         return [f"RUN with flags ({rest.split()[0]}): mounts and network options are another route in"], False
     if "<<" in rest:
@@ -184,11 +189,15 @@ def _run_problems(rest: str) -> tuple[list[str], bool]:
 
 def dockerfile_problems(text: str, root_image: bool = False) -> list[str]:
     """Everything that breaks "installs only through ci/install.sh, runs as non-root"."""
-    problems, stages, ran_script, user = [], set(), False, None
+    problems, stages, ran_script, user, args = [], set(), False, None, {}
     for keyword, rest in dockerfile_instructions(text):
-        if keyword == "FROM":
+        if keyword == "ARG":
+            name, _, default = rest.partition("=")
+            args[name.strip()] = default.strip()
+        elif keyword == "FROM":
             words = [w for w in rest.split() if not w.startswith("--")]  # --platform=...
-            image = words[0]
+            # FROM ${BASE}: a build argument chooses the base; its default is what a Docker user pulls.
+            image = re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: args.get(m.group(1) or m.group(2), m.group(0)), words[0])
             if image not in stages and image.split("@", 1)[0] != BASE_IMAGE:
                 problems.append(f"FROM {image}: images are based on {BASE_IMAGE} only")
             if len(words) == 3 and words[1].upper() == "AS":
@@ -246,7 +255,7 @@ def _install_flags(text: str) -> set[str]:
         flags |= {w for w in match.group(1).split() if w.startswith("--") and not w.startswith("--venv")}
     if "--all" in flags:
         flags |= {"--browser", "--squid", "--lab"}
-    return flags - {"--all", "--no-venv"}
+    return flags - {"--all", "--no-venv", "--python"}
 
 
 def test_ci_takes_every_install_step_the_images_take():
@@ -292,6 +301,10 @@ USER 10002
         GOOD + "RUN mkdir /x; dpkg -i /tmp/x.deb\n",
         GOOD + "RUN echo $(curl https://example.com)\n",
         GOOD + "RUN --mount=type=bind,from=node:20,target=/n cp -r /n /usr/local\n",
+        GOOD + "RUN --mount=type=secret,id=build-ca,required=false pip install x\n",
+        GOOD + "RUN --mount=type=secret,id=other,required=false ci/install.sh\n",
+        GOOD.replace("FROM python:3.12-slim-bookworm", "ARG BASE=node:20\nFROM ${BASE}"),
+        GOOD.replace("FROM python:3.12-slim-bookworm", "FROM ${BASE}"),
         GOOD + "ADD https://example.com/chromium.tar.gz /opt/\n",
         GOOD + "ADD local.tar.gz /opt/\n",
         GOOD + "COPY --from=node:20 /usr/local/bin/node /usr/local/bin/\n",
@@ -1140,3 +1153,175 @@ def test_kustomize_renders_each_shape_and_it_keeps_the_promises(shape, tmp_path)
     (namespace,) = [d for d in docs if d["kind"] == "Namespace"]
     enforce = namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"]
     assert enforce == ("privileged" if shape == "sidecar" else "restricted")
+
+
+# -- the Kubernetes schemas, offline (kubernetes-validate ships them) ---------------------------------
+
+K8S_VERSION = "1.30"  # the oldest Kubernetes release the manifests are written for
+
+
+def schema_problems(doc: dict, version: str = K8S_VERSION) -> list[str]:
+    """What the Kubernetes JSON schema of ``doc``'s kind says is wrong with it (strict: unknown fields too)."""
+    import kubernetes_validate
+
+    name = f"{doc.get('kind')}/{(doc.get('metadata') or {}).get('name')}"
+    try:
+        kubernetes_validate.validate(doc, version, strict=True)
+    except kubernetes_validate.ValidationError as err:
+        where = "/".join(str(p) for p in err.path)
+        return [f"{name}: {where}: {err.message}"]
+    except kubernetes_validate.SchemaNotFoundError as err:
+        return [f"{name}: no schema ({err})"]
+    return []
+
+
+@pytest.mark.parametrize("path", k8s_manifest_files(), ids=lambda p: str(p.relative_to(K8S_DIR)))
+def test_every_kubernetes_manifest_passes_the_kubernetes_schema(path):
+    docs = [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+    assert docs
+    assert [p for doc in docs for p in schema_problems(doc)] == []
+
+
+def _doc(kind: str, name: str) -> dict:
+    return copy.deepcopy(next(d for d in k8s_docs() if d["kind"] == kind and d["metadata"]["name"] == name))
+
+
+@pytest.mark.parametrize("mutate, expected", [
+    (lambda d: d["spec"].update(replica=3), "Additional properties are not allowed ('replica'"),
+    (lambda d: d["spec"].update(replicas="three"), "'three' is not of type 'integer'"),
+    (lambda d: d["spec"]["template"]["spec"]["containers"][0].update(securityContext={"runAsUser": "x"}),
+     "'x' is not of type 'integer'"),
+    (lambda d: d["spec"]["template"]["spec"]["containers"][0].pop("name"), "'name' is a required property"),
+])
+def test_schema_check_catches(mutate, expected):
+    doc = _doc("Deployment", "egresswall")
+    assert schema_problems(doc) == []
+    mutate(doc)
+    assert any(expected in p for p in schema_problems(doc)), schema_problems(doc)
+
+
+# -- the shared shape: many replicas, one state ------------------------------------------------------------
+
+SHARED_DIR = K8S_DIR / "shared"
+CA_SECRET = "egresswall-ca"
+
+
+def shared_docs() -> list[dict]:
+    return [d for p in sorted(SHARED_DIR.glob("*.yaml")) if p.name != "kustomization.yaml"
+            for d in yaml.safe_load_all(p.read_text()) if d]
+
+
+def shared_problems(docs: list[dict]) -> list[str]:
+    """The shared shape scales: several replicas behind a Service, a PodDisruptionBudget and an autoscaler
+    for them, readiness on /readyz, the CA from one Secret (never made per pod), the policy from the
+    ConfigMap, and one Redis for the state the replicas share."""
+    problems = []
+    proxies = [d for d in docs if d["kind"] == "Deployment"
+               and any(egresswall_role(c) == "run" for c in d["spec"]["template"]["spec"]["containers"])]
+    if len(proxies) != 1:
+        return [f"{len(proxies)} proxy Deployments, expected 1"]
+    (proxy,) = proxies
+    name, labels = proxy["metadata"]["name"], proxy["spec"]["template"]["metadata"]["labels"]
+    pod = proxy["spec"]["template"]["spec"]
+    (container,) = [c for c in pod["containers"] if egresswall_role(c) == "run"]
+
+    def selects(selector: dict) -> bool:
+        return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+    if (proxy["spec"].get("replicas") or 1) < 2:
+        problems.append(f"{name}: {proxy['spec'].get('replicas')} replica(s): not a shape that scales")
+    if not any(d["kind"] == "Service" and selects(d["spec"]["selector"]) for d in docs):
+        problems.append(f"{name}: no Service in front of the replicas")
+    hpas = [d for d in docs if d["kind"] == "HorizontalPodAutoscaler" and d["spec"]["scaleTargetRef"]["name"] == name]
+    if not hpas or hpas[0]["spec"].get("minReplicas", 1) < 2:
+        problems.append(f"{name}: no HorizontalPodAutoscaler that keeps at least two replicas")
+    pdbs = [d for d in docs if d["kind"] == "PodDisruptionBudget" and selects(d["spec"]["selector"]["matchLabels"])]
+    if not pdbs or pdbs[0]["spec"].get("maxUnavailable", 0) == 0 and pdbs[0]["spec"].get("minAvailable", 0) == 0:
+        problems.append(f"{name}: no PodDisruptionBudget that keeps replicas up during a drain")
+    if ((container.get("readinessProbe") or {}).get("httpGet") or {}).get("path") != "/readyz":
+        problems.append(f"{name}: readiness is not /readyz")
+
+    confdir = option(argv_of(container), "--confdir")
+    if not confdir:
+        problems.append(f"{name}: no --confdir: each replica would make a CA of its own in ~/.mitmproxy")
+    else:
+        mount, volume = volume_for_mount(pod, container, confdir)
+        secret = (volume or {}).get("secret") or {}
+        if secret.get("secretName") != CA_SECRET:
+            problems.append(f"{name}: --confdir {confdir} is not the Secret {CA_SECRET}")
+        else:
+            if secret.get("optional") is not False:
+                problems.append(f"{name}: the CA Secret is not required: a pod without it would make its own CA")
+            files = {item["path"] for item in secret.get("items") or []}
+            if not {"mitmproxy-ca.pem", "mitmproxy-dhparam.pem"} <= files:
+                problems.append(f"{name}: the CA Secret lacks mitmproxy-ca.pem or mitmproxy-dhparam.pem: mitmproxy "
+                                f"would write into --confdir")
+        if not (mount or {}).get("readOnly"):
+            problems.append(f"{name}: --confdir is writable: nothing may make or change the CA in a pod")
+    policy = option(argv_of(container), "--policy") or ""
+    _, policy_volume = volume_for_mount(pod, container, str(PurePosixPath(policy).parent))
+    if ((policy_volume or {}).get("configMap") or {}).get("name") != POLICY_CM:
+        problems.append(f"{name}: the policy is not the ConfigMap {POLICY_CM}")
+
+    for deployment in docs:
+        if deployment["kind"] != "Deployment" or deployment is proxy:
+            continue
+        for c in deployment["spec"]["template"]["spec"]["containers"]:
+            if egresswall_role(c) == "browser-server":
+                ca = option(argv_of(c), "--proxy-ca")
+                _, volume = volume_for_mount(deployment["spec"]["template"]["spec"], c,
+                                             str(PurePosixPath(ca or "/").parent))
+                secret = (volume or {}).get("secret") or {}
+                items = {item["key"] for item in secret.get("items") or []}
+                if secret.get("secretName") != CA_SECRET or items != {"mitmproxy-ca-cert.pem"}:
+                    problems.append(f"{deployment['metadata']['name']}: the browser does not trust the shared CA's "
+                                    "certificate from the Secret (and only the certificate)")
+    redis = [d for d in docs if d["kind"] == "Deployment" and any(
+        (c.get("command") or [""])[0] == "redis-server" for c in d["spec"]["template"]["spec"]["containers"])]
+    if len(redis) != 1 or redis[0]["spec"].get("replicas") != 1:
+        problems.append("no single Redis Deployment for the replicas' shared session store")
+    return problems
+
+
+def test_shared_shape_scales_with_one_state():
+    assert shared_problems(shared_docs()) == []
+
+
+SHARED_BREAKS = {
+    "one replica": (lambda docs: _proxy_of(docs)["spec"].update(replicas=1), "not a shape that scales"),
+    "ca per pod": (lambda docs: _proxy_container(docs)["command"].remove("--confdir"), "make a CA of its own"),
+    "ca in an emptyDir": (lambda docs: _volume(docs, "interception-ca").update(secret=None, emptyDir={}),
+                          "is not the Secret egresswall-ca"),
+    "optional ca": (lambda docs: _volume(docs, "interception-ca")["secret"].update(optional=True),
+                    "the CA Secret is not required"),
+    "writable ca": (lambda docs: [m.update(readOnly=False) for m in _proxy_container(docs)["volumeMounts"]
+                                  if m["name"] == "interception-ca"], "--confdir is writable"),
+    "readiness on healthz": (lambda docs: _proxy_container(docs)["readinessProbe"]["httpGet"].update(path="/healthz"),
+                             "readiness is not /readyz"),
+    "no pdb": (lambda docs: docs.remove(next(d for d in docs if d["kind"] == "PodDisruptionBudget")),
+               "no PodDisruptionBudget"),
+    "no hpa": (lambda docs: docs.remove(next(d for d in docs if d["kind"] == "HorizontalPodAutoscaler")),
+               "no HorizontalPodAutoscaler"),
+    "no redis": (lambda docs: docs.remove(next(d for d in docs if d["metadata"]["name"] == "egresswall-redis"
+                                               and d["kind"] == "Deployment")), "no single Redis"),
+}
+
+
+def _proxy_of(docs: list[dict]) -> dict:
+    return next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "egresswall")
+
+
+def _proxy_container(docs: list[dict]) -> dict:
+    return _proxy_of(docs)["spec"]["template"]["spec"]["containers"][0]
+
+
+def _volume(docs: list[dict], name: str) -> dict:
+    return next(v for v in _proxy_of(docs)["spec"]["template"]["spec"]["volumes"] if v["name"] == name)
+
+
+@pytest.mark.parametrize("case", SHARED_BREAKS, ids=list(SHARED_BREAKS))
+def test_shared_shape_check_catches(case):
+    mutate, expected = SHARED_BREAKS[case]
+    docs = shared_docs()
+    mutate(docs)
+    assert any(expected in p for p in shared_problems(docs)), shared_problems(docs)

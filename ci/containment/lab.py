@@ -84,7 +84,17 @@ class Evidence:
 class ContainmentLab:
     """One run's lab. ``with ContainmentLab(...) as lab:`` builds it; leaving the block tears it down."""
 
-    def __init__(self, workdir: Path, certs: LabCerts, *, packet_filter: bool, probe_dir: Path | None) -> None:
+    def __init__(self, workdir: Path, certs: LabCerts, *, packet_filter: bool, probe_dir: Path | None,
+                 browser_routes: bool = True, browser_egress: bool = False,
+                 loopback_watch_ports: tuple[int, ...] | None = None) -> None:
+        """``browser_routes``: the browser namespace routes the lab's hosts via the proxy's address (so a
+        packet sent past the proxy is captured and rejected there); False gives it only its own link, like
+        compose's ``internal: true`` network. ``browser_egress``: also a link from the browser namespace to
+        the net namespace, with routes to the lab's hosts over it (compose's browser also on ``egress``: a
+        leak the run must report). ``loopback_watch_ports``: count only TCP connections on the browser's
+        loopback to these ports (a browser server's own relay uses loopback too); None: every one."""
+        self.browser_routes, self.browser_egress = browser_routes, browser_egress
+        self.loopback_watch_ports = loopback_watch_ports
         self.dir = workdir
         self.dir.mkdir(parents=True, exist_ok=True)
         self.certs = certs
@@ -152,8 +162,15 @@ class ContainmentLab:
             n.add_address(self.net, T.NET_IF, f"{address}/{128 if ':' in address else 32}")
         # Routes: only the lab's own hosts, each via the one neighbour. No default route anywhere.
         for address in T.LAB_HOSTS_V4:
-            n.run(self.browser, ["ip", "route", "add", f"{address}/32", "via", T.PROXY_ADDR])
+            if self.browser_routes:
+                n.run(self.browser, ["ip", "route", "add", f"{address}/32", "via", T.PROXY_ADDR])
             n.run(self.proxy, ["ip", "route", "add", f"{address}/32", "via", T.NET_ADDR])
+        if self.browser_egress:
+            n.add_veth(self.browser, T.BROWSER_EGRESS_IF, self.net, T.NET_EGRESS_IF)
+            n.add_address(self.browser, T.BROWSER_EGRESS_IF, f"{T.BROWSER_EGRESS_ADDR}/30")
+            n.add_address(self.net, T.NET_EGRESS_IF, f"{T.NET_EGRESS_ADDR}/30")
+            for address in T.LAB_HOSTS_V4:
+                n.run(self.browser, ["ip", "route", "replace", f"{address}/32", "via", T.NET_EGRESS_ADDR])
         for address in T.LAB_HOSTS_V6:
             n.run(self.proxy, ["ip", "-6", "route", "add", f"{address}/128", "via", T.NET_ADDR6])
         self._verify_isolation()
@@ -220,14 +237,17 @@ class ContainmentLab:
             f"{not_proxy} meta l4proto tcp reject with tcp reset",
             f"{not_proxy} fib daddr type unicast reject with icmpx type admin-prohibited",
         ]})
+        ports = "" if self.loopback_watch_ports is None else \
+            f"tcp dport {{ {', '.join(str(p) for p in self.loopback_watch_ports)} }} "
+        egress = [f'oifname "{T.BROWSER_EGRESS_IF}" counter comment "egress-sent"'] if self.browser_egress else []
         self._nft(self.browser, "ewlab_watch", {
-            "output": ['oifname "lo" tcp flags & (syn | ack) == syn counter comment "lo-tcp-connect"',
+            "output": [f'oifname "lo" {ports}tcp flags & (syn | ack) == syn counter comment "lo-tcp-connect"',
                        'oifname "lo" meta l4proto udp counter comment "lo-udp"'],
             # What really left on the browser's interface (after the filter): the capture must hold as
             # many unicast IP packets, or it missed some and proves nothing. (Multicast and broadcast are
             # not counted: their looped-back copies pass this hook too, and would be counted twice.)
             "postrouting": [f'oifname "{T.BROWSER_IF}" ip daddr != {{ 224.0.0.0/4, 255.255.255.255, '
-                            f'{T.BROWSER_BROADCAST} }} counter comment "sent"'],
+                            f'{T.BROWSER_BROADCAST} }} counter comment "sent"', *egress],
         })
 
     def _nft(self, ns: str, table: str, chains: dict[str, list[str]]) -> None:

@@ -207,6 +207,11 @@ def run_probe(lab: ContainmentLab, spec: RunSpec, options: Options, targets: Pat
             "--trust-cert", str(lab.certs.ca_file)]
     for w in sorted(spec.weaken):
         argv += ["--weaken", w]
+    if os.geteuid() == 0:
+        # The lab runs the probe as root, where Chromium's sandbox cannot run: say so (the launcher refuses
+        # otherwise). The compose-topology run (containment.compose_run) runs the browser sandboxed, as
+        # its image's unprivileged user.
+        argv.append("--no-sandbox")
     log = lab.dir / "probe.log"
     with open(log, "wb") as f:
         proc = lab.netns.popen(lab.browser, argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,

@@ -38,6 +38,9 @@ BROWSER_BROADCAST = "10.250.0.3"
 PROXY_NET_ADDR, NET_ADDR = "10.251.0.1", "10.251.0.2"
 PROXY_NET_ADDR6, NET_ADDR6 = "fd00:251::1", "fd00:251::2"
 PROXY_PORT = 3128
+# Only when a run attaches the browser to the egress network too (compose_run's negative twin).
+BROWSER_EGRESS_IF, NET_EGRESS_IF = "ewbr1", "ewnet1"
+BROWSER_EGRESS_ADDR, NET_EGRESS_ADDR = "10.252.0.2", "10.252.0.1"
 ADMIN = "127.0.0.1:3131"  # the proxy's admin listener, on the proxy namespace's own loopback
 
 # ---- lab hosts (all in the net ns) ---------------------------------------------------------------

@@ -25,7 +25,8 @@ def add_proxy_choice(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--upstream-ca", metavar="FILE",
                        help="in-process proxy: also trust this CA for intercepted upstreams (labs, private CAs)")
     parser.add_argument("--no-sandbox", action="store_true",
-                        help="start Chromium without its sandbox (logged; as root this is forced)")
+                        help="start Chromium without its sandbox (logged). As root it must be given: "
+                             "Chromium's sandbox cannot run as root")
 
 
 @dataclass
