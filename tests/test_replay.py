@@ -195,7 +195,8 @@ def test_roles_come_from_the_client(log):
 def test_since_and_at(log):
     report = replay(policy(), read_log(log), since=later(5))
     assert report.before_since == 5 and report.replayed == 6
-    expiring = {"extra": f"    - host: new.example.com\n      expires: '{(T0 + timedelta(minutes=4)):%Y-%m-%dT%H:%M}Z'\n"}
+    expiry = f"{T0 + timedelta(minutes=4):%Y-%m-%dT%H:%M}Z"
+    expiring = {"extra": f"    - host: new.example.com\n      expires: '{expiry}'\n"}
     report = run(log, **expiring)  # judged at each record's time: line 4 (minute 3) allowed, line 5 not
     assert report.changes[("refuse", "allow")].count == 1
     report = replay(policy(**expiring), read_log(log), at=later(60))
@@ -230,7 +231,7 @@ def test_text_output(tmp_path, log, capsys):
     assert "refuse -> allow: 2\n  by host: new.example.com 2\n" in out
     assert f"  e.g. {log}:4 2026-12-01T07:03:00.000Z 10.1.0.5 CONNECT new.example.com:443\n" in out
     assert "[the name was not resolved at the time" in out
-    assert f"cannot read: not JSON" in out and f"(at {log}:14)" in out
+    assert "cannot read: not JSON" in out and f"(at {log}:14)" in out
     assert f"not a policy decision (stage limits): 1 (at {log}:12)" in out
 
 
