@@ -159,6 +159,9 @@ def _optional_commands():
     from squid_compat import cli as squid_cli
 
     yield squid_cli.register
+    from proxy import operator_cli
+
+    yield operator_cli.register
 
 
 def main(argv: Sequence[str] | None = None) -> int:
