@@ -141,7 +141,8 @@ def _json_object(line: bytes) -> dict[str, Any]:
         value = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_no_constants)
     except json.JSONDecodeError as err:
         end = "" if text.endswith("\n") else ", and the line has no newline"
-        raise RecordError(f"not JSON ({err.msg} at column {err.colno}{end}): a truncated or corrupted line") from None
+        raise RecordError(f"not JSON ({err.msg.removesuffix(' at')} at column {err.colno}{end}): a truncated or "
+                          "corrupted line") from None
     if not isinstance(value, dict):
         raise RecordError(f"not a JSON object but a {type(value).__name__}")
     return value

@@ -276,7 +276,11 @@ def render_text(report: ReplayReport, logs: list[str], policy_source: str, limit
     for change in _ordered(report.changes):
         out += _render_change(change, limit, f"{change.old} -> {change.new}")
     for change in _ordered(report.other_rule):
-        out += _render_change(change, limit, f"still {change.old}, by another rule")
+        # Same verdict: worth a line (a broader rule now answers), not examples.
+        rules = ", ".join(f"{old} -> {new} {n}" for (old, new), n in change.rules.most_common(limit))
+        more = len(change.rules) - min(len(change.rules), limit)
+        rules += f", ... ({more} more)" if more else ""
+        out.append(f"still {change.old}, by another rule: {change.count} ({rules})")
     if report.not_replayed:
         total = sum(s.count for s in report.not_replayed.values())
         out.append(f"not replayed: {total} line(s)")

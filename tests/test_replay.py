@@ -16,7 +16,7 @@ from policy.hosts import Target
 from policy.loader import parse_policy
 from proxy.audit_reader import read_log
 from proxy.cli import main
-from proxy.replay import ReplayReport, redecide, replay
+from proxy.replay import Outcome, ReplayReport, redecide, render_text, replay
 
 BASE = """\
 version: 1
@@ -317,3 +317,16 @@ def test_adding_an_allow_entry_never_refuses_what_was_let_through(tmp_path, data
     report = replay(policy(extra=f"    - {json.dumps(added)}\n"), read_log(log_path))
     assert not report.fails("refuse")
     assert all(old == "refuse" for old, _ in report.changes)
+
+
+def test_same_verdict_by_another_rule_is_shown_but_is_no_change(log):
+    record = next(iter(read_log(log)))
+    report = ReplayReport()
+    old = Outcome("allow", "host", "policy.yaml:10", "hosts.allow:docs.example.com", "r")
+    report.add(record, old, Outcome("allow", "host", "policy.yaml:10", "hosts.allow:.example.com", "r"))
+    report.add(record, old, old)
+    assert report.replayed == 2 and report.changed == 0 and not report.fails("any")
+    (change,) = report.other_rule.values()
+    assert dict(change.rules) == {("hosts.allow:docs.example.com", "hosts.allow:.example.com"): 1}
+    text = render_text(report, ["a.jsonl"], "p.yaml")
+    assert "still allow, by another rule: 1 (hosts.allow:docs.example.com -> hosts.allow:.example.com 1)" in text
