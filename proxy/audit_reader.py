@@ -139,6 +139,8 @@ def _json_object(line: bytes) -> dict[str, Any]:
         raise RecordError("an empty line")
     try:
         value = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_no_constants)
+    except RecursionError:
+        raise RecordError("not an audit record (JSON nested too deeply)") from None
     except json.JSONDecodeError as err:
         end = "" if text.endswith("\n") else ", and the line has no newline"
         raise RecordError(f"not JSON ({err.msg.removesuffix(' at')} at column {err.colno}{end}): a truncated or "
@@ -175,7 +177,8 @@ def parse_record(data: dict[str, Any], place: Place) -> Record | AuditLine:
         place=place, time=parse_record_time(data["time"]), time_text=data["time"], event=data["event"],
         client=data["client"], verdict=data["verdict"], stage=data["stage"], rule=data["rule"],
         rule_id=data["rule_id"], reason=data["reason"], mode=data["mode"], role=data["role"],
-        session=data["session"], method=data["method"], scheme=data["scheme"], host=data["host"], port=data["port"],
+        session=data["session"], method=data["method"], scheme=data["scheme"], host=data["host"],
+        port=None if data["port"] is None else int(data["port"]),
         path=data["path"], url=data["url"], addresses=tuple(data["addresses"]), cnames=tuple(data["cnames"]))
 
 
@@ -195,11 +198,14 @@ def _check_types(data: dict[str, Any]) -> None:
     def bad(key: str, expected: str) -> RecordError:
         return RecordError(f"{key!r} is {_shown(data[key])}, expected {expected}")
 
-    if data["event"] not in TRAFFIC_EVENTS:
+    def one_of(key: str, words: frozenset[str]) -> bool:
+        return isinstance(data[key], str) and data[key] in words  # a list or object is no word (nor hashable)
+
+    if not one_of("event", TRAFFIC_EVENTS):
         raise bad("event", "one of " + ", ".join(sorted(TRAFFIC_EVENTS | {"audit"})))
-    if data["verdict"] not in VERDICTS:
+    if not one_of("verdict", VERDICTS):
         raise bad("verdict", "allow, refuse or report")
-    if data["mode"] not in MODES:
+    if not one_of("mode", MODES):
         raise bad("mode", "enforce or report")
     for key in _STRINGS:
         if not isinstance(data[key], str):
@@ -227,7 +233,10 @@ def _check_types(data: dict[str, Any]) -> None:
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """JSON Schema's integer: 443 and 443.0 are the same JSON number (a boolean is none)."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
 
 
 def _shown(value: Any) -> str:

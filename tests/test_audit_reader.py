@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from audit_factory import SCHEMA, VALIDATOR, decided, request, write_log
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policy.loader import parse_policy
@@ -77,6 +77,7 @@ def test_the_old_format_is_named():
     (b"\xff\xfe{}", "not UTF-8"),
     (b'{"a": 1, "a": 2}', "the key 'a' appears twice"),
     (b'{"a": NaN}', "NaN is not a JSON number"),
+    (b"[" * 100000 + b"]" * 100000, "nested too deeply"),
 ])
 def test_corrupted_lines_are_named(line, expected):
     item = parse(line)
@@ -93,6 +94,8 @@ def test_corrupted_lines_are_named(line, expected):
     ("host", 5, "a string or null"),
     ("id", "", "a non-empty string"),
     ("duration_ms", -1, "non-negative number"),
+    ("verdict", [], "expected allow, refuse or report"),
+    ("event", {"a": 1}, "expected one of"),
 ])
 def test_wrong_types_are_named(key, value, expected):
     record = good_record()
@@ -115,6 +118,7 @@ JSON_VALUES = st.none() | st.booleans() | st.integers(-10, 70000) | st.floats(-1
     ["allow", "refuse", "report", "enforce", "decision", "tunnel", "audit"])
 
 
+@settings(max_examples=400, deadline=None)
 @given(key=st.sampled_from([k for k in TRAFFIC_KEYS if k != "time"]), value=JSON_VALUES, drop=st.booleans())
 def test_the_reader_accepts_exactly_what_the_schema_accepts(key, value, drop):
     # Held together so the reader cannot drift from the record's declared format. ('time' is checked

@@ -299,7 +299,7 @@ def _ip(host: str):
         return None
 
 
-@settings(max_examples=150, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(mode=st.sampled_from(["enforce", "report"]), data=st.data())
 def test_replay_with_the_unchanged_policy_reports_zero_changes(tmp_path, mode, data):
     records = data.draw(st.lists(logged(mode), min_size=1, max_size=12))
@@ -309,7 +309,7 @@ def test_replay_with_the_unchanged_policy_reports_zero_changes(tmp_path, mode, d
     assert report.changed == 0 and not report.other_rule
 
 
-@settings(max_examples=100, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data(), added=st.sampled_from(HOSTS[:6] + [".example.com", ".example.org"]))
 def test_adding_an_allow_entry_never_refuses_what_was_let_through(tmp_path, data, added):
     records = data.draw(st.lists(logged("enforce"), min_size=1, max_size=12))
@@ -330,3 +330,32 @@ def test_same_verdict_by_another_rule_is_shown_but_is_no_change(log):
     assert dict(change.rules) == {("hosts.allow:docs.example.com", "hosts.allow:.example.com"): 1}
     text = render_text(report, ["a.jsonl"], "p.yaml")
     assert "still allow, by another rule: 1 (hosts.allow:docs.example.com -> hosts.allow:.example.com 1)" in text
+
+
+TEXT = st.text(st.characters(codec="utf-8"), max_size=30)
+
+
+@settings(max_examples=300, deadline=None)
+@given(host=TEXT | st.sampled_from(HOSTS + ["[::1]", "::ffff:1.2.3.4", "a..b", "xn--", "EXAMPLE.com."]),
+       scheme=TEXT | st.sampled_from(["http", "https", "ws", "wss", "ftp"]), method=TEXT | st.just("CONNECT"),
+       client=st.none() | TEXT | st.sampled_from(["10.9.0.3", "::ffff:10.9.0.3", "fe80::1%eth0"]),
+       port=st.integers(0, 65535), path=st.none() | TEXT, addresses=st.lists(TEXT | st.sampled_from(ADDRESSES)),
+       cnames=st.lists(TEXT | st.sampled_from(["db.internal", "x.ads.example.com"]), max_size=3),
+       stage=st.sampled_from(["scheme", "port", "host", "resolve", "address"]), verdict=st.sampled_from(
+           ["allow", "refuse", "report"]), rule=TEXT | st.just("dns:timeout"))
+def test_replay_and_suggest_take_any_record_the_schema_accepts(host, scheme, method, client, port, path, addresses,
+                                                                cnames, stage, verdict, rule):
+    from audit_factory import validated
+
+    from proxy.audit_reader import Place, parse_line
+    from proxy.suggest import Options, collect, render
+
+    record = validated({**decided(policy(), request("http://docs.example.com/")), "host": host, "scheme": scheme,
+                        "method": method, "client": client, "port": port, "path": path, "addresses": addresses,
+                        "cnames": cnames, "stage": stage, "verdict": verdict, "rule": rule, "rule_id": rule})
+    items = [parse_line(json.dumps(record).encode(), Place("a", 1))]
+    report = replay(policy(), items)
+    assert report.replayed + sum(s.count for s in report.not_replayed.values()) == 1
+    found = collect(items, policy=policy(mode="report"))
+    parse_policy(render(found, Options(), ["a"], "x"), "s.yaml")
+    parse_policy(render(collect(items), Options(domains=True), ["a"], "x"), "s.yaml")
