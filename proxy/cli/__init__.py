@@ -14,10 +14,10 @@ import sys
 from collections.abc import Sequence
 from importlib import metadata
 
-from . import browse, browser_server, check, lint, run, squid
+from . import browse, browser_server, check, lint, operators, run, squid
 from .errors import EXIT_INTERRUPTED, describe
 
-COMMANDS = (check, lint, run, browse, browser_server, squid)
+COMMANDS = (check, lint, run, browse, browser_server, squid, operators)
 
 
 def build_parser() -> argparse.ArgumentParser:

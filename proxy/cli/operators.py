@@ -1,0 +1,113 @@
+"""``egresswall replay`` and ``egresswall suggest``: the command-line glue over proxy/replay.py and
+proxy/suggest.py (which do the work and know nothing of argparse)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+from proxy import replay, suggest
+from proxy.audit_reader import parse_since, read_logs
+
+from .errors import UsageError
+from .options import load_policy_file
+
+EXIT_OK, EXIT_CHANGED, EXIT_ERROR = 0, 1, 2
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    cmd = sub.add_parser("replay", help="re-decide the audit log's decisions with another policy; print what "
+                                        "would change (exit 1 with --fail-on when it would)")
+    cmd.add_argument("log", nargs="+", metavar="AUDIT.jsonl", help="audit log(s), oldest first; .gz is read too")
+    cmd.add_argument("--policy", required=True, metavar="NEW.yaml", help="the edited policy to replay against")
+    cmd.add_argument("--since", metavar="TIME", help="only decisions from this moment on: RFC 3339 "
+                                                     "(2026-12-01T07:00:00Z) or a duration back from now (2h, 7d)")
+    cmd.add_argument("--fail-on", choices=replay.FAIL_ON,
+                     help="exit 1 when a decision would change this way: refuse (something let through would be "
+                          "refused), allow (something refused would be let through), any (any verdict change)")
+    cmd.add_argument("--at", metavar="TIME", help="judge rule expiry at this moment (RFC 3339, or now) instead of "
+                                                  "each record's own time")
+    cmd.add_argument("--examples", type=int, default=3, metavar="N", help="examples kept per kind of change")
+    cmd.add_argument("--json", action="store_true", help="one JSON object")
+    cmd.set_defaults(func=cmd_replay)
+
+    cmd = sub.add_parser("suggest", help="propose a hosts.allow block from what the audit log shows was refused by "
+                                         "host rules or let through by report mode")
+    cmd.add_argument("log", nargs="+", metavar="AUDIT.jsonl", help="audit log(s); .gz is read too")
+    cmd.add_argument("--policy", metavar="FILE", help="judge addresses by this policy's address rules (a lab's "
+                                                      "re-admitted range) and leave out what it already allows")
+    cmd.add_argument("--since", metavar="TIME", help="only decisions from this moment on (RFC 3339 or 2h, 7d)")
+    cmd.add_argument("--owner", default=suggest.OWNER_PLACEHOLDER, help="owner: of every entry (default: "
+                                                                        f"{suggest.OWNER_PLACEHOLDER!r})")
+    cmd.add_argument("--expires", default=f"{suggest.DEFAULT_EXPIRY_DAYS}d", metavar="DATE|Nd|never",
+                     help=f"expires: of every entry (default {suggest.DEFAULT_EXPIRY_DAYS}d from today)")
+    cmd.add_argument("--domains", action="store_true", help="one .domain entry per registrable domain instead of "
+                                                            "each name (never where public suffixes lie below it)")
+    cmd.add_argument("-o", "--output", metavar="FILE", help="write the block here instead of to stdout")
+    cmd.set_defaults(func=cmd_suggest)
+
+
+def _check_logs(paths: list[str]) -> None:
+    for path in paths:
+        if not Path(path).is_file():
+            raise UsageError(f"{path}: not a readable file")
+
+
+def _moment(text: str | None, option: str) -> datetime | None:
+    if text is None:
+        return None
+    if option == "--at" and text == "now":
+        return datetime.now(UTC)
+    try:
+        return parse_since(text, option=option)
+    except ValueError as err:
+        raise UsageError(str(err)) from None  # it names the option and what it expected
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    _check_logs(args.log)
+    policy = load_policy_file(args.policy)
+    since = _moment(args.since, "--since")
+    at = _moment(args.at, "--at")
+    try:
+        report = replay.replay(policy, read_logs(args.log), since=since, at=at, examples=max(args.examples, 0))
+    except OSError as err:
+        raise UsageError(f"cannot read the log: {err}") from None
+    if args.json:
+        print(json.dumps({"logs": args.log, "policy": args.policy, **report.as_json(),
+                          "fail_on": args.fail_on, "fails": report.fails(args.fail_on)}))
+    else:
+        sys.stdout.write(replay.render_text(report, args.log, args.policy))
+    return EXIT_CHANGED if report.fails(args.fail_on) else EXIT_OK
+
+
+def cmd_suggest(args: argparse.Namespace) -> int:
+    _check_logs(args.log)
+    policy = load_policy_file(args.policy) if args.policy else None
+    try:
+        expires = suggest.expiry_date(args.expires)
+    except ValueError as err:
+        raise UsageError(f"--expires {args.expires}: {err}") from None
+    options = suggest.Options(owner=args.owner, expires=expires, domains=args.domains)
+    since = _moment(args.since, "--since")
+    try:
+        found = suggest.collect(read_logs(args.log), policy=policy, since=since)
+    except OSError as err:
+        raise UsageError(f"cannot read the log: {err}") from None
+    source = f"the address rules of {args.policy}" if policy else "the built-in rules (global unicast only)"
+    text = suggest.render(found, options, args.log, source)
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
+    sys.stdout.flush()  # the block first, then what stderr says about it
+    for warning in suggest.lint_warnings(text):
+        print(f"egresswall suggest: lint warning: {warning}", file=sys.stderr)
+    names = sum(len(found.suggested(role)) for role in found.allow)
+    unread = sum(s.count for s in found.not_read.values())
+    print(f"egresswall suggest: {names} name(s) suggested, {len(found.listed_apart())} listed apart, "
+          f"{unread} line(s) not read (see the comments)", file=sys.stderr)
+    return EXIT_OK
