@@ -5,8 +5,9 @@
 The embedded runner (``egresswall run``) is faster (fewer addons, and its front relays passed-through
 TLS tunnels itself); this shim is for teams that already operate mitmdump. It builds the same gate and
 loads the same addons, so every limit holds here too (``tcp_timeout`` follows ``limits.idle_timeout``,
-the head, body and first-byte bounds are installed). Without the front, a connection over a cap is
-closed at accept without an answer (no request has been read, so its record names no host).
+the head and body bounds are installed). Without the front, a connection over a cap is closed at accept
+without an answer (no request has been read, so its record names no host), and a connection that never
+sends a byte is closed at ``limits.idle_timeout`` (``limits.first_byte_timeout`` is the front's).
 Load it last so its next_layer hook has the final say in tunnels.
 """
 
@@ -52,8 +53,13 @@ class MitmdumpShim:
             limits=lambda: gate.policy.limits,
             on_refusal=lambda conn, status, rule, reason: gate.connection_refused(peer_of(conn.peername), status,
                                                                                    rule, reason),
-            on_body_over_limit=self._body_over_limit))
+            on_body_over_limit=self._body_over_limit, first_byte_timer=False))
         self.inner = egresswall_addons(gate)
+        # The limits become mitmproxy's options now, before the listener takes a connection (one that is
+        # accepted earlier keeps mitmproxy's defaults, e.g. a 600 s tcp_timeout).
+        for addon in self.inner:
+            if hasattr(addon, "apply"):
+                addon.apply()
 
     def _body_over_limit(self, flow, limit: int):
         from proxy.addons.decision import FLOW_ID, TARGET, VERDICT, to_response

@@ -189,7 +189,9 @@ async def _tunnel(proxy: tuple[str, int], source: str, host: str, port: int, pat
             raise ConnectionError(f"tunnel answered {inner} {body[:60]!r}")
         return status
     finally:
-        writer.close()
+        # abort, not close: a client cancelled inside start_tls (its timeout) otherwise leaves its socket
+        # open until garbage collection, and the proxy rightly keeps the tunnel of a live socket open.
+        writer.transport.abort()
 
 
 async def run_load(proxy: tuple[str, int], lab: LoadLab, clients: int, seconds: float, greedy: int = 0,

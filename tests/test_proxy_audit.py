@@ -174,3 +174,40 @@ def test_mitmdump_shim_runs_the_same_addon(lab, tmp_path):
     finally:
         process.terminate()
         process.wait(10)
+
+
+def test_mitmdump_shim_gets_the_limits_the_embedded_runner_gets(lab, tmp_path):
+    """Stock mitmdump with the shim: limits.idle_timeout is mitmproxy's tcp_timeout there too, and the
+    half-head deadline holds. (limits.first_byte_timeout needs the front: mitmdump closes a silent
+    connection at the idle timeout.)"""
+    mitmdump = Path(sys.executable).with_name("mitmdump")
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(lab.policy_text(limits="limits:\n  header_timeout: 1\n  idle_timeout: 3\n"))
+    log = tmp_path / "audit.jsonl"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen([str(mitmdump), "-q", "--listen-host", "127.0.0.1", "--listen-port", str(port),
+                                "-s", str(ROOT / "proxy" / "mitmdump_addon.py"), "--set",
+                                f"egresswall_policy={policy}", "--set", f"egresswall_log={log}"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.2)
+        from proxyproc import read_response
+
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as silent:
+            started = time.monotonic()
+            assert silent.recv(1) == b""  # closed by limits.idle_timeout (mitmproxy's default would be 600 s)
+            assert time.monotonic() - started < 8
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as half:
+            half.sendall(f"GET http://public.lab.example:{lab.public.port}/ HTTP/1.1\r\nHost: pub".encode())
+            assert read_response(half).startswith(b"HTTP/1.1 408 ")
+    finally:
+        process.terminate()
+        process.wait(10)
