@@ -11,7 +11,7 @@ gate's owner builds — installing a second, different state is an error, never 
   flow is answered and closed instead. Test: test_proxy_enforce.py::test_refusal_arrives_before_the_body.
 * **Chunked body limit** (``HttpStream.state_consume_request_body``): a body without Content-Length is
   buffered (never streamed) and refused with 413 once over ``limits.max_request_body``, before the
-  upstream sees anything. Test: test_proxy_security.py::test_chunked_body_over_the_limit_gets_413.
+  upstream sees anything. Test: test_hardening_proxy_security.py::test_chunked_body_over_the_limit_gets_413.
 * **Head size and time** (``Http1Server.read_headers``, ``Http1Client.read_headers``): mitmproxy buffers
   a head without limit ("FIXME: protect against header size DoS"). A head over
   ``limits.max_header_bytes`` gets 431 (502 upstream); a head incomplete ``limits.header_timeout`` after

@@ -1,0 +1,143 @@
+"""The mitmproxy addons in process, with mitmproxy's own test helpers (``taddons``, ``tflow``): each
+adapter does its one thing to a flow, and refusals carry their record. The subprocess suites
+(test_proxy_enforce.py, test_proxy_security.py) run the same addons inside the real proxy."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from mitmproxy import http
+from mitmproxy.proxy import layer as mlayer
+from mitmproxy.proxy.context import Context
+from mitmproxy.test import taddons, tflow
+
+from policy.decision import Verdict
+from policy.hosts import parse_authority, parse_url
+from proxy import mitm_patches
+from proxy.addons.admission import AdmissionAddon
+from proxy.addons.audit_trail import AuditTrail
+from proxy.addons.body_limit import BodyLimit
+from proxy.addons.connections import ConnectionTable
+from proxy.addons.decision import TARGET, VERDICT, DecisionAddon
+from proxy.addons.hop_by_hop import HopByHop
+from proxy.addons.tunnel_layers import TunnelStart
+from proxy.addons.tunnel_watch import TunnelWatch
+from proxy.audit import AuditLog
+from proxy.gate import Gate, Tunnel
+from proxy.metrics import Metrics
+from proxy.reload import PolicyHolder
+
+ALLOWED = Verdict(True, "host", "default:allow", "allowed by default", pinned="198.18.0.1")
+
+
+@pytest.fixture
+def gate(tmp_path):
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("version: 1\ndefault: allow\nlimits:\n  max_connections_per_client: 1\n"
+                      "  max_request_body: 100\n")
+    gate = Gate(PolicyHolder(str(policy)), AuditLog(str(tmp_path / "audit.jsonl")), Metrics())
+    gate.log_path = tmp_path / "audit.jsonl"
+    state = mitm_patches.PatchState(limits=lambda: gate.policy.limits, on_refusal=lambda *a: None,
+                                    on_body_over_limit=lambda *a: None)
+    mitm_patches.install(state)
+    yield gate
+    mitm_patches.uninstall()
+
+
+def records(gate: Gate) -> list[dict]:
+    return [json.loads(line) for line in gate.log_path.read_text().splitlines()]
+
+
+def allowed_flow(**headers: str) -> http.HTTPFlow:
+    flow = tflow.tflow()
+    flow.request.headers.clear()
+    for name, value in headers.items():
+        flow.request.headers[name.replace("_", "-")] = value
+    flow.metadata[VERDICT] = ALLOWED
+    flow.metadata[TARGET] = parse_url("http://upstream.example:22/path")
+    return flow
+
+
+def test_hop_by_hop_headers_are_removed_and_close_is_kept():
+    flow = allowed_flow(Connection="close, X-Secret", X_Secret="s", Proxy_Authorization="Basic eA==",
+                        Proxy_Connection="keep-alive", Keep_Alive="5", TE="trailers", Trailer="X-T", Accept="*/*")
+    HopByHop().requestheaders(flow)
+    assert dict(flow.request.headers) == {"Connection": "close", "Accept": "*/*"}
+
+
+def test_a_websocket_handshake_keeps_what_it_needs():
+    flow = allowed_flow(Connection="keep-alive, Upgrade", Upgrade="websocket", Sec_WebSocket_Key="k")
+    HopByHop().requestheaders(flow)
+    assert flow.request.headers["Upgrade"] == "websocket" and flow.request.headers["Connection"] == "Upgrade"
+
+
+def test_a_refused_flow_is_left_alone():
+    flow = allowed_flow(Proxy_Authorization="Basic eA==")
+    del flow.metadata[VERDICT]
+    HopByHop().requestheaders(flow)
+    assert "Proxy-Authorization" in flow.request.headers  # nothing is forwarded anyway
+
+
+def test_chunked_bodies_are_buffered_under_the_limit_and_others_stream(gate):
+    chunked = allowed_flow(Transfer_Encoding="chunked")
+    BodyLimit(gate).requestheaders(chunked)
+    assert chunked.request.stream is False and chunked.metadata[mitm_patches.BODY_LIMIT] == 100
+    plain = allowed_flow(Content_Length="10")
+    BodyLimit(gate).requestheaders(plain)
+    assert plain.request.stream is True and mitm_patches.BODY_LIMIT not in plain.metadata
+
+
+@pytest.mark.parametrize("upgrade", [["websocket, foo"], ["foo"], ["websocket", "websocket"], ["h2c"]])
+def test_any_other_upgrade_is_refused_with_a_record(gate, upgrade):
+    flow = tflow.tflow()
+    for value in upgrade:
+        flow.request.headers.add("Upgrade", value)
+    with taddons.context():
+        asyncio.run(DecisionAddon(gate, ConnectionTable()).requestheaders(flow))
+    assert flow.response.status_code == 403
+    assert flow.response.headers["X-Egresswall-Rule"] == "http:upgrade"
+    (record,) = records(gate)
+    assert record["rule"] == "http:upgrade" and record["status"] == 403 and record["bytes_down"] > 0
+
+
+def test_an_unasked_101_becomes_a_refusal_and_upstream_headers_are_stripped(gate):
+    flow = allowed_flow()
+    flow.response = http.Response.make(101, b"", {"Upgrade": "websocket", "X-Egresswall-Rule": "forged"})
+    AuditTrail(gate).responseheaders(flow)
+    assert flow.response.status_code == 502
+    assert flow.response.headers["X-Egresswall-Rule"] == "http:unrequested-upgrade"
+    plain = allowed_flow()
+    plain.response = http.Response.make(200, b"ok", {"X-Egresswall-Reason": "forged"})
+    AuditTrail(gate).responseheaders(plain)
+    assert "X-Egresswall-Reason" not in plain.response.headers and callable(plain.response.stream)
+
+
+def test_admission_without_the_front_closes_a_connection_over_the_cap(gate):
+    table = ConnectionTable()
+    addon = AdmissionAddon(gate, table, fronted=False)
+    first, second = tflow.tclient_conn(), tflow.tclient_conn()
+    first.peername = second.peername = ("10.0.0.1", 1234)
+    addon.client_connected(first)
+    addon.client_connected(second)
+    assert first.error is None and second.error is not None
+    assert records(gate)[0]["rule"] == "limits.max_connections_per_client"
+    addon.client_disconnected(first)
+    assert gate.admission.total == 0
+
+
+def test_a_tunnel_of_ours_gets_a_tunnel_start_before_any_relay(gate):
+    table = ConnectionTable()
+    watch = TunnelWatch(gate, table)
+    with taddons.context() as tctx:
+        context = Context(tflow.tclient_conn(), tctx.options)
+        context.server = tflow.tserver_conn()
+        table.tunnels[context.server.id] = Tunnel("t1", parse_authority("a.example:443"), ALLOWED, "10.0.0.1",
+                                                  intercept=False, http_inside=False)
+        nextlayer = mlayer.NextLayer(context)
+        watch.next_layer(nextlayer)
+        assert isinstance(nextlayer.layer, TunnelStart)
+        again = mlayer.NextLayer(context)
+        watch.next_layer(again)  # the start was judged: mitmproxy's own choice stands from here on
+        assert again.layer is None
