@@ -8,25 +8,31 @@ gate's owner builds — installing a second, different state is an error, never 
 
 * **Refusal before the body** (``HttpStream.start_request_stream``): mitmproxy answers a response set
   in ``requestheaders`` only after reading the whole body (and sends ``100 Continue`` first). A marked
-  flow is answered and closed instead. Test: test_proxy_enforce.py::test_refusal_arrives_before_the_body.
+  flow is answered and closed instead. Test:
+  test_proxy_enforce.py::test_expect_continue_to_refused_target_is_refused_before_the_body.
 * **Chunked body limit** (``HttpStream.state_consume_request_body``): a body without Content-Length is
   buffered (never streamed) and refused with 413 once over ``limits.max_request_body``, before the
-  upstream sees anything. Test: test_hardening_proxy_security.py::test_chunked_body_over_the_limit_gets_413.
+  upstream sees anything. Test:
+  test_hardening_proxy_security.py::test_a_chunked_body_over_the_limit_gets_413_and_the_upstream_sees_nothing.
 * **Head size and time** (``Http1Server.read_headers``, ``Http1Client.read_headers``): mitmproxy buffers
   a head without limit ("FIXME: protect against header size DoS"). A head over
   ``limits.max_header_bytes`` gets 431 (502 upstream); a head incomplete ``limits.header_timeout`` after
   its first byte gets 408 — by a wakeup timer, so a client that sends half a head and waits is cut off
-  too (502 for an upstream). Tests: test_hardening_adversarial.py (slowloris), test_proxy_security.py
-  ::test_half_a_head_then_silence_gets_408.
+  too (502 for an upstream). Tests: test_hardening_adversarial.py (slowloris),
+  test_hardening_proxy_security.py::test_half_a_second_head_on_a_kept_alive_connection_gets_408.
 * **First byte** (``Http1Server._handle_event``): a connection that has sent nothing is closed after
   ``limits.first_byte_timeout`` (the front does this for ``egresswall run``; this is for mitmdump).
 * **Pipelined bytes** (``Http1Server.wait``): bytes a client sends while its request waits for a response
-  are buffered without limit; more than ``limits.max_header_bytes`` closes the connection.
-* **Unparseable heads**: mitmproxy answers 400 and no hook runs; ``on_refusal`` gives it its record.
+  are buffered without limit; more than ``limits.max_header_bytes`` closes the connection. Test:
+  test_hardening_adversarial.py::test_bytes_pipelined_behind_a_waiting_request_are_bounded.
+* **Unparseable heads**: mitmproxy answers 400 and no hook runs; ``on_refusal`` gives it its record. Test:
+  test_hardening_adversarial.py::test_request_smuggling_shapes_are_refused_and_not_forwarded.
 * **Idle close** (``ConnectionHandler.on_timeout``): remembered, so a record says "idle timeout" rather
-  than mitmproxy's "Client disconnected.".
+  than mitmproxy's "Client disconnected.". Test:
+  test_hardening_adversarial.py::test_upstream_that_never_answers_is_closed_after_the_idle_timeout.
 * **Connect time** (``asyncio.open_connection`` as mitmproxy's server module sees it): asyncio has no
-  connect timeout; mitmproxy's connects get ``limits.connect_timeout``.
+  connect timeout; mitmproxy's connects get ``limits.connect_timeout``. Test:
+  test_hardening_adversarial.py::test_upstream_connect_that_hangs_times_out.
 """
 
 from __future__ import annotations
