@@ -38,9 +38,6 @@ class Request:
     method: str = "GET"
     client: str | None = None  # the client's address, which chooses its role
     tunnel: bool = False  # a CONNECT: method and path are not visible unless intercepted
-    # A CONNECT to a port that is also a plain-HTTP port (Chromium sends ws:// as CONNECT host:80): the
-    # HTTP inside is parsed and each request decided, so rules with method or path conditions may open it.
-    inspected: bool = False
     websocket: bool = False  # an Upgrade: websocket request
     at: datetime = field(default_factory=lambda: datetime.now(UTC))  # for rule expiry
 
@@ -196,9 +193,10 @@ def _conditions_hold(rule: HostRule, request: Request) -> bool:
     if rule.needs_visible_request:
         if request.tunnel:
             # A passed-through tunnel hides method and path. An allow rule that names them may open
-            # the tunnel only when it intercepts or the tunnel carries parsed HTTP (then each request
-            # inside is checked); a deny rule with such conditions refuses only the requests it can see.
-            return rule.action == ALLOW and (rule.intercept or request.inspected)
+            # the tunnel only when it intercepts (then each request inside is checked); a deny rule
+            # with such conditions refuses only the requests it can see. (A CONNECT to a plain-HTTP port
+            # may turn out to carry TLS, so it is no exception: such a rule does not open it either.)
+            return rule.action == ALLOW and rule.intercept
         if rule.methods is not None and request.method.upper() not in rule.methods:
             return False
         if not rule.path_matches(target.path):

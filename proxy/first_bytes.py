@@ -1,9 +1,9 @@
 """What the first bytes of an allowed tunnel may be, judged on whole messages only.
 
-A CONNECT to a TLS port must carry a TLS ClientHello whose SNI (when present) names the CONNECT
-host; a CONNECT to a plain-HTTP port (Chromium sends ``ws://host/`` as ``CONNECT host:80``) must
-carry an HTTP/1.1 request head, which is then parsed and decided request by request. Anything else
-is refused. Nothing is judged on a fragment: a first byte that arrives alone is only the start of a
+A CONNECT must carry a TLS ClientHello whose SNI (when present) names the CONNECT host; a CONNECT
+to a port that is also a plain-HTTP port (Chromium sends ``ws://host/`` as ``CONNECT host:80``) may
+carry an HTTP/1.1 request head instead, which is then parsed and decided request by request. Anything
+else is refused. Nothing is judged on a fragment: a first byte that arrives alone is only the start of a
 message, so the answer is "need more" until the whole ClientHello or head is in (the transports
 bound that in bytes and in time).
 """
@@ -41,8 +41,8 @@ def classify_tunnel_start(data: bytes, connect_host: str, http_inside: bool, ech
                           max_head: int = MAX_HTTP_HEAD) -> FirstBytes:
     if not data:
         return FirstBytes.more()
-    if http_inside:
-        return _http_head(data, max_head)
+    if http_inside and data[0] != 0x16:
+        return _http_head(data, max_head)  # a TLS record starts 0x16; no HTTP method does
     try:
         hello = read_client_hello(data)
     except HelloError as err:
@@ -63,9 +63,6 @@ def classify_tunnel_start(data: bytes, connect_host: str, http_inside: bool, ech
 
 def _http_head(data: bytes, max_head: int) -> FirstBytes:
     """A whole HTTP/1.x request head, as h11 reads it; the request itself is decided by the transport."""
-    if data[:1] == b"\x16":
-        return FirstBytes.refuse("http:not-http", "the tunnel goes to a plain-HTTP port but starts with TLS; "
-                                                  "use a TLS port for TLS")
     parser = h11.Connection(h11.SERVER, max_incomplete_event_size=max_head)
     try:
         parser.receive_data(data)

@@ -154,15 +154,15 @@ class Front:
         if not data:
             raise OSError("closed before a request")
         deadline = loop.time() + header
+        if data[:1] == b"\x16":
+            raise HeadProblem(0, "http:tls-to-proxy", "the client started TLS with the proxy itself; egresswall's "
+                                                      "port speaks HTTP/1.1 (send CONNECT)")
         while True:
             found = _HEAD_END.search(data)
             end = found.end() if found else -1
             if 0 <= end <= limits.max_header_bytes:
                 return data[:end], data[end:]
-            if data[:1] == b"\x16" or (end < 0 and len(data) > limits.max_header_bytes) or end >= 0:
-                if data[:1] == b"\x16":
-                    raise HeadProblem(0, "http:tls-to-proxy", "the client started TLS with the proxy itself; "
-                                                              "egresswall's port speaks HTTP/1.1 (send CONNECT)")
+            if (end < 0 and len(data) > limits.max_header_bytes) or end >= 0:
                 raise HeadProblem(431, "limits.max_header_bytes", f"the request head is over "
                                                                   f"{limits.max_header_bytes} bytes "
                                                                   "(limits.max_header_bytes)")

@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from policy.decision import Request, Resolution, Verdict, refuse_form
 from policy.hosts import HostFormError, Target, host_header_agrees, parse_authority, parse_url
@@ -48,7 +48,9 @@ class Tunnel:
     verdict: Verdict
     client: str
     intercept: bool
-    http_inside: bool  # CONNECT to a plain-HTTP port (ws://): HTTP is parsed and decided inside
+    # The port is a plain-HTTP port too (ws:// arrives as CONNECT host:80): the tunnel may carry HTTP,
+    # which is parsed and decided request by request, as well as TLS (SNI-checked). Else TLS only.
+    http_inside: bool
     cnames: tuple[str, ...] = ()
     started: float = field(default_factory=time.monotonic)
     first_byte_at: float | None = None
@@ -82,6 +84,7 @@ class HttpAsk:
     host_header: str | None
     websocket: bool = False
     content_length: int | None = None  # None: no Content-Length (chunked, or no body)
+    authority: str | None = None  # the request target's authority (absolute-form), if it had one
     flow_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
@@ -165,11 +168,7 @@ class Gate:
         except HostFormError as err:
             verdict, target = refuse_form(err), None
         else:
-            inspected = target.port in policy.http_ports  # HTTP inside (ws://), parsed and decided per request
-            if inspected:
-                target = replace(target, scheme="http")
-            verdict, resolution = await self.decide(
-                policy, Request(target, "CONNECT", client, tunnel=True, inspected=inspected))
+            verdict, resolution = await self.decide(policy, Request(target, "CONNECT", client, tunnel=True))
         record = self.recorder.record(DECISION, flow_id, client, "CONNECT", target, verdict,
                                       resolution.cnames if resolution else ())
         if target is None:
@@ -183,7 +182,7 @@ class Gate:
             return ConnectOutcome(None, self.audit_unwritable())
         assert target is not None
         tunnel = Tunnel(flow_id, target, verdict, client, intercept=policy.intercepts(target.host),
-                        http_inside=target.scheme == "http",
+                        http_inside=target.port in policy.http_ports,
                         cnames=resolution.cnames if resolution else ())
         self.metrics.open_tunnels += 1
         return ConnectOutcome(tunnel, None)
@@ -199,15 +198,12 @@ class Gate:
         return judged
 
     def tunnel_start_timed_out(self, tunnel: Tunnel, seen: int) -> None:
+        """The tunnel's first message was not whole ``limits.header_timeout`` after the tunnel opened."""
         timeout = self.policy.limits.header_timeout
-        if seen:
-            reason = (f"the tunnel's first message (a TLS ClientHello or an HTTP request head) was not complete "
-                      f"{timeout:g}s after its first byte ({seen} bytes; limits.header_timeout)")
-            self.refuse_tunnel(tunnel, "limits.header_timeout", reason)
-        else:
-            idle = self.policy.limits.idle_timeout
-            self.refuse_tunnel(tunnel, "limits.idle_timeout",
-                               f"the client sent nothing into the tunnel for limits.idle_timeout ({idle:g}s)")
+        what = f"only {seen} bytes of it had come" if seen else "nothing had come"
+        self.refuse_tunnel(tunnel, "limits.header_timeout",
+                           f"the tunnel's first message (a TLS ClientHello or an HTTP request head) was not complete "
+                           f"{timeout:g}s after the tunnel opened ({what}; limits.header_timeout)")
 
     def refuse_tunnel(self, tunnel: Tunnel, rule: str, reason: str) -> None:
         stage = LIMITS if rule.startswith("limits.") else TLS if rule.startswith("tls:") else HTTP
@@ -246,6 +242,13 @@ class Gate:
             target = self._request_target(ask, tunnel)
         except HostFormError as err:
             return self._request_refused(ask, None, refuse_form(err), 403, url=f"{ask.scheme}://{ask.host}{ask.path}")
+        if tunnel is not None and ask.authority and not host_header_agrees(target, ask.authority):
+            # Absolute-form inside a tunnel: an origin must use the URI's authority over Host (RFC 9112
+            # 3.2.2), so one naming another host than the tunnel's would reach that host.
+            verdict = Verdict(False, "form", "form:authority",
+                              f"the request target names {safe_text(ask.authority, 100)!r}, not the tunnel's "
+                              f"{target.authority}")
+            return self._request_refused(ask, target, verdict, 403)
         if ask.host_header is not None and not host_header_agrees(target, ask.host_header):
             verdict = Verdict(False, "form", "form:host-header",
                               f"the Host header {safe_text(ask.host_header, 100)!r} does not agree with the target "

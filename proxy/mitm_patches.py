@@ -27,6 +27,14 @@ gate's owner builds — installing a second, different state is an error, never 
   test_hardening_adversarial.py::test_bytes_pipelined_behind_a_waiting_request_are_bounded.
 * **Unparseable heads**: mitmproxy answers 400 and no hook runs; ``on_refusal`` gives it its record. Test:
   test_hardening_adversarial.py::test_request_smuggling_shapes_are_refused_and_not_forwarded.
+* **mitmproxy's own error answers** (``Http1Server.send``): a request mitmproxy refuses after reading its
+  head but before any hook (no Host and origin form, a Host it cannot parse, an invalid request) gets
+  mitmproxy's 400 and no record; the patch records every such error answer for a request egresswall's
+  ``requestheaders`` never saw. Test: test_hardening_proxy_security.py::test_mitmproxys_own_400_is_recorded.
+* **No pipe after a refused 101** (``_http1.should_make_pipe``): an upstream's unasked ``101`` is answered
+  with a 502 by the audit-trail addon, but mitmproxy would still turn the upstream connection into a pipe
+  and crash on its next bytes. Test:
+  test_hardening_proxy_security.py::test_an_upstream_cannot_switch_protocols_unasked.
 * **Idle close** (``ConnectionHandler.on_timeout``): remembered, so a record says "idle timeout" rather
   than mitmproxy's "Client disconnected.". Test:
   test_hardening_adversarial.py::test_upstream_that_never_answers_is_closed_after_the_idle_timeout.
@@ -48,7 +56,7 @@ import mitmproxy.proxy.server
 from mitmproxy import connection, http
 from mitmproxy.net.http import http1
 from mitmproxy.proxy import commands, events
-from mitmproxy.proxy.layers.http import HttpStream
+from mitmproxy.proxy.layers.http import HttpStream, _http1
 from mitmproxy.proxy.layers.http._base import ReceiveHttp
 from mitmproxy.proxy.layers.http._events import (
     ErrorCode,
@@ -98,7 +106,8 @@ def install(state: PatchState) -> None:
                       consume=HttpStream.state_consume_request_body,
                       server_read_headers=Http1Server.read_headers, server_wait=Http1Server.wait,
                       server_handle_event=Http1Server._handle_event,
-                      client_read_headers=Http1Client.read_headers,
+                      client_read_headers=Http1Client.read_headers, server_send=Http1Server.send,
+                      should_make_pipe=_http1.should_make_pipe,
                       on_timeout=mitmproxy.proxy.server.ConnectionHandler.on_timeout,
                       asyncio_module=mitmproxy.proxy.server.asyncio)
     HttpStream.start_request_stream = _start_request_stream
@@ -107,6 +116,8 @@ def install(state: PatchState) -> None:
     Http1Server.wait = _server_wait
     Http1Server._handle_event = _server_handle_event
     Http1Client.read_headers = _client_read_headers
+    Http1Server.send = _server_send
+    _http1.should_make_pipe = _should_make_pipe
     mitmproxy.proxy.server.ConnectionHandler.on_timeout = _on_timeout
     # mitmproxy's connection handler calls ``asyncio.open_connection``: give that module its own
     # asyncio namespace whose open_connection has a timeout, leaving asyncio itself untouched.
@@ -126,6 +137,8 @@ def uninstall() -> None:
         Http1Server.wait = _originals["server_wait"]
         Http1Server._handle_event = _originals["server_handle_event"]
         Http1Client.read_headers = _originals["client_read_headers"]
+        Http1Server.send = _originals["server_send"]
+        _http1.should_make_pipe = _originals["should_make_pipe"]
         mitmproxy.proxy.server.ConnectionHandler.on_timeout = _originals["on_timeout"]
         mitmproxy.proxy.server.asyncio = _originals["asyncio_module"]
         _originals.clear()
@@ -305,8 +318,28 @@ def _client_read_headers(self: Http1Client, event: events.Event):
                                                     ErrorCode.GENERIC_SERVER_ERROR))
             return
     yield from _originals["client_read_headers"](self, event)
-    if self.state != self.read_headers:
+    if self.state != self.read_headers or not len(self.buf):
+        # The head is in (a whole response may even have come and gone within this one event, leaving a
+        # kept-alive connection back in read_headers): the next response gets a fresh clock.
         self.__dict__.pop(_STARTED, None)
+
+
+# ---- mitmproxy's own answers -------------------------------------------------------------------------
+
+def _server_send(self: Http1Server, event):
+    if isinstance(event, ResponseProtocolError) and self.response is None and not (
+            self.request is not None and getattr(self.request, "egresswall_seen", False)):
+        status = event.code.http_status_code()
+        if status is not None:  # an answer mitmproxy makes itself, for a request no hook of ours saw
+            state().on_refusal(self.conn, status, "http:invalid-request",
+                               f"mitmproxy refused the request before any decision: {event.message}"[:400])
+    yield from _originals["server_send"](self, event)
+
+
+def _should_make_pipe(request, response) -> bool:
+    if getattr(request, "egresswall_no_pipe", False):
+        return False  # a 101 egresswall refused: the upstream connection is not a pipe to anyone
+    return _originals["should_make_pipe"](request, response)
 
 
 # ---- idle close and connect time ------------------------------------------------------------------

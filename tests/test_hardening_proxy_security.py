@@ -383,3 +383,146 @@ def test_the_bundled_policy_lets_ws_through_connect_80_and_check_agrees(lab, tmp
     check = subprocess.run([sys.executable, "-m", "proxy.cli", "check", "ws://public.lab.example/", *flags],
                            cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+# ---- found by the adversarial review: each a reproduced bypass or crash, now a regression case ---------
+
+def test_a_request_line_that_does_not_start_with_three_letters_is_still_parsed(lab, proxy):
+    """mitmproxy's own layer choice takes such a first line for raw TCP: egresswall chooses HTTP itself."""
+    path = f"/pipelined-{proxy.port}"
+    sock = tunnel(proxy, f"public.lab.example:{lab.public.port}")
+    with sock:
+        sock.sendall(f"GE /odd-{proxy.port} HTTP/1.1\r\nHost: public.lab.example:{lab.public.port}\r\n\r\n"
+                     f"GET {path} HTTP/1.1\r\nHost: secret.lab.example\r\n\r\n".encode())
+        read_all(sock, 5)
+    assert records_for(proxy, lambda r: r["method"] == "GE" and r["event"] == "decision")  # parsed, decided
+    assert not [p for _, p, _ in lab.public.requests if p == path]
+
+
+def test_absolute_form_inside_a_tunnel_cannot_name_another_host(lab, proxy):
+    sock = tunnel(proxy, f"public.lab.example:{lab.public.port}")
+    with sock:
+        sock.sendall(f"GET http://secret.lab.example/admin HTTP/1.1\r\nHost: public.lab.example:{lab.public.port}"
+                     "\r\n\r\n".encode())
+        status, headers, _ = parse_response(read_all(sock, 5))
+    assert status == 403 and headers["x-egresswall-rule"] == "form:authority"
+    assert not [p for _, p, _ in lab.public.requests if "admin" in p]
+
+
+def test_a_kept_alive_tunnel_outlives_the_start_bound(lab, proxy):
+    sock = tunnel(proxy, f"public.lab.example:{lab.public.port}")
+    with sock:
+        for i in range(2):
+            sock.sendall(f"GET /kept-{i} HTTP/1.1\r\nHost: public.lab.example:{lab.public.port}\r\n\r\n".encode())
+            got = b""
+            while f"hello from public /kept-{i}".encode() not in got:
+                chunk = sock.recv(65536)
+                assert chunk, got
+                got += chunk
+            time.sleep(HEADER_TIMEOUT + 0.5)  # past the tunnel-start timer: it must not fire into mitmproxy
+    assert "has crashed" not in proxy.stderr
+
+
+def test_mitmproxys_own_400_is_recorded(lab, proxy):
+    answer = proxy.raw(b"GET /no-host HTTP/1.0\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.") and b" 400 " in answer.split(b"\r\n")[0]
+    assert records_for(proxy, lambda r: r["rule"] == "http:invalid-request" and "host" in r["reason"].lower())
+
+
+def test_tls_to_the_proxy_port_is_refused_whatever_the_hello_holds(proxy):
+    hello = client_hello(b"x.example", extra=(extension(0x7A7A, b"\n\r\n\n\r\n"),))  # a head end, in TLS
+    with socket.create_connection((proxy.host, proxy.port), timeout=10) as sock:
+        sock.sendall(hello)
+        assert read_all(sock, 5) == b""
+    assert records_for(proxy, lambda r: r["rule"] == "http:tls-to-proxy")
+
+
+def test_an_upstream_101_crashes_nothing(lab, proxy, switch):
+    with socket.create_connection((proxy.host, proxy.port), timeout=10) as sock:
+        sock.sendall(f"GET http://public.lab.example:{switch.port}/p HTTP/1.1\r\nHost: public.lab.example:"
+                     f"{switch.port}\r\n\r\n".encode())
+        assert read_all(sock, 3).startswith(b"HTTP/1.1 502")
+    time.sleep(0.5)
+    assert "has crashed" not in proxy.stderr
+
+
+# ---- an intercepted host: its first byte alone, odd first lines, absolute form -------------------------
+
+@pytest.fixture(scope="module", params=["fast-tunnels", "mitmproxy-tunnels"])
+def intercepting(lab, tmp_path_factory, request):
+    folder = tmp_path_factory.mktemp("intercept")
+    policy = folder / "policy.yaml"
+    policy.write_text(
+        "version: 1\nmode: enforce\ndefault: deny\n"
+        "hosts:\n  allow:\n    - host: public.lab.example\n      paths: [/ok/]\n      intercept: true\n"
+        f"ports:\n  http: [80]\n  connect: [443, {lab.public_tls.port}]\n"
+        f"addresses:\n  allow: [{PUBLIC_IP}/32]\n"
+        f"resolver:\n  nameservers: ['{lab.dns.address}']\n  timeout: 1\n")
+    mode = [] if request.param == "fast-tunnels" else ["--no-fast-tunnels"]
+    process = ProxyProcess(["--policy", str(policy), "--confdir", str(folder / "ca"), "--upstream-ca",
+                            str(lab.cert_file), *mode], folder / "audit.jsonl")
+    yield process
+    process.stop()
+
+
+def _intercepted(proxy: ProxyProcess, lab, payload: bytes, split_first_byte: bool = False) -> bytes:
+    """TLS to the proxy's interception certificate (not verified here), the first byte sent alone if
+    asked, then ``payload``; returns what came back."""
+    sock = tunnel(proxy, f"public.lab.example:{lab.public_tls.port}")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = context.wrap_bio(incoming, outgoing, server_hostname="public.lab.example")
+    first = True
+    with sock:
+        while True:
+            try:
+                tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                data = outgoing.read()
+                if first and split_first_byte:
+                    sock.sendall(data[:1])
+                    time.sleep(0.5)
+                    data = data[1:]
+                first = False
+                sock.sendall(data)
+                chunk = sock.recv(65536)
+                if not chunk:
+                    return b""
+                incoming.write(chunk)
+        sock.sendall(outgoing.read())
+        tls.write(payload.replace(b"PORT", str(lab.public_tls.port).encode()))
+        sock.sendall(outgoing.read())
+        answer = b""
+        sock.settimeout(3)
+        try:
+            while chunk := sock.recv(65536):
+                incoming.write(chunk)
+                try:
+                    while piece := tls.read(65536):
+                        answer += piece
+                except (ssl.SSLWantReadError, ssl.SSLZeroReturnError):
+                    pass
+        except (TimeoutError, ConnectionResetError):
+            pass
+    return answer
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "first-byte-alone"])
+def test_an_intercepted_host_is_decided_request_by_request(lab, intercepting, split):
+    ok = _intercepted(intercepting, lab, b"GET /ok/x HTTP/1.1\r\nHost: public.lab.example:PORT\r\n\r\n", split)
+    assert ok.startswith(b"HTTP/1.1 200") and b"hello from public-tls /ok/x" in ok, ok[:200]
+    admin = _intercepted(intercepting, lab, b"GET /admin HTTP/1.1\r\nHost: public.lab.example:PORT\r\n\r\n", split)
+    assert admin.startswith(b"HTTP/1.1 403"), admin[:200]
+
+
+def test_an_intercepted_tunnel_never_becomes_raw(lab, intercepting):
+    before = len(lab.public_tls.requests)
+    _intercepted(intercepting, lab, b"M-SEARCH /ok/ HTTP/1.1\r\nHost: public.lab.example:PORT\r\n\r\n"
+                                    b"GET /admin HTTP/1.1\r\nHost: public.lab.example:PORT\r\n\r\n")
+    assert records_for(intercepting, lambda r: r["method"] == "M-SEARCH" and r["event"] == "decision")
+    assert not [p for _, p, _ in lab.public_tls.requests[before:] if p == "/admin"]
+    other = _intercepted(intercepting, lab, b"GET https://other.lab.example/ok/ HTTP/1.1\r\n"
+                                           b"Host: public.lab.example:PORT\r\n\r\n")
+    assert other.startswith(b"HTTP/1.1 403") and b"form:authority" in other

@@ -30,6 +30,7 @@ class AuditTrail:
         for name in [n for n in flow.response.headers if n.lower().startswith(OWN_HEADER_PREFIX)]:
             del flow.response.headers[name]
         if flow.response.status_code == 101 and not _allowed_websocket(flow):
+            flow.request.egresswall_no_pipe = True  # mitm_patches: the upstream connection is not made a pipe
             target = flow.metadata.get(TARGET)
             refusal = self.gate.refuse(peer_of(flow.client_conn.peername), flow.request.method, target, 502, "http",
                                        "http:unrequested-upgrade", "the upstream answered 101 Switching Protocols "
@@ -71,6 +72,10 @@ class AuditTrail:
 
 
 def _allowed_websocket(flow: http.HTTPFlow) -> bool:
+    """The request was an allowed WebSocket upgrade, and the 101 really is a WebSocket handshake."""
     target = flow.metadata.get(TARGET)
-    return target is not None and target.scheme in ("ws", "wss") and (
-        flow.request.headers.get("upgrade", "").strip().lower() == "websocket")
+    response = flow.response
+    return (target is not None and target.scheme in ("ws", "wss")
+            and flow.request.headers.get("upgrade", "").strip().lower() == "websocket"
+            and response is not None and response.headers.get("upgrade", "").strip().lower() == "websocket"
+            and "sec-websocket-accept" in response.headers)

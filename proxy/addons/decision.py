@@ -44,6 +44,7 @@ class DecisionAddon:
         self.table.tunnels[flow.server_conn.id] = tunnel
 
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
+        flow.request.egresswall_seen = True  # proxy/mitm_patches.py: an error answer for it is already recorded
         flow.metadata[FLOW_ID] = flow.id or uuid.uuid4().hex
         flow.metadata[STARTED] = time.monotonic()
         client = peer_of(flow.client_conn.peername)
@@ -71,7 +72,7 @@ class DecisionAddon:
                       port=request.data.port, path=request.path, host_header=request.headers.get("host"),
                       websocket=upgrade == WEBSOCKET,
                       content_length=int(length) if length is not None and length.isdigit() else None,
-                      flow_id=flow.metadata[FLOW_ID])
+                      authority=request.data.authority.decode("latin-1") or None, flow_id=flow.metadata[FLOW_ID])
         tunnel = self.table.tunnels.get(flow.server_conn.id)
         outcome = await self.gate.decide_request(ask, tunnel)
         if outcome.refusal is not None:
@@ -81,6 +82,8 @@ class DecisionAddon:
         assert target is not None
         if outcome.verdict.pinned and tunnel is None:
             self.table.pins[(flow.client_conn.id, target.host, target.port)] = outcome.verdict.pinned
+        if tunnel is not None:
+            request.authority = ""  # forwarded in origin form: the tunnel's host is the only one it can name
         flow.metadata[VERDICT] = outcome.verdict
         flow.metadata[TARGET] = target
 

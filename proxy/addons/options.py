@@ -21,7 +21,8 @@ class LimitsOptions:
 
     def wanted(self) -> dict:
         return dict(connection_strategy="eager", tcp_timeout=int(self.gate.policy.limits.idle_timeout),
-                    http2=False, http3=False, stream_large_bodies=None, body_size_limit=None, websocket=True)
+                    http2=False, http3=False, stream_large_bodies=None, body_size_limit=None, websocket=True,
+                    rawtcp=False)  # never a raw TCP relay by mitmproxy's guess (egresswall chooses tunnel layers)
 
     def running(self) -> None:
         self.apply()

@@ -36,13 +36,15 @@ class TunnelStart(layer.Layer):
         self.child: layer.Layer | None = None
 
     def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
+        if isinstance(event, events.Wakeup) and event.command is self.timer:
+            if self.child is None:  # still waiting for a whole first message: the bound has passed
+                self.on_timeout(len(self.data))
+                yield from self._close()
+            return  # our own timer: never passed on (the layers below do not know it)
         if self.child is not None:
             yield from self.child.handle_event(event)
             return
         if isinstance(event, events.Wakeup):
-            if event.command is self.timer:
-                self.on_timeout(len(self.data))
-                yield from self._close()
             return
         self.held.append(event)
         if isinstance(event, events.Start):

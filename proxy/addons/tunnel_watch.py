@@ -9,7 +9,11 @@ is decided by ``requestheaders``. ``tls_clienthello`` checks the SNI of intercep
 
 from __future__ import annotations
 
+import time
+
 from mitmproxy.proxy import layer as mlayer
+from mitmproxy.proxy.layers import HttpLayer
+from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 from mitmproxy.tls import ClientHelloData
 
@@ -29,8 +33,15 @@ class TunnelWatch:
     def next_layer(self, nextlayer: mlayer.NextLayer) -> None:
         context = nextlayer.context
         tunnel = self.table.tunnels.get(context.server.id)
-        if tunnel is None or context.server.__dict__.get(DECIDED):
-            return  # not a tunnel of ours, or its start was judged: mitmproxy's own choice stands
+        if tunnel is None:
+            return  # not a tunnel of ours
+        if context.server.__dict__.get(DECIDED):
+            if tunnel.intercept and context.client.tls_established:
+                # Inside the decrypted TLS of an intercepted host: HTTP, parsed and decided request by
+                # request — never mitmproxy's guess, which takes a first line that is not three letters,
+                # or an upstream that speaks first, for raw TCP.
+                nextlayer.layer = HttpLayer(context, HTTPMode.transparent)
+            return
         context.server.__dict__[DECIDED] = True
         server_id = context.server.id
 
@@ -40,7 +51,13 @@ class TunnelWatch:
                 return Refused(context, tls=judged.rule.startswith("tls:"))
             if judged.kind == "tls" and not tunnel.intercept:
                 return CountedRelay(context, lambda up, down, err: self._relay_done(server_id, tunnel, up, down, err))
-            return mlayer.NextLayer(context)  # intercepted TLS, or HTTP: mitmproxy parses, we decide each request
+            # HTTP inside: egresswall chooses the layer itself (mitmproxy's own choice would take a request
+            # line whose first bytes are not three letters, or an upstream that speaks first, for raw TCP).
+            if judged.kind == "http":
+                return HttpLayer(context, HTTPMode.transparent)
+            # Intercepted TLS: mitmproxy's TLS layers, chosen on the whole ClientHello; what they decrypt
+            # comes back to next_layer above, which puts HTTP there.
+            return mlayer.NextLayer(context)
 
         def timed_out(seen: int) -> None:
             self.table.tunnels.pop(server_id, None)
@@ -50,8 +67,10 @@ class TunnelWatch:
             else:
                 self.gate.tunnel_start_timed_out(tunnel, seen)
 
+        # The bound runs from the tunnel's opening (mitmproxy asks for a layer only at the first byte).
+        remaining = max(0.0, self.gate.policy.limits.header_timeout - (time.monotonic() - tunnel.started))
         nextlayer.layer = TunnelStart(context, lambda data: self.gate.tunnel_start(tunnel, data), choose,
-                                      self.gate.policy.limits.header_timeout, timed_out)
+                                      remaining, timed_out)
 
     def _relay_done(self, server_id: str, tunnel: Tunnel, up: int, down: int, error: str | None) -> None:
         self.table.tunnels.pop(server_id, None)

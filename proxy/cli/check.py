@@ -55,8 +55,8 @@ async def _check_one(policy: Policy, resolver: DnsResolver, url: str, args: argp
     if target.scheme == "ws":
         # As a browser sends it: Chromium opens ws:// as CONNECT host:port, and egresswall then parses and
         # decides the upgrade request inside. Both must pass, exactly as in the proxy.
-        connect = Request(target=replace(target, scheme="http", path=""), method="CONNECT", client=args.client,
-                          tunnel=True, inspected=target.port in policy.http_ports)
+        connect = Request(target=replace(target, scheme="https", path=""), method="CONNECT", client=args.client,
+                          tunnel=True)
         verdict, resolution = await resolve_and_decide(policy, connect, resolver)
         if not verdict.allowed:
             return url, verdict, resolution

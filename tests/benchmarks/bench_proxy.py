@@ -180,7 +180,7 @@ limits:
         self.egresswall = self._spawn([sys.executable, "-m", "proxy.cli", "run", "--policy", str(policy),
                                        "--listen", f"127.0.0.1:{self.ew_port}", "--admin",
                                        f"127.0.0.1:{self.ew_admin}", "--log", str(self.work / "audit.jsonl"),
-                                       "--workers", str(self.ew_workers), "--fast-tunnels"],
+                                       "--workers", str(self.ew_workers)],  # default settings: the front relays tunnels
                                       "egresswall", cwd=ROOT)
         wait_port("127.0.0.1", self.ew_port, 60)
         time.sleep(1.0 if self.ew_workers > 1 else 0)  # let every worker bind, not just the first
