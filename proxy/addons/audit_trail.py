@@ -14,7 +14,7 @@ from mitmproxy import http
 from ..gate import Gate
 from ..peers import peer_of
 from ..refusals import OWN_HEADER_PREFIX
-from .decision import FLOW_ID, STARTED, TARGET, VERDICT, to_response
+from .decision import FLOW_ID, STARTED, TARGET, VERDICT, accept_of, to_response
 
 DOWN = "egresswall_down"
 
@@ -33,7 +33,8 @@ class AuditTrail:
             target = flow.metadata.get(TARGET)
             refusal = self.gate.refuse(peer_of(flow.client_conn.peername), flow.request.method, target, 502, "http",
                                        "http:unrequested-upgrade", "the upstream answered 101 Switching Protocols "
-                                       "to a request that was not an allowed WebSocket upgrade")
+                                       "to a request that was not an allowed WebSocket upgrade",
+                                       accept=accept_of(flow))
             flow.response = to_response(refusal)
             flow.metadata.pop(VERDICT, None)  # its record is written: no response record follows
             return
