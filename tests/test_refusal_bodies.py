@@ -9,8 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from policy.decision import Verdict
-from policy.patterns import HostPattern
 from policy.model import DENY, HostRule, Origin
+from policy.patterns import HostPattern
 from proxy.accept import MAX_ACCEPT, AcceptError, media_ranges, prefers_json
 from proxy.hints import hint_for
 from proxy.refusals import Refusal, refusal_bytes, refusal_parts
