@@ -30,9 +30,9 @@ import h11
 from policy.hosts import HostFormError, Target, parse_authority, parse_url
 
 from .admission import CapRefusal
-from .gate import Gate, Tunnel
+from .gate import Gate, Tunnel, refusal_for
 from .peers import client_key
-from .refusals import Refusal, refusal_bytes
+from .refusals import refusal_bytes
 from .tls_hello import MAX_HELLO_BYTES
 
 RELAY_CHUNK = 256 * 1024
@@ -130,7 +130,7 @@ class Front:
                 self.gate.admission.hand_over(peer)
                 self.handoff(conn, head + rest)
                 return
-            await self._tunnel(conn, client, authority, rest)
+            await self._tunnel(conn, client, authority, rest, _accept_of(head))
         except (OSError, TimeoutError, asyncio.IncompleteReadError):
             pass
         finally:
@@ -190,17 +190,19 @@ class Front:
         """Refused at accept. Given a moment (bounded, and only for a bounded number of such
         connections) to say where it wanted to go, so the record names the host and port."""
         method = target = url = None
+        accept: tuple[str, ...] = ()
         try:
             if self._over_cap_pending < MAX_OVER_CAP_PENDING:
                 self._over_cap_pending += 1
                 try:
                     head, _ = await self._read_head(conn, OVER_CAP_WAIT, OVER_CAP_WAIT)
                     method, target, url = _request_of(head)
+                    accept = _accept_of(head)
                 except (HeadProblem, OSError):
                     pass
                 finally:
                     self._over_cap_pending -= 1
-            refusal = self.gate.refuse_admission(client, cap, method, target, url)
+            refusal = self.gate.refuse_admission(client, cap, method, target, url, accept)
             with contextlib.suppress(OSError):
                 await _send(conn, refusal_bytes(refusal))
         finally:
@@ -208,9 +210,10 @@ class Front:
 
     # ---- the fast tunnel ----------------------------------------------------------------------
 
-    async def _tunnel(self, conn: socket.socket, client: str, authority: str, rest: bytes) -> None:
+    async def _tunnel(self, conn: socket.socket, client: str, authority: str, rest: bytes,
+                      accept: tuple[str, ...] = ()) -> None:
         gate, loop = self.gate, asyncio.get_running_loop()
-        outcome = await gate.decide_connect(client, authority, uuid.uuid4().hex)
+        outcome = await gate.decide_connect(client, authority, uuid.uuid4().hex, accept)
         if outcome.refusal is not None:
             await _send(conn, refusal_bytes(outcome.refusal))
             return
@@ -221,11 +224,11 @@ class Front:
             port = tunnel.target.port
             refused = gate.guard(tunnel.verdict.pinned, port)
             if refused:
-                await self._connect_failed(conn, tunnel, refused)
+                await self._connect_failed(conn, tunnel, refused, accept)
                 return
             upstream, error = await _connect(tunnel.verdict.pinned, port, gate.policy.limits.connect_timeout)
             if upstream is None:
-                await self._connect_failed(conn, tunnel, error)
+                await self._connect_failed(conn, tunnel, error, accept)
                 return
             gate.metrics.fast_tunnels += 1
             await _send(conn, b"HTTP/1.1 200 Connection established\r\n\r\n")
@@ -241,12 +244,13 @@ class Front:
             if upstream is not None:
                 upstream.close()
 
-    async def _connect_failed(self, conn: socket.socket, tunnel: Tunnel, reason: str) -> None:
+    async def _connect_failed(self, conn: socket.socket, tunnel: Tunnel, reason: str,
+                              accept: tuple[str, ...] = ()) -> None:
         from policy.decision import Verdict
 
         verdict = Verdict(False, "connect", "connect", reason, role=tunnel.verdict.role)
         self.gate.tunnel_closed(tunnel, 0, 0, f"connect failed: {reason}")
-        await _send(conn, refusal_bytes(Refusal(502, verdict)))
+        await _send(conn, refusal_bytes(refusal_for(502, verdict, tunnel.target, accept)))
 
     async def _first_message(self, conn: socket.socket, tunnel: Tunnel, data: bytes) -> bytes | None:
         """The whole ClientHello, judged by the gate, within limits.header_timeout of the 200."""
@@ -342,6 +346,14 @@ def _parse_head(head: bytes) -> tuple[str | None, str | None, h11.Request | None
         return event.method.decode("ascii"), event.target.decode("ascii"), event
     except UnicodeDecodeError:
         return None, None, None
+
+
+def _accept_of(head: bytes) -> tuple[str, ...]:
+    """The Accept header values of a head as h11 parsed them (latin-1, as sent); () when it did not parse."""
+    _, _, event = _parse_head(head)
+    if event is None:
+        return ()
+    return tuple(value.decode("latin-1") for name, value in event.headers if name == b"accept")
 
 
 def _request_of(head: bytes) -> tuple[str | None, Target | None, str | None]:

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from policy.decision import Request, Resolution, Verdict, refuse_form
@@ -27,6 +28,7 @@ from policy.hosts import HostFormError, Target, host_header_agrees, parse_author
 from policy.model import Policy
 from policy.resolver import DnsResolver, Resolver, resolve_and_decide
 
+from .accept import prefers_json
 from .admission import Admission, CapRefusal
 from .audit import AuditLog
 from .first_bytes import FirstBytes, classify_tunnel_start
@@ -85,6 +87,7 @@ class HttpAsk:
     websocket: bool = False
     content_length: int | None = None  # None: no Content-Length (chunked, or no body)
     authority: str | None = None  # the request target's authority (absolute-form), if it had one
+    accept: tuple[str, ...] = ()  # the Accept header values, as sent: a refusal is JSON when they prefer it
     flow_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
@@ -152,14 +155,17 @@ class Gate:
         self.metrics.open_connections = self.admission.total
 
     def refuse_admission(self, client: str, cap: CapRefusal, method: str | None = None,
-                         target: Target | None = None, url: str | None = None) -> Refusal:
+                         target: Target | None = None, url: str | None = None,
+                         accept: Iterable[str] = ()) -> Refusal:
         """The record of a connection refused by a cap, with host and port when the client said them."""
-        return self.refuse(client, method, target, cap.status, LIMITS, cap.rule, cap.reason, url=url)
+        return self.refuse(client, method, target, cap.status, LIMITS, cap.rule, cap.reason, url=url, accept=accept)
 
     # ---- CONNECT -----------------------------------------------------------------------------------
 
-    async def decide_connect(self, client: str, authority: str, flow_id: str | None = None) -> ConnectOutcome:
-        """Decide a CONNECT; an allowed one gets its Tunnel (counted open until ``tunnel_closed``)."""
+    async def decide_connect(self, client: str, authority: str, flow_id: str | None = None,
+                             accept: Iterable[str] = ()) -> ConnectOutcome:
+        """Decide a CONNECT; an allowed one gets its Tunnel (counted open until ``tunnel_closed``).
+        ``accept``: the CONNECT's Accept header values, which choose the refusal's body."""
         policy = self.policy
         flow_id = flow_id or uuid.uuid4().hex
         resolution = None
@@ -174,12 +180,12 @@ class Gate:
         if target is None:
             record.url = safe_text(authority)
         if not verdict.allowed:
-            refusal = Refusal(403, verdict)
+            refusal = refusal_for(403, verdict, target, accept)
             record.status, record.bytes_down = 403, refusal.size
             self.recorder.decision(record)
             return ConnectOutcome(None, refusal)
         if not (self.recorder.decision(record) and self.audit.healthy):
-            return ConnectOutcome(None, self.audit_unwritable())
+            return ConnectOutcome(None, self.audit_unwritable(target, accept))
         assert target is not None
         tunnel = Tunnel(flow_id, target, verdict, client, intercept=policy.intercepts(target.host),
                         http_inside=target.port in policy.http_ports,
@@ -266,12 +272,12 @@ class Gate:
         record = self.recorder.record(DECISION, ask.flow_id, ask.client, ask.method, target, verdict,
                                       resolution.cnames if resolution else ())
         if not verdict.allowed:
-            refusal = Refusal(403, verdict)
+            refusal = refusal_for(403, verdict, target, ask.accept)
             record.status, record.bytes_down = 403, refusal.size
             self.recorder.decision(record)
             return RequestOutcome(verdict, target, refusal)
         if not (self.recorder.decision(record) and self.audit.healthy):
-            return RequestOutcome(verdict, target, self.audit_unwritable())
+            return RequestOutcome(verdict, target, self.audit_unwritable(target, ask.accept))
         return RequestOutcome(verdict, target, None)
 
     def _request_target(self, ask: HttpAsk, tunnel: Tunnel | None) -> Target:
@@ -287,7 +293,7 @@ class Gate:
     def _request_refused(self, ask: HttpAsk, target: Target | None, verdict: Verdict, status: int,
                          url: str | None = None) -> RequestOutcome:
         record = self.recorder.record(DECISION, ask.flow_id, ask.client, ask.method, target, verdict)
-        refusal = Refusal(status, verdict)
+        refusal = refusal_for(status, verdict, target, ask.accept)
         record.status, record.bytes_down = status, refusal.size
         if target is None and url is not None:
             record.url = safe_text(url)
@@ -295,11 +301,13 @@ class Gate:
         return RequestOutcome(verdict, target, refusal)
 
     def refuse(self, client: str, method: str | None, target: Target | None, status: int, stage: str, rule: str,
-               reason: str, url: str | None = None, flow_id: str | None = None, event: str = DECISION) -> Refusal:
-        """A refusal made before any policy decision (malformed, over a bound, over a cap): its one record."""
+               reason: str, url: str | None = None, flow_id: str | None = None, event: str = DECISION,
+               accept: Iterable[str] = ()) -> Refusal:
+        """A refusal made before any policy decision (malformed, over a bound, over a cap): its one record.
+        ``accept``: the request's Accept header values, when a head was read (they choose the body)."""
         verdict = Verdict(False, stage, rule, reason)
         record = self.recorder.record(event, flow_id or uuid.uuid4().hex, client, method, target, verdict)
-        refusal = Refusal(status, verdict)
+        refusal = refusal_for(status, verdict, target, accept)
         record.status, record.bytes_down = status or None, refusal.size if status else 0
         if target is None and url:
             record.url = safe_text(url)
@@ -320,14 +328,15 @@ class Gate:
 
     # ---- the audit log failing closed ----------------------------------------------------------------
 
-    def audit_unwritable(self) -> Refusal:
+    def audit_unwritable(self, target: Target | None = None, accept: Iterable[str] = ()) -> Refusal:
         """Fail closed: a request is let through only once its decision line is written. While the log
         cannot take lines, allowed requests are refused with 503, /readyz fails, and a probe tries a
         line every second (README, "Audit log and admin endpoint")."""
         self._start_audit_probe()
         self.metrics.refusals["audit"] += 1
-        return Refusal(503, Verdict(False, "audit", "audit", "the audit log cannot be written, and egresswall does "
-                                                             "not let through what it cannot record"))
+        return refusal_for(503, Verdict(False, "audit", "audit", "the audit log cannot be written, and egresswall "
+                                                                 "does not let through what it cannot record"),
+                           target, accept)
 
     def _start_audit_probe(self) -> None:
         # Started by the failure itself, not by the next request: with /readyz failing, no traffic may
@@ -339,6 +348,13 @@ class Gate:
     async def _probe_audit(self) -> None:
         while not self.audit.probe():
             await asyncio.sleep(1)
+
+
+def refusal_for(status: int, verdict: Verdict, target: Target | None, accept: Iterable[str] = ()) -> Refusal:
+    """The Refusal for a target (host and port named when there is one), JSON when ``accept`` prefers it:
+    chosen here, before the record is written, so its ``bytes_down`` is the size of the body sent."""
+    host, port = (target.host, target.port) if target is not None else (None, None)
+    return Refusal(status, verdict, host, port, json=prefers_json(tuple(accept)))
 
 
 def self_refusal(pinned: str, port: int, verdict: Verdict) -> Verdict:

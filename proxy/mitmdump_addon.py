@@ -62,14 +62,14 @@ class MitmdumpShim:
                 addon.apply()
 
     def _body_over_limit(self, flow, limit: int):
-        from proxy.addons.decision import FLOW_ID, TARGET, VERDICT, to_response
+        from proxy.addons.decision import FLOW_ID, TARGET, VERDICT, accept_of, to_response
 
         assert self.gate is not None
         flow.metadata.pop(VERDICT, None)
         refusal = self.gate.refuse(peer_of(flow.client_conn.peername), flow.request.method, flow.metadata.get(TARGET),
                                    413, "limits", "limits.max_request_body",
                                    f"the request body is over the limit of {limit} bytes (limits.max_request_body)",
-                                   flow_id=flow.metadata.get(FLOW_ID), event="response")
+                                   flow_id=flow.metadata.get(FLOW_ID), event="response", accept=accept_of(flow))
         flow.response = to_response(refusal)
         return refusal
 

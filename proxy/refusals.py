@@ -2,16 +2,25 @@
 
 One rendering for both transports: ``refusal_parts`` gives the status, headers and body; the fast
 front writes ``refusal_bytes``, the mitmproxy addons wrap the same parts in an ``http.Response``.
+
+Two bodies: plain text (the default) and, for a client whose ``Accept`` prefers JSON
+(``proxy/accept.py``), one JSON object with the fields the README documents (*Refusals an agent can
+read*). Which one is chosen when the Refusal is built (``json``), not when it is written: the gate
+records ``Refusal.size`` as the record's ``bytes_down`` before a transport sends anything, so the size
+and the body sent must come from the same choice. Every word of either body comes from the verdict,
+the target egresswall parsed and the hint (``proxy/hints.py``) — nothing an upstream server said.
 """
 
 from __future__ import annotations
 
+import json as jsonlib
 from dataclasses import dataclass
 from http import HTTPStatus
 
 from policy.decision import Verdict
 from policy.wire import OWN_HEADER_PREFIX, REASON_HEADER, RULE_HEADER, RULE_ID_HEADER
 
+from .hints import hint_for
 from .records import rule_id_of
 
 __all__ = ["OWN_HEADER_PREFIX", "Refusal", "refusal_bytes", "refusal_parts"]
@@ -23,6 +32,13 @@ class Refusal:
 
     status: int
     verdict: Verdict
+    host: str | None = None  # the target, when egresswall parsed one (None: a refusal before any target)
+    port: int | None = None
+    json: bool = False  # the client's Accept prefers JSON: the body is the JSON object, else plain text
+
+    @property
+    def hint(self) -> str:
+        return hint_for(self.verdict, self.host, self.port)
 
     @property
     def size(self) -> int:
@@ -36,10 +52,33 @@ def one_line(text: str, limit: int = 400) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+ERROR_CODES = {"form": "malformed", "limits": "limited", "audit": "unavailable", "connect": "unavailable"}
+
+
+def error_code(refusal: Refusal) -> str:
+    """The JSON body's ``error``: ``refused`` for a policy decision; ``malformed``, ``limited`` (a cap,
+    a timeout, a size bound) or ``unavailable`` (the audit log, a failed connect) for the rest."""
+    return ERROR_CODES.get(refusal.verdict.stage, "refused")
+
+
+def refusal_json(refusal: Refusal) -> dict[str, object]:
+    verdict = refusal.verdict
+    return {"error": error_code(refusal), "status": refusal.status, "stage": verdict.stage, "rule": verdict.rule,
+            "rule_id": rule_id_of(verdict), "reason": verdict.reason, "host": refusal.host, "port": refusal.port,
+            "hint": refusal.hint}
+
+
 def refusal_parts(refusal: Refusal) -> tuple[int, list[tuple[str, str]], bytes]:
     verdict = refusal.verdict
-    body = f"egresswall refused this request.\nrule: {verdict.rule}\nreason: {verdict.reason}\n".encode()
-    headers = [("Content-Type", "text/plain; charset=utf-8"), ("Cache-Control", "no-store"),
+    if refusal.json:
+        # ensure_ascii: any byte the verdict quotes from the request arrives escaped, never raw.
+        body = (jsonlib.dumps(refusal_json(refusal), ensure_ascii=True) + "\n").encode()
+        kind = "application/json"
+    else:
+        body = (f"egresswall refused this request.\nrule: {verdict.rule}\nreason: {verdict.reason}\n"
+                f"hint: {one_line(refusal.hint)}\n").encode()
+        kind = "text/plain; charset=utf-8"
+    headers = [("Content-Type", kind), ("Cache-Control", "no-store"),
                ("Connection", "close"), (REASON_HEADER, one_line(verdict.reason)),
                (RULE_HEADER, one_line(verdict.rule, 200)), (RULE_ID_HEADER, one_line(rule_id_of(verdict), 200))]
     return refusal.status, headers, body

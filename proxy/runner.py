@@ -212,14 +212,14 @@ class ProxyRunner:
         self.gate.connection_refused(peer_of(conn.peername), status, rule, reason)
 
     def _body_over_limit(self, flow, limit: int):
-        from .addons.decision import FLOW_ID, STARTED, TARGET, VERDICT
+        from .addons.decision import FLOW_ID, STARTED, TARGET, VERDICT, accept_of
 
         verdict = flow.metadata.pop(VERDICT, None)  # no response record follows: this is the refusal's
         target = flow.metadata.get(TARGET)
         reason = f"the request body is over the limit of {limit} bytes (limits.max_request_body)"
         refusal = self.gate.refuse(peer_of(flow.client_conn.peername), flow.request.method, target, 413, "limits",
                                    "limits.max_request_body", reason, flow_id=flow.metadata.get(FLOW_ID),
-                                   event="response")
+                                   event="response", accept=accept_of(flow))
         del verdict, STARTED
         flow.response = to_response(refusal)
         return refusal

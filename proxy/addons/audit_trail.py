@@ -14,9 +14,11 @@ from mitmproxy import http
 from ..gate import Gate
 from ..peers import peer_of
 from ..refusals import OWN_HEADER_PREFIX
-from .decision import FLOW_ID, STARTED, TARGET, VERDICT, to_response
+from .decision import FLOW_ID, STARTED, TARGET, VERDICT, accept_of, to_response
 
 DOWN = "egresswall_down"
+
+REFUSED = "egresswall_refused_response"  # a refusal that replaced an upstream's response (sent as it is)
 
 
 class AuditTrail:
@@ -34,8 +36,12 @@ class AuditTrail:
             target = flow.metadata.get(TARGET)
             refusal = self.gate.refuse(peer_of(flow.client_conn.peername), flow.request.method, target, 502, "http",
                                        "http:unrequested-upgrade", "the upstream answered 101 Switching Protocols "
-                                       "to a request that was not an allowed WebSocket upgrade")
+                                       "to a request that was not an allowed WebSocket upgrade",
+                                       accept=accept_of(flow))
             flow.response = to_response(refusal)
+            # mitmproxy still reads the upstream's body and puts it into flow.response before the response
+            # hook: the refusal is set again there, so the client gets exactly our body, never the upstream's.
+            flow.metadata[REFUSED] = refusal
             flow.metadata.pop(VERDICT, None)  # its record is written: no response record follows
             return
         counted = {"bytes": 0}
@@ -48,6 +54,10 @@ class AuditTrail:
         flow.response.stream = count
 
     def response(self, flow: http.HTTPFlow) -> None:
+        refusal = flow.metadata.get(REFUSED)
+        if refusal is not None:
+            flow.response = to_response(refusal)
+            return
         self._ended(flow, None)
 
     def error(self, flow: http.HTTPFlow) -> None:

@@ -26,6 +26,11 @@ def to_response(refusal: Refusal) -> http.Response:
     return http.Response.make(status, body, [(k.encode(), v.encode("latin-1")) for k, v in headers])
 
 
+def accept_of(flow: http.HTTPFlow) -> tuple[str, ...]:
+    """The request's Accept header values, which choose a refusal's body (proxy/accept.py)."""
+    return tuple(flow.request.headers.get_all("accept"))
+
+
 class DecisionAddon:
     def __init__(self, gate: Gate, table: ConnectionTable) -> None:
         self.gate, self.table = gate, table
@@ -33,7 +38,8 @@ class DecisionAddon:
     async def http_connect(self, flow: http.HTTPFlow) -> None:
         authority = (flow.request.data.authority.decode("latin-1") if flow.request.data.authority
                      else f"{flow.request.host}:{flow.request.port}")
-        outcome = await self.gate.decide_connect(peer_of(flow.client_conn.peername), authority, flow.id)
+        outcome = await self.gate.decide_connect(peer_of(flow.client_conn.peername), authority, flow.id,
+                                                 accept_of(flow))
         if outcome.refusal is not None:
             flow.response = to_response(outcome.refusal)
             return
@@ -54,7 +60,7 @@ class DecisionAddon:
             # Framing mitmproxy already refused (it answers 400 itself), or header values it would
             # forward as they are: the decision record says refused, with mitmproxy's or our reason.
             refusal = self.gate.refuse(client, request.method, None, 400, "form", *malformed,
-                                       url=request.pretty_url, flow_id=flow.metadata[FLOW_ID])
+                                       url=request.pretty_url, flow_id=flow.metadata[FLOW_ID], accept=accept_of(flow))
             if flow.error is None:
                 refuse_before_body(flow, to_response(refusal))
             return
@@ -64,7 +70,7 @@ class DecisionAddon:
             refusal = self.gate.refuse(client, request.method, None, 403, "form", "http:upgrade",
                                        f"the request asks to upgrade to {values!r}; egresswall relays only "
                                        "WebSocket upgrades (one Upgrade header naming websocket)",
-                                       url=request.pretty_url, flow_id=flow.metadata[FLOW_ID])
+                                       url=request.pretty_url, flow_id=flow.metadata[FLOW_ID], accept=accept_of(flow))
             refuse_before_body(flow, to_response(refusal))
             return
         length = request.headers.get("content-length")
@@ -72,7 +78,8 @@ class DecisionAddon:
                       port=request.data.port, path=request.path, host_header=request.headers.get("host"),
                       websocket=upgrade == WEBSOCKET,
                       content_length=int(length) if length is not None and length.isdigit() else None,
-                      authority=request.data.authority.decode("latin-1") or None, flow_id=flow.metadata[FLOW_ID])
+                      accept=accept_of(flow), authority=request.data.authority.decode("latin-1") or None,
+                      flow_id=flow.metadata[FLOW_ID])
         tunnel = self.table.tunnels.get(flow.server_conn.id)
         outcome = await self.gate.decide_request(ask, tunnel)
         if outcome.refusal is not None:

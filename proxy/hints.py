@@ -1,0 +1,69 @@
+"""The operator's hint in a refusal: what would change the answer, from the verdict and the target only.
+
+One pure function, ``hint_for``, used by both refusal bodies (the ``hint:`` line of the text body and
+the ``hint`` field of the JSON body). Everything it says is built from the verdict (stage, rule, rule
+id, the matched deny rule) and the target egresswall parsed — never from anything an upstream server
+sent — so a refusal cannot be made to carry someone else's words.
+
+The policy itself is not needed: a default-deny verdict's ``rule_id`` already says whose default
+refused (``default:deny`` or ``roles.NAME.default:deny``, policy/rule_ids.py), which is all the hint
+names.
+"""
+
+from __future__ import annotations
+
+from policy.decision import Verdict
+
+CAPS = frozenset({"limits.max_connections", "limits.max_connections_per_client", "shutdown"})
+RETRY_LATER = "retry later"
+
+
+def hint_for(verdict: Verdict, host: str | None = None, port: int | None = None) -> str:
+    """What an operator (or the agent reporting to one) can do about this refusal, in one line."""
+    stage, rule, rule_id = verdict.stage, verdict.rule, verdict.rule_id
+    name = host if host else "this host"
+    if stage == "host":
+        if rule_id.endswith(".default:deny") and rule_id.startswith("roles."):
+            role = rule_id[len("roles."):-len(".default:deny")]
+            return f"add {name} to hosts.allow of role {role}"
+        if rule_id == "default:deny":
+            return f"add {name} to hosts.allow"
+        pattern = verdict.matched.pattern.text if verdict.matched is not None else rule_id
+        return f"this host is refused by deny rule {pattern} ({rule}); only editing that rule admits it"
+    if stage == "port":
+        shown = port if port is not None else "this port"
+        return f"port {shown} is not in ports.connect/ports.http ({rule} decided); add it to {rule} to allow it"
+    if stage == "address":
+        if rule == "self":
+            return "this is egresswall's own listener; a request to the proxy itself is never forwarded"
+        if rule.startswith("cloud-metadata"):
+            return ("this is a cloud metadata address and is never allowed; addresses.allow does not re-admit "
+                    "it (only addresses.refuse_cloud_metadata: false does)")
+        if rule_id.startswith("addresses.deny:"):
+            return f"this address is refused by the address deny rule {rule}; only editing that rule admits it"
+        return f"this address is never allowed ({rule}); addresses.allow re-admits a range"
+    if stage == "resolve":
+        if rule.startswith("dns:"):
+            return (f"the name did not resolve ({rule}); check the name and the nameservers in resolver, "
+                    "or retry later")
+        return f"the name is an alias (CNAME) of a refused name ({rule}); every name in the chain must pass"
+    if stage == "form":
+        if rule == "form:host-header":
+            return "the Host header must name the request's target; no policy change admits this request"
+        return f"the request is malformed ({rule}); fix the client: no policy change admits it"
+    if stage == "scheme":
+        return "only http, https, ws and wss are proxied"
+    if stage == "limits":
+        if rule in CAPS or rule.endswith("_timeout"):
+            return RETRY_LATER
+        return f"the request is over {rule}; send less, or raise {rule} in the policy"
+    if stage == "audit":
+        return ("retry later; the operator must make the audit log writable (egresswall does not let "
+                "through what it cannot record)")
+    if stage == "connect":
+        return "the checked address did not accept the connection; retry later"
+    if stage == "http":
+        return f"egresswall does not relay this ({rule}); no policy change admits it"
+    if stage == "tls":
+        return f"the tunnel's TLS start was refused ({rule}); the SNI must name the CONNECT host"
+    return f"refused by {rule}"
