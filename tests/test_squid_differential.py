@@ -121,7 +121,35 @@ http_access allow client5 lab
 http_access allow lab CONNECT
 http_access deny all
 """,
+    # A corporate squid.conf (issue 14): client classes by src, Debian's port idioms, dstdomain lists read
+    # from files, a private dst deny, a url_regex deny (which must not empty the policy: tunnels cannot
+    # match it), a parent proxy and ssl_bump (not translated; this squid, built with GnuTLS, ignores
+    # ssl_bump with an error and bumps nothing, as egresswall does).
+    "corporate": """\
+acl localnet src 127.0.0.5/32
+acl buildagents src 127.0.0.1/32
+acl SSL_ports port 443 {port}
+acl Safe_ports port 80 443 1025-65535
+acl CONNECT method CONNECT
+acl build_sites dstdomain "{dir}/build-domains.txt"
+acl staff_sites dstdomain "{dir}/staff-domains.txt"
+acl private_nets dst 127.0.0.3/32 10.0.0.0/8 172.16.0.0/12 192.168.0.0/16 169.254.0.0/16
+acl executables url_regex -i \\.(exe|msi|bat)$
+{guard}http_access deny !Safe_ports
+http_access deny CONNECT !SSL_ports
+http_access deny private_nets
+http_access deny executables
+http_access allow buildagents build_sites
+http_access deny buildagents
+http_access allow localnet staff_sites
+http_access deny all
+cache_peer 127.0.0.9 parent 3999 0 no-query default
+ssl_bump peek all
+ssl_bump splice all
+""",
 }
+DOMAIN_FILES = {"build-domains.txt": ".allowed.lab.test\napi.lab.test\n",
+                "staff-domains.txt": "exact.lab.test\n.regex.lab.test\n.allowed.lab.test\n"}
 INCLUDED = """\
 acl readonly method GET HEAD
 acl rx dstdom_regex -i ^(.*\\.)?regex\\.lab\\.test$
@@ -326,6 +354,8 @@ def squid_workdir(name: str) -> Path:
 def write_config(name: str, workdir: Path, squid_port: int, upstream_port: int) -> Path:
     # hosts stays empty: squid reads no /etc/hosts, every name comes from the DnsLab.
     (workdir / "acls.conf").write_text(INCLUDED.format(port=upstream_port))
+    for file_name, text in DOMAIN_FILES.items():
+        (workdir / file_name).write_text(text)
     body = CONFIGS[name].format(port=upstream_port, dir=workdir, guard=_guard())
     conf = workdir / "squid.conf"
     conf.write_text(PLUMBING.format(squid_port=squid_port, dir=workdir, dns=DNS_HOST) + body)

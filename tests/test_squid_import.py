@@ -486,3 +486,139 @@ def test_squid_outcome_helper_parses_ip_literals() -> None:
     result = imported("acl d dstdomain 93.184.216.34\nhttp_access allow d\n")
     assert result.squid_outcome(CLIENT, "http", "GET", 80, "93.184.216.34").allowed
     assert ipaddress.ip_address("93.184.216.34")
+
+
+# ---- an import that stays useful (issue 14, item 5) --------------------------------------------------------
+
+REPO = Path(__file__).parent.parent
+
+CORPORATE = """\
+acl localnet src 10.0.0.0/8
+acl localnet src 192.168.0.0/16
+acl buildagents src 10.20.0.0/16
+acl SSL_ports port 443
+acl Safe_ports port 80
+acl Safe_ports port 443
+acl Safe_ports port 1025-65535
+acl CONNECT method CONNECT
+acl build_sites dstdomain "{dir}/build-domains.txt"
+acl staff_sites dstdomain "{dir}/staff-domains.txt"
+acl private_nets dst 10.0.0.0/8 172.16.0.0/12 192.168.0.0/16 169.254.0.0/16
+acl executables url_regex -i \\.(exe|msi|bat)$
+http_access deny !Safe_ports
+http_access deny CONNECT !SSL_ports
+http_access deny private_nets
+http_access deny executables
+http_access allow buildagents build_sites
+http_access deny buildagents
+http_access allow localnet staff_sites
+http_access deny all
+cache_peer parent.corp.example parent 3128 0 no-query default
+never_direct allow all
+ssl_bump peek all
+ssl_bump splice all
+http_port 3128 ssl-bump cert=/etc/squid/ca.pem
+"""
+
+
+def run_import(conf: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "proxy.cli", "squid", "import", str(conf), *args],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+def test_cli_import_that_admits_nothing_squid_allows_fails(tmp_path: Path) -> None:
+    conf = tmp_path / "squid.conf"
+    conf.write_text("acl localnet src 10.0.0.0/8\nacl exe urlpath_regex -i \\.exe$\nhttp_access deny exe\n"
+                    "http_access allow localnet\nhttp_access deny all\n")
+    done = run_import(conf, "-o", str(tmp_path / "policy.yaml"))
+    assert done.returncode == 1, done.stderr
+    assert f"egresswall: {conf}: import FAILED: the imported policy refuses every request squid allows" in done.stderr
+    assert "-: warning: clients localnet: squid allows 6 request class(es) from them, and the imported policy " \
+           "admits none" in done.stderr
+    assert f"{conf}:3: warning: http_access deny exe:" in done.stderr  # the line, and its effect
+    assert (tmp_path / "policy.yaml").exists()  # written for reading
+
+
+def test_url_regex_deny_leaves_tunnels_to_the_other_lines(tmp_path: Path) -> None:
+    # The issue's case: one url_regex deny line used to empty the policy (connect: [], exit 0).
+    conf = tmp_path / "squid.conf"
+    conf.write_text("acl localnet src 10.0.0.0/8\nacl SSL_ports port 443\nacl CONNECT method CONNECT\n"
+                    "acl sites dstdomain .example.com\nacl exe url_regex -i \\.(exe|msi)$\n"
+                    "http_access deny CONNECT !SSL_ports\nhttp_access deny exe\n"
+                    "http_access allow localnet sites\nhttp_access deny all\n")
+    out = tmp_path / "policy.yaml"
+    done = run_import(conf, "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    load_policy_file(out)
+    result = import_conf(conf)
+    assert "connect: [443]" in out.read_text()
+    assert allowed(result, "www.example.com:443", "CONNECT", client="10.1.2.3")
+    assert not allowed(result, "other.org:443", "CONNECT", client="10.1.2.3")
+    assert not allowed(result, "http://www.example.com/setup.exe", client="10.1.2.3")  # squid refuses it
+    assert f"{conf}:5: note: acl exe url_regex \\.(exe|msi)$: cannot match a tunnel's URL" in done.stderr
+    assert f"{conf}:7: warning: http_access deny exe: squid's answer depends on ACLs" in done.stderr
+
+
+@pytest.mark.parametrize("regex, tunnel_safe", [
+    (r"\.exe$", True), (r"\.(exe|msi)$", True), (r"/download/", True), (r"^http://", True), (r"\?id=", True),
+    (r"[.]exe$", True), (r"example", False), (r":443$", False), (r"\.(exe|[0-9])$", False), (r".*", False),
+    (r"(/x)?y$", True), (r"(/x)?1$", False),
+])
+def test_url_regex_is_decided_for_tunnels_only_when_no_authority_can_match(regex: str, tunnel_safe: bool) -> None:
+    from squid_compat.urlregex import never_matches_authority
+    assert never_matches_authority(regex, icase=True) is tunnel_safe
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.from_regex(r"[a-z0-9.-]{1,20}(\.[a-z]{2,5})?", fullmatch=True), st.integers(1, 65535),
+       st.sampled_from([r"\.exe$", r"/download/", r"^http://", r"(/x)?y$", r"[.]exe$", r"\?id="]))
+def test_a_regex_called_tunnel_safe_never_matches_an_authority(host: str, port: int, regex: str) -> None:
+    from squid_compat.urlregex import never_matches_authority
+    assert never_matches_authority(regex, icase=True)
+    import re as regex_module
+    for authority in (f"{host}:{port}", f"[{host.replace('.', ':')}]:{port}"):
+        assert regex_module.search(regex, authority, regex_module.IGNORECASE) is None
+
+
+def test_cli_import_says_which_non_global_ranges_squid_allowed_and_how_to_readmit(tmp_path: Path) -> None:
+    conf = tmp_path / "squid.conf"
+    conf.write_text("acl private dst 10.0.0.0/8 192.168.0.0/16\nacl d dstdomain .example.com\n"
+                    "http_access deny private\nhttp_access allow d\n")
+    done = run_import(conf, "--quiet")
+    assert done.returncode == 0, done.stderr
+    line = next(line for line in done.stderr.splitlines() if "non-global ranges" in line)
+    assert "100.64.0.0/10" in line and "127.0.0.0/8" in line and "172.16.0.0/12" in line
+    assert "10.0.0.0/8" not in line and "192.168.0.0/16" not in line  # squid refuses these too
+    assert "addresses.allow" in line and "--readmit" in line
+    readmitted = run_import(conf, "--readmit", "100.64.0.0/10")
+    assert "100.64.0.0/10" not in next(line for line in readmitted.stderr.splitlines() if "non-global" in line)
+
+
+def test_corporate_squid_conf_keeps_each_client_class(tmp_path: Path) -> None:
+    (tmp_path / "build-domains.txt").write_text(".github.com\n.pypi.org\nfiles.pythonhosted.org\n")
+    (tmp_path / "staff-domains.txt").write_text(".example.com\n# a comment\n.wikipedia.org\n")
+    conf = tmp_path / "squid.conf"
+    conf.write_text(CORPORATE.format(dir=tmp_path))
+    out = tmp_path / "policy.yaml"
+    done = run_import(conf, "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    load_policy_file(out)
+    result = import_conf(conf)
+    build, staff, outsider = "10.20.1.1", "10.1.1.1", "203.0.113.9"
+    # For each client class, what squid admits over a tunnel, egresswall admits; what squid refuses, it refuses.
+    cases = [(build, "github.com", True), (build, "api.github.com", True), (build, "files.pythonhosted.org", True),
+             (build, "www.example.com", False), (build, "other.org", False),
+             (staff, "www.example.com", True), (staff, "en.wikipedia.org", True), (staff, "github.com", False),
+             (outsider, "www.example.com", False)]
+    for client, host, squid_allows in cases:
+        assert result.squid_outcome(client, "connect", "CONNECT", 443, host, PUBLIC).allowed is squid_allows
+        assert allowed(result, f"{host}:443", "CONNECT", client=client) is squid_allows, (client, host)
+        assert not allowed(result, f"{host}:8443", "CONNECT", client=client)
+        assert not allowed(result, f"http://{host}/tool.exe", client=client)
+    assert not allowed(result, "github.com:443", "CONNECT", client=build, addresses=("10.0.0.7",))  # dst deny
+    # Lines it cannot translate: file:line and their effect.
+    for number, text in [(16, "http_access deny executables: squid's answer depends on ACLs egresswall cannot "
+                               "decide"),
+                         (21, "cache_peer: squid forwards through a parent proxy; egresswall connects directly"),
+                         (23, "ssl_bump: squid decrypts TLS here; egresswall passes TLS through")]:
+        assert f"{conf}:{number}: warning: {text}" in done.stderr

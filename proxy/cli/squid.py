@@ -8,7 +8,7 @@ from pathlib import Path
 
 from squid_compat.conf import ConfError
 from squid_compat.exporter import export_policy
-from squid_compat.importer import import_conf
+from squid_compat.importer import NON_GLOBAL_RANGES, import_conf
 from squid_compat.report import WARNING
 
 from .options import load_policy_file
@@ -27,6 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     imp.add_argument("--readmit", action="append", default=[], metavar="CIDR",
                      help="re-admit this non-global range (addresses.allow), e.g. a lab's; repeatable")
     imp.add_argument("--quiet", action="store_true", help="print warnings only, not notes")
+    imp.epilog = ("Exit status: 0 when a policy was written; 1 when it was written but admits nothing squid allows "
+                  "(for every client); 2 when the squid.conf cannot be read.")
     imp.set_defaults(func=cmd_import)
 
     exp = commands.add_parser("export", help="a squid.conf access-control section enforcing an egresswall policy")
@@ -42,12 +44,18 @@ def cmd_import(args: argparse.Namespace) -> int:
         print(f"egresswall: {err}", file=sys.stderr)
         return 2
     for note in result.notes:
-        if note.level == WARNING or not args.quiet:
+        if note.level == WARNING or not args.quiet or note.category == NON_GLOBAL_RANGES:  # always said
             print(note, file=sys.stderr)
     _write(args.output, result.yaml)
     warnings = len(result.warnings)
-    print(f"egresswall: {args.conf}: imported; {warnings} warning(s)"
-          + (f", policy written to {args.output}" if args.output else ""), file=sys.stderr)
+    written = f", policy written to {args.output}" if args.output else ""
+    if result.admits_nothing:
+        # An allow-nothing policy is safe but useless: an operator must not deploy it believing it is a
+        # translation. The policy is still written, for reading; the exit status says it failed.
+        print(f"egresswall: {args.conf}: import FAILED: the imported policy refuses every request squid allows, "
+              f"for every client; {warnings} warning(s) above say why{written}", file=sys.stderr)
+        return 1
+    print(f"egresswall: {args.conf}: imported; {warnings} warning(s){written}", file=sys.stderr)
     return 0
 
 

@@ -19,10 +19,11 @@ from .acls import (
 from .conf import Directive, expand_values
 from .hostacls import DomainAcl, DomainRegexAcl
 from .report import Note
+from .urlregex import UrlRegexAcl
 
 ACL_TYPES: dict[str, type[Acl]] = {
     "src": SrcAcl, "dst": DstAcl, "dstdomain": DomainAcl, "dstdom_regex": DomainRegexAcl, "port": PortAcl,
-    "method": MethodAcl, "proto": ProtoAcl, "any-of": GroupAcl, "all-of": GroupAcl,
+    "method": MethodAcl, "proto": ProtoAcl, "any-of": GroupAcl, "all-of": GroupAcl, "url_regex": UrlRegexAcl,
 }
 
 # squid 5's predefined ACLs (cf.data.pre, "DEFAULT:" lines of the acl directive).
@@ -47,7 +48,8 @@ class AclTable:
             return
         name, type_ = args[0], args[1]
         flags, rest = _split_flags(args[2:])
-        if not isinstance(self.acls.get(name), DomainRegexAcl) and type_ != "dstdom_regex":
+        if not isinstance(self.acls.get(name), DomainRegexAcl | UrlRegexAcl) and type_ not in ("dstdom_regex",
+                                                                                          "url_regex"):
             rest = [value for value in rest if value not in ("-i", "+i")]
         values, complete = expand_values(rest, directive, notes)
         acl = self.acls.get(name)

@@ -44,6 +44,9 @@ from .report import BUILT_IN, NOTE, WARNING, Note, Where
 from .space import Cell, Region, Space, build_space
 from .synth import Gates, admits, egress_probe, synthesise
 
+NOTHING_ADMITTED = "nothing-admitted"  # a client class squid allows something keeps nothing
+NON_GLOBAL_RANGES = "non-global-ranges"  # non-global ranges squid reaches and egresswall refuses
+
 COPIES_CHECKED = 3  # of each group of anchors built alike, how many are decided in full by the check
 
 # Directives that touch access control but have no egresswall translation: said once each.
@@ -81,6 +84,18 @@ class ImportResult:
     space: Space
     program: Program = field(repr=False, default_factory=Program)
     context: Context | None = field(repr=False, default=None)
+    # Per client class (squid src ACL names): how many request classes squid allows, and how many of
+    # those the imported policy admits.
+    squid_allows: dict[str, int] = field(default_factory=dict)
+    policy_admits: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def admits_nothing(self) -> bool:
+        """squid allows something, and the imported policy admits none of it, for every client class."""
+        return any(self.squid_allows.values()) and not any(self.policy_admits.values())
+
+    def clients_left_with_nothing(self) -> list[str]:
+        return [name for name, count in self.squid_allows.items() if count and not self.policy_admits.get(name)]
 
     @property
     def warnings(self) -> list[Note]:
@@ -300,9 +315,41 @@ class _Importer:
             policy = parse_policy(yaml_text, self.source + " (imported)")
         except PolicyError as err:  # a bug here, never the operator's
             raise RuntimeError(f"internal error: the imported policy does not load: {err}\n{yaml_text}") from None
+        self.squid_allows: dict[str, int] = defaultdict(int)
+        self.policy_admits: dict[str, int] = defaultdict(int)
         losses = self._verify(policy, space, answers, scopes, admissible)
-        yaml_text = self._with_losses(yaml_text, losses)
-        return ImportResult(yaml_text, policy, self.notes, losses, space, self.program, ctx)
+        if any(self.squid_allows.values()):
+            self._non_global_note(denied | readmit)
+        result = ImportResult("", policy, self.notes, losses, space, self.program, ctx,
+                              dict(self.squid_allows), dict(self.policy_admits))
+        for name in result.clients_left_with_nothing():
+            self.notes.append(Note(None, f"clients {name}: squid allows {self.squid_allows[name]} request class(es) "
+                                         "from them, and the imported policy admits none: every request from these "
+                                         "clients is refused (the warnings above say why)", NOTHING_ADMITTED))
+        result.yaml = self._with_losses(yaml_text, losses)
+        return result
+
+    def _count(self, client: str, outcome: Outcome, admitted: bool) -> None:
+        # A class squid may allow (an undecided ACL left open) counts: squid allows it for some requests.
+        if outcome.allowed or ALLOW in outcome.actions:
+            self.squid_allows[client] += 1
+            self.policy_admits[client] += admitted
+
+    def _non_global_note(self, covered: netaddr.IPSet) -> None:
+        """Non-global ranges squid would connect to (no dst deny covers them) and egresswall refuses."""
+        refused = (addrsets.never_global() | addrsets.cloud_metadata()) - covered
+        unicast = netaddr.IPSet([addrsets.GLOBAL_UNICAST_V6])
+        listed = netaddr.IPSet(n for n in refused.iter_cidrs() if n.version == 4) | (refused & unicast)
+        shown = addrsets.cidrs(listed)
+        if any(network.version == 6 for network in (refused - unicast).iter_cidrs()):
+            # Written out, IPv6 outside global unicast is a hundred ranges: named as the whole it is.
+            partly = bool(covered & (netaddr.IPSet(["::/0"]) - unicast))
+            shown.append("IPv6 outside 2000::/3" + (" (in part)" if partly else ""))
+        if refused:
+            self.notes.append(Note(None, "squid allows names that resolve into these non-global ranges (no dst deny "
+                                         "covers them), and egresswall refuses them: " + ", ".join(shown)
+                                         + "; to re-admit one you really mean to reach, list it under addresses.allow "
+                                         "(or import with --readmit CIDR)", NON_GLOBAL_RANGES, NOTE))
 
     def _evaluate(self, space: Space, ctx: Context) -> dict[tuple[int, str, Cell], Outcome]:
         """squid's outcome for every (client class, region, cell); regions alike in every host-dependent
@@ -507,6 +554,7 @@ class _Importer:
                         # A copy of a template squid and the construction treat alike: its answer is the
                         # template's (a few copies of each are decided in full, below, to keep that honest).
                         admitted, loss = seen[(template, cell)]
+                        self._count(client.name(), outcome, admitted)
                         if loss is not None:
                             old, new = regions[template].anchor or "", region.anchor or ""
                             losses.append(replace(loss, region=region, reason=loss.reason.replace(old, new)))
@@ -520,6 +568,7 @@ class _Importer:
                         raise RuntimeError(f"internal error: the imported policy admits {cell} to "
                                            f"{region.describe()} from {client.name()}, which squid refuses")
                     loss = None
+                    self._count(client.name(), outcome, admitted)
                     if outcome.allowed and not admitted:
                         loss = classify(policy, probe, outcome, client.name(), region, cell)
                         losses.append(loss)
