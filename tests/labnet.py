@@ -89,10 +89,28 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._send(200, f"hello from {self.server.name} {self.path}".encode())
 
     def do_POST(self) -> None:
-        length = int(self.headers.get("Content-Length", "0"))
-        body = self.rfile.read(length)
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            body = self._read_chunked()
+        else:
+            body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
         self.server.requests.append((self.command, self.path, dict(self.headers)))
         self._send(200, f"got {len(body)} bytes".encode())
+
+
+def _read_chunks(rfile) -> bytes:
+    """A chunked request body (RFC 9112 7.1), as a real origin reads it: all of it, before answering."""
+    body = b""
+    while True:
+        size = int(rfile.readline().split(b";", 1)[0].strip() or b"0", 16)
+        if size == 0:
+            while rfile.readline() not in (b"\r\n", b"\n", b""):
+                pass  # trailers
+            return body
+        body += rfile.read(size)
+        rfile.readline()
+
+
+_Handler._read_chunked = lambda self: _read_chunks(self.rfile)
 
 
 class _Upstream(http.server.ThreadingHTTPServer):

@@ -152,6 +152,9 @@ def page_load(lab, proxy) -> None:
 
 
 def test_suggest_from_a_real_report_mode_log(lab, start_proxy, tmp_path, capsys):
+    # The lab is shared by the session, and some tests (the weakened-browser probes) reach the internal
+    # stand-in on purpose: what counts is that THIS test added no connection there.
+    internal_before = len(lab.internal.connections)
     first = start_proxy(lab.policy_text(default="deny", mode="report"), name="report.yaml")
     page_load(lab, first)
     out = tmp_path / "suggested.yaml"
@@ -175,4 +178,4 @@ def test_suggest_from_a_real_report_mode_log(lab, start_proxy, tmp_path, capsys)
     assert all(r["verdict"] == "allow" for r in decisions if r["host"] in suggested)
     assert not [r for r in decisions if r["stage"] == "host" and r["verdict"] == "refuse" and r["host"] in suggested]
     assert all(r["verdict"] == "refuse" for r in decisions if r["host"] not in suggested)
-    assert lab.internal.connections == []
+    assert lab.internal.connections[internal_before:] == []
