@@ -288,6 +288,15 @@ def audit_matches(records: list[dict], result: LoadResult) -> dict[str, int]:
     answered = {s.key for s in result.sent if s.status is not None and s.key != "CONNECT"}
     unanswered = {s.key for s in result.sent if s.status is None and s.key != "CONNECT"}
     missing = [p for p in answered if by_path[p] != 1]
+    # A connection refused by a cap at accept is given a short, bounded moment to say where it wanted to
+    # go (proxy/front.py); past that bound its record names no target. Such a request was still answered
+    # 429/503 and recorded: count it against the refusal records that have no path.
+    capped = {s.key for s in result.sent if s.status in CAPS and s.key != "CONNECT"}
+    pathless_caps = sum(1 for r in decisions if r["rule"].startswith("limits.max_connections") and not r.get("path")
+                        and r["method"] != "CONNECT")
+    unnamed = [p for p in missing if p in capped and by_path[p] == 0]
+    if len(unnamed) <= pathless_caps:
+        missing = [p for p in missing if p not in unnamed]
     if missing:
         raise AssertionError(f"{len(missing)} answered requests without exactly one decision line, e.g. "
                              f"{missing[:5]} -> {[by_path[p] for p in missing[:5]]}")
