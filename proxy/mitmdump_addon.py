@@ -23,10 +23,9 @@ from mitmproxy.exceptions import OptionsError  # noqa: E402
 
 from policy.loader import PolicyError  # noqa: E402
 from proxy import mitm_patches  # noqa: E402
-from proxy.addons import egresswall_addons  # noqa: E402
+from proxy.addons import egresswall_addons, patch_state_for  # noqa: E402
 from proxy.audit import AuditLog  # noqa: E402
 from proxy.gate import Gate  # noqa: E402
-from proxy.peers import peer_of  # noqa: E402
 from proxy.reload import PolicyHolder  # noqa: E402
 
 
@@ -49,29 +48,13 @@ class MitmdumpShim:
         self.gate = Gate(holder, AuditLog(ctx.options.egresswall_log or None))
         gate = self.gate
         mitm_patches.uninstall()
-        mitm_patches.install(mitm_patches.PatchState(
-            limits=lambda: gate.policy.limits,
-            on_refusal=lambda conn, status, rule, reason: gate.connection_refused(peer_of(conn.peername), status,
-                                                                                   rule, reason),
-            on_body_over_limit=self._body_over_limit, first_byte_timer=False))
+        mitm_patches.install(patch_state_for(gate, first_byte_timer=False))  # the first byte: README
         self.inner = egresswall_addons(gate)
         # The limits become mitmproxy's options now, before the listener takes a connection (one that is
         # accepted earlier keeps mitmproxy's defaults, e.g. a 600 s tcp_timeout).
         for addon in self.inner:
             if hasattr(addon, "apply"):
                 addon.apply()
-
-    def _body_over_limit(self, flow, limit: int):
-        from proxy.addons.decision import FLOW_ID, TARGET, VERDICT, accept_of, to_response
-
-        assert self.gate is not None
-        flow.metadata.pop(VERDICT, None)
-        refusal = self.gate.refuse(peer_of(flow.client_conn.peername), flow.request.method, flow.metadata.get(TARGET),
-                                   413, "limits", "limits.max_request_body",
-                                   f"the request body is over the limit of {limit} bytes (limits.max_request_body)",
-                                   flow_id=flow.metadata.get(FLOW_ID), event="response", accept=accept_of(flow))
-        flow.response = to_response(refusal)
-        return refusal
 
     def running(self) -> None:
         assert self.gate is not None

@@ -24,8 +24,7 @@ from mitmproxy.master import Master
 from policy.loader import Overrides
 
 from . import mitm_patches
-from .addons import egresswall_addons
-from .addons.decision import to_response
+from .addons import egresswall_addons, patch_state_for
 from .admin import AdminServer
 from .audit import AuditLog, json_line
 from .front import Front
@@ -64,9 +63,7 @@ class ProxyRunner:
         self.gate = Gate(self.holder, self.audit, self.metrics, share=config.worker_count)
         for host, port in config.extra_self_endpoints:
             self.gate.self_endpoints.add((_endpoint_host(host), port))
-        self.patch_state = mitm_patches.PatchState(
-            limits=lambda: self.holder.policy.limits, on_refusal=self._connection_refusal,
-            on_body_over_limit=self._body_over_limit, first_byte_timer=False)
+        self.patch_state = patch_state_for(self.gate, first_byte_timer=False)  # the front bounds first bytes
         self.admin = AdminServer({"/healthz": self._healthz, "/readyz": self._readyz,
                                   "/metrics": self._metrics})
         self.master: Master | None = None
@@ -205,24 +202,6 @@ class ProxyRunner:
                 sock.close()
 
         loop.create_task(attach())
-
-    # ---- refusals mitmproxy's patched code reports ----------------------------------------------
-
-    def _connection_refusal(self, conn, status: int, rule: str, reason: str) -> None:
-        self.gate.connection_refused(peer_of(conn.peername), status, rule, reason)
-
-    def _body_over_limit(self, flow, limit: int):
-        from .addons.decision import FLOW_ID, STARTED, TARGET, VERDICT, accept_of
-
-        verdict = flow.metadata.pop(VERDICT, None)  # no response record follows: this is the refusal's
-        target = flow.metadata.get(TARGET)
-        reason = f"the request body is over the limit of {limit} bytes (limits.max_request_body)"
-        refusal = self.gate.refuse(peer_of(flow.client_conn.peername), flow.request.method, target, 413, "limits",
-                                   "limits.max_request_body", reason, flow_id=flow.metadata.get(FLOW_ID),
-                                   event="response", accept=accept_of(flow))
-        del verdict, STARTED
-        flow.response = to_response(refusal)
-        return refusal
 
     def request_stop(self) -> None:
         if not self._stopping:

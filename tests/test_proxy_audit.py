@@ -138,26 +138,30 @@ def test_sigterm_lets_an_open_tunnel_finish_then_exits(lab, start_proxy):
     assert proxy.process.wait(10) == 0
 
 
-def test_mitmdump_shim_runs_the_same_addon(lab, tmp_path):
-    mitmdump = Path(sys.executable).with_name("mitmdump")
-    policy = tmp_path / "policy.yaml"
-    policy.write_text(lab.policy_text())
-    log = tmp_path / "audit.jsonl"
+def start_mitmdump(policy_text: str, tmp_path: Path) -> tuple[subprocess.Popen, int, Path]:
+    """Stock mitmdump with the shim and ``policy_text``, listening on a free loopback port."""
+    policy, log = tmp_path / "policy.yaml", tmp_path / "audit.jsonl"
+    policy.write_text(policy_text)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    process = subprocess.Popen([str(mitmdump), "-q", "--listen-host", "127.0.0.1", "--listen-port", str(port),
-                                "-s", str(ROOT / "proxy" / "mitmdump_addon.py"), "--set",
+    process = subprocess.Popen([str(Path(sys.executable).with_name("mitmdump")), "-q", "--listen-host", "127.0.0.1",
+                                "--listen-port", str(port), "-s", str(ROOT / "proxy" / "mitmdump_addon.py"), "--set",
                                 f"egresswall_policy={policy}", "--set", f"egresswall_log={log}"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.2)
+    return process, port, log
+
+
+def test_mitmdump_shim_runs_the_same_addon(lab, tmp_path):
+    process, port, log = start_mitmdump(lab.policy_text(), tmp_path)
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.2)
         from proxyproc import parse_response, read_response
 
         def get(host: str) -> int:
@@ -180,25 +184,9 @@ def test_mitmdump_shim_gets_the_limits_the_embedded_runner_gets(lab, tmp_path):
     """Stock mitmdump with the shim: limits.idle_timeout is mitmproxy's tcp_timeout there too, and the
     half-head deadline holds. (limits.first_byte_timeout needs the front: mitmdump closes a silent
     connection at the idle timeout.)"""
-    mitmdump = Path(sys.executable).with_name("mitmdump")
-    policy = tmp_path / "policy.yaml"
-    policy.write_text(lab.policy_text(limits="limits:\n  header_timeout: 1\n  idle_timeout: 3\n"))
-    log = tmp_path / "audit.jsonl"
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    process = subprocess.Popen([str(mitmdump), "-q", "--listen-host", "127.0.0.1", "--listen-port", str(port),
-                                "-s", str(ROOT / "proxy" / "mitmdump_addon.py"), "--set",
-                                f"egresswall_policy={policy}", "--set", f"egresswall_log={log}"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT)
+    process, port, log = start_mitmdump(lab.policy_text(limits="limits:\n  header_timeout: 1\n  idle_timeout: 3\n"),
+                                        tmp_path)
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.2)
         from proxyproc import read_response
 
         with socket.create_connection(("127.0.0.1", port), timeout=10) as silent:

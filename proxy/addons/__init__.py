@@ -8,10 +8,12 @@ then strip hop-by-hop headers, then set the body limit).
 
 from __future__ import annotations
 
+from .. import mitm_patches
 from ..gate import Gate
+from ..peers import peer_of
 from .admission import AdmissionAddon
 from .audit_trail import AuditTrail
-from .body_limit import BodyLimit
+from .body_limit import BodyLimit, refuse_body_over_limit
 from .connections import ConnectionTable
 from .decision import DecisionAddon
 from .hop_by_hop import HopByHop
@@ -27,4 +29,15 @@ def egresswall_addons(gate: Gate, fronted: bool = False) -> list:
             BodyLimit(gate), Pinning(gate, table), TunnelWatch(gate, table), AuditTrail(gate)]
 
 
-__all__ = ["egresswall_addons", "ConnectionTable"]
+def patch_state_for(gate: Gate, first_byte_timer: bool) -> mitm_patches.PatchState:
+    """What proxy/mitm_patches.py reads, wired to ``gate``: its limits and where refusals are recorded.
+    ``first_byte_timer``: False where the front already bounds a connection's first byte."""
+    return mitm_patches.PatchState(
+        limits=lambda: gate.policy.limits,
+        on_refusal=lambda conn, status, rule, reason: gate.connection_refused(peer_of(conn.peername), status,
+                                                                               rule, reason),
+        on_body_over_limit=lambda flow, limit: refuse_body_over_limit(gate, flow, limit),
+        first_byte_timer=first_byte_timer)
+
+
+__all__ = ["egresswall_addons", "patch_state_for", "ConnectionTable"]
