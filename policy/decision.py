@@ -106,8 +106,7 @@ def precheck(policy: Policy, request: Request) -> Verdict:
         return Verdict(False, PORT, f"ports.{'connect' if over_tls else 'http'}",
                        f"port {target.port} is not an allowed {kind} port (allowed: {allowed})", role=role_name)
 
-    verdict = _host_rules(policy, request, role)
-    verdict = replace(verdict, role=role_name)
+    verdict = _host_rules(policy, request, role, role_name)
     if not verdict.allowed and policy.mode == REPORT:
         # Report mode relaxes host rules only; scheme, port and address refusals stay enforced.
         verdict = replace(verdict, allowed=True, report_only=True,
@@ -147,19 +146,20 @@ def decide_addresses(policy: Policy, verdict: Verdict, addresses: Iterable[str],
     return replace(verdict, addresses=addresses, pinned=_choose_pin(addresses))
 
 
-def _host_rules(policy: Policy, request: Request, role) -> Verdict:
+def _host_rules(policy: Policy, request: Request, role: Role | None, role_name: str | None) -> Verdict:
+    # Each verdict is made once, with its role (dataclasses.replace would cost a third of a decision).
     host = request.target.host
     for table in ((role.deny,) if role else ()) + (policy.deny,):
         rule = _first_match(table, request)
         if rule is not None:
             why = f": {rule.reason}" if rule.reason else ""
             return Verdict(False, HOST, rule.where, f"{host} is refused by deny rule {rule.pattern.text}{why}",
-                           matched=rule, rule_id=rule.rule_id)
+                           matched=rule, rule_id=rule.rule_id, role=role_name)
     allow = role.allow if role else policy.allow
     rule = _first_match(allow, request)
     if rule is not None:
         return Verdict(True, HOST, rule.where, f"{host} is allowed by rule {rule.pattern.text}", matched=rule,
-                       rule_id=rule.rule_id)
+                       rule_id=rule.rule_id, role=role_name)
     own = role is not None and role.default is not None
     default = role.default if own else policy.default
     whose = f"role {role.name}" if own else "the policy"
@@ -167,10 +167,11 @@ def _host_rules(policy: Policy, request: Request, role) -> Verdict:
     rule_id = rule_ids.default(default, role.name if own else None)
     if default == ALLOW:
         return Verdict(True, HOST, f"default allow ({origin})",
-                       f"{host} matches no rule and {whose} allows by default", rule_id=rule_id)
+                       f"{host} matches no rule and {whose} allows by default", rule_id=rule_id, role=role_name)
     hint = _near_miss(allow, request)
     return Verdict(False, HOST, f"default deny ({origin})",
-                   f"{host} is not on the allowlist ({whose} denies by default){hint}", rule_id=rule_id)
+                   f"{host} is not on the allowlist ({whose} denies by default){hint}", rule_id=rule_id,
+                   role=role_name)
 
 
 def _first_match(table: HostTable, request: Request) -> HostRule | None:

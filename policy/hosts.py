@@ -160,17 +160,39 @@ def normalise_host(host: str) -> tuple[str, ipaddress.IPv4Address | ipaddress.IP
     Accepts a name, a dotted-quad IPv4, or an IPv6 literal with or without brackets (without, so that
     the output of this function is accepted again: normalising is idempotent).
     """
+    name = fast_name(host)
+    if name is not None:
+        return name, None
+    return full_normalise_host(host)
+
+
+def fast_name(host: str) -> str | None:
+    """The name of a host already written as its own A-label form, or None: then ``full_normalise_host`` judges it.
+
+    The overwhelming case, and every entry of a big allowlist: lower-case LDH labels, no ``xn--`` label to
+    check, not ending in a number, outside the local names, with a dot. UTS-46 maps such text to itself and
+    the A-label form is the text, so nothing is mapped or encoded; the answer is exactly the full path's
+    (tests/test_hosts.py checks that by property). Anything else, refusals included, takes the full path, so
+    every reason is given in one place.
+    """
+    match = _FAST_NAME.fullmatch(host)
+    if match is None or "xn--" in host:
+        return None
+    last = match[1]  # ASCII: isdigit() is "[0-9]+"
+    if last.isdigit() or (last.startswith("0x") and _HEX_NUMBER.fullmatch(last)):
+        return None
+    name = host[:-1] if host.endswith(".") else host
+    if name.endswith(_LOCAL_ENDINGS) or name in _LOCAL_NAMES:
+        return None
+    return name
+
+
+def full_normalise_host(host: str) -> tuple[str, ipaddress.IPv4Address | ipaddress.IPv6Address | None]:
+    """``normalise_host`` without the fast path: every form, every refusal with its reason."""
     if not host:
         raise _refuse("empty-host", "the host is empty", host)
     if len(host) > MAX_INPUT:
         raise _refuse("too-long", f"the host is longer than {MAX_INPUT} characters", host)
-    if _FAST_NAME.fullmatch(host) and "xn--" not in host:
-        # Already a lower-case LDH name (the overwhelming case, and every entry of a big allowlist):
-        # nothing to map or encode. The name rules still apply; so does "ends in a number".
-        name = host[:-1] if host.endswith(".") else host
-        if not _ends_in_number([name.rpartition(".")[2]]):
-            _check_name_rules(name, host)
-            return name, None
     _check_host_characters(host, "host", host)
     if "[" in host or "]" in host:
         return _bracketed_ipv6(host)
@@ -239,7 +261,8 @@ def _uts46(host: str) -> str:
 
 
 _PLAIN_LDH = re.compile(r"[A-Za-z0-9.-]+")
-_FAST_NAME = re.compile(r"(?=.{1,253}\.?$)(?!-)[a-z0-9-]{1,63}(?<!-)(?:\.(?!-)[a-z0-9-]{1,63}(?<!-))*\.?")
+# Two or more LDH labels, at most 253 octets without the one trailing dot allowed; group 1 is the last label.
+_FAST_NAME = re.compile(r"(?=.{1,253}\.?$)(?:(?!-)[a-z0-9-]{1,63}(?<!-)\.)+((?!-)[a-z0-9-]{1,63}(?<!-))\.?")
 # A whole name of valid LDH labels (1-63 octets, no hyphen at either end) is its own A-label form.
 _LDH_NAME = re.compile(r"(?!-)[a-z0-9-]{1,63}(?<!-)(?:\.(?!-)[a-z0-9-]{1,63}(?<!-))*")
 
@@ -301,6 +324,11 @@ def _ascii_label(label: str, host: str) -> str:
             why = f"the label {_quote(label)} is not a valid A-label ({err})"
             raise _refuse("non-ascii", why, host) from None
     return label
+
+
+# The names _check_name_rules refuses (with a dot; those without one the fast path never takes): its pre-check.
+_LOCAL_NAMES = frozenset(("localhost", *LOCAL_SUFFIXES))
+_LOCAL_ENDINGS = tuple("." + name for name in _LOCAL_NAMES)
 
 
 def _check_name_rules(name: str, host: str) -> None:

@@ -9,6 +9,9 @@ still is.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
@@ -44,6 +47,28 @@ class Overrides:
 
 def parse_policy(text: str, source: str = "<policy>", overrides: Overrides | None = None) -> Policy:
     """Validate and index policy text. ``source`` names it in every error (``source:line:column: ...``)."""
+    with _collector_paused():
+        return _parse_policy(text, source, overrides)
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cycle collector off while a policy is built, as it was before afterwards.
+
+    A million-entry allowlist allocates millions of objects that all live on (none is garbage, and none
+    forms a cycle that needs the collector), yet each 700 allocations start a collection that rescans
+    the survivors: about a third of the load time, measured. Nothing else changes: the objects are the same.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _parse_policy(text: str, source: str, overrides: Overrides | None) -> Policy:
     doc = YamlDocument.parse(text, source)
     if doc.is_empty:
         raise PolicyError(source, 1, 1, "", "the file is empty; expected a mapping with 'version: 1'")
@@ -256,24 +281,33 @@ class _Builder:
         list_name = rule_ids.host_list(action, role)
         seen: dict[str, int] = {}
         rules = []
+        parse, plain, derived = HostPattern.parse, HostRule.plain, rule_ids.derived
         for i, entry in entries:
-            rule = self.rule((*path, i), action, entry, origins[i], list_name, seen)
-            if rule is not None:
-                rules.append(rule)
+            if type(entry) is str:
+                # A bare pattern, nothing else to check: the common case, a million times in a big allowlist,
+                # so it is built here in one step rather than through rule().
+                try:
+                    pattern = parse(entry)
+                except ValueError as err:
+                    self.problem((*path, i), str(err))
+                    continue
+                count = seen[entry] = seen.get(entry, 0) + 1
+                rules.append(plain(action, pattern, origins[i], derived(list_name, entry, count)))
+            else:
+                rule = self.rule((*path, i), action, entry, origins[i], list_name, seen)
+                if rule is not None:
+                    rules.append(rule)
         return HostTable.build(rules)
 
-    def rule(self, path: KeyPath, action: str, entry: str | dict[str, Any], origin: Origin, list_name: str,
+    def rule(self, path: KeyPath, action: str, entry: dict[str, Any], origin: Origin, list_name: str,
              seen: dict[str, int]) -> HostRule | None:
-        raw = {"host": entry} if isinstance(entry, str) else entry
+        """A rule written as a mapping: ``host`` and its conditions."""
         try:
-            pattern = HostPattern.parse(raw["host"])
+            pattern = HostPattern.parse(entry["host"])
         except ValueError as err:
-            self.problem(path if isinstance(entry, str) else (*path, "host"), str(err))
+            self.problem((*path, "host"), str(err))
             return None
-        if isinstance(entry, str):  # the common case, a million times in a big allowlist: nothing else to check
-            count = seen[entry] = seen.get(entry, 0) + 1
-            return HostRule(action, pattern, origin, rule_ids.derived(list_name, entry, count))
-        return self.conditional_rule(path, action, raw, pattern, origin, list_name, seen)
+        return self.conditional_rule(path, action, entry, pattern, origin, list_name, seen)
 
     def conditional_rule(self, path: KeyPath, action: str, raw: dict[str, Any], pattern: HostPattern, origin: Origin,
                          list_name: str, seen: dict[str, int]) -> HostRule | None:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import fnmatch
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime
 
 import netaddr
 
+from . import frozen
 from .addresses import AddressRules
 from .patterns import HostIndex, HostPattern
 
@@ -46,6 +47,18 @@ class HostRule:
     owner: str | None = None
     reason: str | None = None
 
+    @classmethod
+    def plain(cls, action: str, pattern: HostPattern, origin: Origin, id: str) -> HostRule:
+        """A rule with no condition (a bare pattern in a list), equal to ``HostRule(action, pattern, origin, id)``.
+
+        A big allowlist is a million of these, so it is built without the generated ``__init__`` (``frozen``).
+        """
+        values = _PLAIN_RULE.copy()
+        values["action"], values["pattern"], values["origin"], values["id"] = action, pattern, origin, id
+        rule = frozen.new(cls)
+        frozen.fill(rule, "__dict__", values)
+        return rule
+
     @property
     def where(self) -> str:
         """Where the rule was written, for a human: ``policy.yaml:12`` or the flag that added it."""
@@ -77,6 +90,9 @@ class HostRule:
     def describe(self) -> str:
         return f"{self.action} {self.pattern.text} ({self.origin})"
 
+
+# Every field of HostRule at its default: the template HostRule.plain fills.
+_PLAIN_RULE: dict[str, object] = {f.name: f.default for f in fields(HostRule)}
 
 _ESCAPE = re.compile(r"%([0-9A-Fa-f]{2})")
 _ENCODED_SEPARATOR = re.compile(r"%(?:2f|5c)", re.IGNORECASE)

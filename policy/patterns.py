@@ -17,7 +17,8 @@ import enum
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from .hosts import HostFormError, normalise_host
+from . import frozen
+from .hosts import HostFormError, fast_name, normalise_host
 
 
 class PatternKind(enum.Enum):
@@ -45,6 +46,11 @@ class HostPattern:
             kind, rest = PatternKind.EXACT, text
         if "*" in rest:
             raise ValueError(f"host pattern {text!r}: '*' is allowed only as a leading '*.' label")
+        name = fast_name(rest)
+        if name is not None:
+            # Already normal, as nearly every entry of a big list is. An exact pattern's name is its text
+            # (one string, not two, a million times over).
+            return frozen.instance(cls, {"kind": kind, "name": text if name == text else name, "text": text})
         try:
             name, ip = normalise_pattern_host(rest)
         except HostFormError as err:
@@ -86,6 +92,9 @@ def normalise_pattern_host(text: str) -> tuple[str, object]:
     return normalise_host(text)
 
 
+EXACT, DOMAIN = PatternKind.EXACT, PatternKind.DOMAIN
+
+
 class HostIndex[T]:
     """Maps patterns to items; ``candidates(host)`` yields every item whose pattern matches host.
 
@@ -97,8 +106,17 @@ class HostIndex[T]:
         self._below: dict[str, list[tuple[int, T]]] = {}  # *.name and .name, for hosts below name
         self._apex: dict[str, list[tuple[int, T]]] = {}  # .name, for name itself
         self._count = 0
-        for pattern, item in entries:
-            self.add(pattern, item)
+        exact, below, apex = self._exact, self._below, self._apex
+        # add(), inline: an index is built from up to a million entries at once.
+        for count, (pattern, item) in enumerate(entries):
+            entry = (count, item)
+            if pattern.kind is EXACT:
+                exact.setdefault(pattern.name, []).append(entry)
+            else:
+                below.setdefault(pattern.name, []).append(entry)
+                if pattern.kind is DOMAIN:
+                    apex.setdefault(pattern.name, []).append(entry)
+            self._count = count + 1
 
     def __len__(self) -> int:
         return self._count

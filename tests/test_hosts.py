@@ -15,6 +15,8 @@ from policy.hosts import (
     DEFAULT_PORTS,
     HostFormError,
     Target,
+    fast_name,
+    full_normalise_host,
     host_header_agrees,
     normalise_host,
     parse_authority,
@@ -502,6 +504,72 @@ def test_property_normalise_host_is_idempotent(host):
     else:
         assert str(ip) == name
     assert normalise_host(name) == first
+
+
+# Names near the fast path's edges: LDH labels up to and past 63 octets, upper case, 'xn--' and '--', a
+# numeric or hex last label, the local names, one trailing dot or two, empty labels, a single label.
+edge_label = st.one_of(
+    st.from_regex(r"[a-z0-9-]{1,12}", fullmatch=True),
+    st.from_regex(r"[a-zA-Z0-9_-]{1,6}", fullmatch=True),
+    st.sampled_from(["xn--p1ai", "xn--bcher-kva", "xn--zz", "r3---sn-abc", "0x7f", "0x", "0xg1", "08", "255",
+                     "localhost", "local", "internal", "localdomain", "home", "arpa", "-a", "a-", "", "a" * 63,
+                     "b" * 64, "ü", "A"]),
+)
+
+
+@st.composite
+def edge_names(draw):
+    labels = draw(st.lists(edge_label, min_size=1, max_size=6))
+    if draw(st.booleans()):
+        labels.append(draw(st.sampled_from(["com", "local", "internal", "home.arpa", "localhost", "1", "0x1f"])))
+    if draw(st.integers(0, 9)) == 0:  # past the 253-octet limit, or just below it
+        labels = ["c" * 63] * draw(st.integers(3, 4)) + labels
+    return ".".join(labels) + draw(st.sampled_from(["", "", ".", ".."]))
+
+
+def _outcome(normalise, host):
+    try:
+        return normalise(host)
+    except HostFormError as err:
+        return ("refused", err.form, err.reason)
+
+
+@given(st.one_of(edge_names(), hosts))
+@example("a." * 126 + "b")  # 253 octets
+@example("a." * 126 + "bc")  # 254 octets
+@example("r3---sn-abc.googlevideo.com")
+@example("x.home.arpa")
+@example("home.arpa")
+@example("a.0x")
+def test_property_fast_path_accepts_only_what_the_full_path_accepts_alike(host):
+    """The fast path (already-normal LDH names) is a shortcut, never a second opinion: whatever it
+    accepts, the full UTS-46 path accepts too, as the same name; it never takes what the full path refuses."""
+    fast = fast_name(host)
+    full = _outcome(full_normalise_host, host)
+    if fast is not None:
+        assert full == (fast, None), (host, fast, full)
+    assert _outcome(normalise_host, host) == full  # with the fast path in front, the same answer or refusal
+
+
+@given(st.one_of(edge_names(), hosts), st.sampled_from(["", "*.", "."]))
+def test_property_pattern_fast_path_agrees_with_the_full_path(host, prefix):
+    from policy.patterns import HostPattern, PatternKind, normalise_pattern_host
+
+    text = prefix + host
+    try:
+        pattern = HostPattern.parse(text)
+    except ValueError:
+        pattern = None
+    kind = {"": PatternKind.EXACT, "*.": PatternKind.SUBDOMAINS, ".": PatternKind.DOMAIN}[prefix]
+    try:
+        name, ip = normalise_pattern_host(host)  # the full path: normalise_host's fast path is checked above
+        full_ok = "*" not in host and (ip is None or kind is PatternKind.EXACT)
+    except HostFormError:
+        full_ok = False
+    if pattern is None:
+        assert not full_ok, text
+    else:
+        assert full_ok and (pattern.kind, pattern.name, pattern.text) == (kind, name, text), (text, pattern)
 
 
 @given(likely_hosts.map(_in_url), st.integers(1, 65535), st.sampled_from(list(DEFAULT_PORTS)))

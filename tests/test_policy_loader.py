@@ -468,3 +468,76 @@ def test_the_policy_package_reads_no_files() -> None:
     import policy.loader
 
     assert not hasattr(policy.loader, "load_policy") and not hasattr(policy.loader, "DEFAULT_POLICY")
+
+
+# --- a big allowlist is built in bulk: the same objects as one at a time -------------------------
+
+BULK = """version: 1
+hosts:
+  allow:
+    - docs.example.com
+    - '*.cdn.example.com'
+    - .example.org
+    - &shared api.example.net
+    - *shared
+    - !!str tagged.example.com
+    - {host: conditional.example.com, ports: [8443]}
+  deny:
+    - ads.example.com
+"""
+
+
+def test_bulk_built_rules_equal_rules_built_one_at_a_time() -> None:
+    from dataclasses import FrozenInstanceError, replace
+
+    from policy.model import HostRule, Origin
+    from policy.patterns import HostPattern
+
+    policy = parse_policy(BULK, "bulk.yaml")
+    texts = [rule.pattern.text for rule in policy.allow.rules]
+    assert texts == ["docs.example.com", "*.cdn.example.com", ".example.org", "api.example.net", "api.example.net",
+                     "tagged.example.com", "conditional.example.com"]
+    for i, rule in enumerate(policy.allow.rules[:6]):
+        line = 7 if i == 4 else 4 + i  # an alias is the node it names: it points where the anchor was written
+        origin = Origin("bulk.yaml", line, 7, f"hosts.allow[{i}]")
+        pattern = HostPattern(rule.pattern.kind, rule.pattern.text.lstrip("*."), rule.pattern.text)
+        expected = HostRule(ALLOW, pattern, origin, f"hosts.allow:{rule.pattern.text}" + ("#2" if i == 4 else ""))
+        assert type(rule) is HostRule and type(rule.origin) is Origin and type(rule.pattern) is HostPattern
+        assert rule == expected and hash(rule) == hash(expected) and repr(rule) == repr(expected)
+        assert rule.origin == origin and hash(rule.origin) == hash(origin) and str(rule.origin) == f"bulk.yaml:{line}"
+        assert replace(rule, id="x") == replace(expected, id="x")
+        with pytest.raises(FrozenInstanceError):
+            rule.id = "changed"  # type: ignore[misc]
+        with pytest.raises(FrozenInstanceError):
+            rule.pattern.name = "changed"  # type: ignore[misc]
+        with pytest.raises(FrozenInstanceError):
+            rule.origin.line = 1  # type: ignore[misc]
+    assert policy.allow.rules[6].ports == frozenset({8443})
+    assert [rule.id for rule in policy.deny.rules] == ["hosts.deny:ads.example.com"]
+
+
+def test_the_collector_is_paused_only_while_a_policy_loads() -> None:
+    import gc
+
+    assert gc.isenabled()
+    parse_policy(BULK, "bulk.yaml")
+    assert gc.isenabled()
+    with pytest.raises(PolicyError):
+        parse_policy("version: 1\nhosts:\n  allow: ['bad host.example']\n", "bad.yaml")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        parse_policy(BULK, "bulk.yaml")
+        assert not gc.isenabled()  # a caller that had it off keeps it off
+    finally:
+        gc.enable()
+
+
+def test_a_bad_entry_in_a_long_list_is_reported_at_its_line() -> None:
+    entries = [f"    - n{i}.example.com\n" for i in range(2000)]
+    entries[1234] = "    - n1234..example.com\n"
+    with pytest.raises(PolicyError) as caught:
+        parse_policy("version: 1\nhosts:\n  allow:\n" + "".join(entries), "long.yaml")
+    text = str(caught.value)
+    assert text.startswith("long.yaml:1238:7: hosts.allow[1234]:"), text
+    assert "empty label" in text
