@@ -5,12 +5,11 @@ from __future__ import annotations
 import fnmatch
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from datetime import datetime
 
 import netaddr
 
-from . import frozen
 from .addresses import AddressRules
 from .patterns import HostIndex, HostPattern
 
@@ -51,12 +50,17 @@ class HostRule:
     def plain(cls, action: str, pattern: HostPattern, origin: Origin, id: str) -> HostRule:
         """A rule with no condition (a bare pattern in a list), equal to ``HostRule(action, pattern, origin, id)``.
 
-        A big allowlist is a million of these, so it is built without the generated ``__init__`` (``frozen``).
+        A big allowlist is a million of these. The generated ``__init__`` of a frozen dataclass writes all
+        thirteen fields through ``object.__setattr__``; this writes the four a bare pattern sets, and the
+        nine conditions are read from the class, where the dataclass keeps every field's default (so the
+        rule compares, hashes, prints and ``replace``s as the constructor's would, in about half the time and
+        memory).
         """
-        values = _PLAIN_RULE.copy()
-        values["action"], values["pattern"], values["origin"], values["id"] = action, pattern, origin, id
-        rule = frozen.new(cls)
-        frozen.fill(rule, "__dict__", values)
+        rule = _new(cls)
+        _set(rule, "action", action)
+        _set(rule, "pattern", pattern)
+        _set(rule, "origin", origin)
+        _set(rule, "id", id)
         return rule
 
     @property
@@ -91,8 +95,7 @@ class HostRule:
         return f"{self.action} {self.pattern.text} ({self.origin})"
 
 
-# Every field of HostRule at its default: the template HostRule.plain fills.
-_PLAIN_RULE: dict[str, object] = {f.name: f.default for f in fields(HostRule)}
+_new, _set = object.__new__, object.__setattr__  # HostRule.plain, a million times: no attribute lookups
 
 _ESCAPE = re.compile(r"%([0-9A-Fa-f]{2})")
 _ENCODED_SEPARATOR = re.compile(r"%(?:2f|5c)", re.IGNORECASE)

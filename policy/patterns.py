@@ -17,7 +17,6 @@ import enum
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from . import frozen
 from .hosts import HostFormError, fast_name, normalise_host
 
 
@@ -50,7 +49,7 @@ class HostPattern:
         if name is not None:
             # Already normal, as nearly every entry of a big list is. An exact pattern's name is its text
             # (one string, not two, a million times over).
-            return frozen.instance(cls, {"kind": kind, "name": text if name == text else name, "text": text})
+            return cls(kind, text if name == text else name, text)
         try:
             name, ip = normalise_pattern_host(rest)
         except HostFormError as err:
@@ -99,46 +98,59 @@ class HostIndex[T]:
     """Maps patterns to items; ``candidates(host)`` yields every item whose pattern matches host.
 
     Items come out in the order they were added, so the first rule written is the first rule tried.
+    A host is looked up by each of its suffixes, so a match costs the same for ten patterns as for a
+    million. Each table maps a name to the position of its one item, or to a list of positions when
+    several patterns share the name: one int per entry, not a list and a tuple (a million-entry index).
     """
 
     def __init__(self, entries: Iterable[tuple[HostPattern, T]] = ()) -> None:
-        self._exact: dict[str, list[tuple[int, T]]] = {}
-        self._below: dict[str, list[tuple[int, T]]] = {}  # *.name and .name, for hosts below name
-        self._apex: dict[str, list[tuple[int, T]]] = {}  # .name, for name itself
-        self._count = 0
-        exact, below, apex = self._exact, self._below, self._apex
-        # add(), inline: an index is built from up to a million entries at once.
-        for count, (pattern, item) in enumerate(entries):
-            entry = (count, item)
-            if pattern.kind is EXACT:
-                exact.setdefault(pattern.name, []).append(entry)
-            else:
-                below.setdefault(pattern.name, []).append(entry)
-                if pattern.kind is DOMAIN:
-                    apex.setdefault(pattern.name, []).append(entry)
-            self._count = count + 1
+        self._items: list[T] = []
+        self._exact: dict[str, int | list[int]] = {}
+        self._below: dict[str, int | list[int]] = {}  # *.name and .name, for hosts below name
+        self._apex: dict[str, int | list[int]] = {}  # .name, for name itself
+        for pattern, item in entries:
+            self.add(pattern, item)
 
     def __len__(self) -> int:
-        return self._count
+        return len(self._items)
 
     def add(self, pattern: HostPattern, item: T) -> None:
-        entry = (self._count, item)
-        self._count += 1
-        if pattern.kind is PatternKind.EXACT:
-            self._exact.setdefault(pattern.name, []).append(entry)
-        else:
-            self._below.setdefault(pattern.name, []).append(entry)
-            if pattern.kind is PatternKind.DOMAIN:
-                self._apex.setdefault(pattern.name, []).append(entry)
+        position = len(self._items)
+        self._items.append(item)
+        kind, name = pattern.kind, pattern.name
+        _put(self._exact if kind is EXACT else self._below, name, position)
+        if kind is DOMAIN:
+            _put(self._apex, name, position)
 
     def candidates(self, host: str) -> Iterator[T]:
-        found: list[tuple[int, T]] = []
-        found += self._exact.get(host, ())
-        found += self._apex.get(host, ())
+        found: list[int] = []
+        _take(found, self._exact.get(host))
+        _take(found, self._apex.get(host))
+        below = self._below
         suffix = host
         while (dot := suffix.find(".")) != -1:
             suffix = suffix[dot + 1 :]
-            found += self._below.get(suffix, ())
+            _take(found, below.get(suffix))
         if len(found) > 1:
-            found.sort(key=lambda entry: entry[0])
-        return (item for _, item in found)
+            found.sort()
+        items = self._items
+        return (items[position] for position in found)
+
+
+def _put(table: dict[str, int | list[int]], name: str, position: int) -> None:
+    held = table.get(name)
+    if held is None:
+        table[name] = position
+    elif type(held) is int:
+        table[name] = [held, position]
+    else:
+        held.append(position)
+
+
+def _take(found: list[int], held: int | list[int] | None) -> None:
+    if held is None:
+        return
+    if type(held) is int:
+        found.append(held)
+    else:
+        found.extend(held)

@@ -13,7 +13,6 @@ from typing import Any
 
 import yaml
 
-from . import frozen
 from .errors import PolicyError, PolicyProblem
 from .model import Origin
 
@@ -114,14 +113,9 @@ class YamlDocument:
         if not isinstance(node, yaml.SequenceNode) or any((*path, i) in self.extra_origins for i in range(count)):
             return [self.origin((*path, i)) for i in range(count)]
         at = dotted(path)
-        source, new, fill, origins = self.source, frozen.new, frozen.fill, []
-        for i, item in enumerate(node.value[:count]):  # a million Origins for a big list: frozen.instance inline
-            mark = item.start_mark
-            origin = new(Origin)
-            fill(origin, "__dict__", {"source": source, "line": mark.line + 1, "column": mark.column + 1,
-                                      "path": f"{at}[{i}]"})
-            origins.append(origin)
-        return origins
+        source = self.source
+        return [Origin(source, item.start_mark.line + 1, item.start_mark.column + 1, f"{at}[{i}]")
+                for i, item in enumerate(node.value[:count])]
 
     def problem(self, path: KeyPath, message: str) -> PolicyProblem:
         origin = self.origin(path)  # a value added by a flag names the flag, not the file

@@ -17,9 +17,8 @@ import signal
 import socket
 from dataclasses import dataclass
 
+from .mitm_core import Master, core_addons  # isort: skip  (first: before mitmproxy.master is imported)
 from mitmproxy import options as mitm_options
-from mitmproxy.addons import core, disable_h2c, next_layer, proxyserver, tlsconfig
-from mitmproxy.master import Master
 
 from policy.loader import Overrides
 
@@ -106,8 +105,7 @@ class ProxyRunner:
         opts = mitm_options.Options()
         self.master = Master(opts, event_loop=asyncio.get_running_loop())
         # mitmproxy's NextLayer comes before egresswall's addons: their next_layer hook has the final say.
-        self.master.addons.add(core.Core(), proxyserver.Proxyserver(), next_layer.NextLayer(), tlsconfig.TlsConfig(),
-                               disable_h2c.DisableH2C(), *egresswall_addons(self.gate, fronted=True))
+        self.master.addons.add(*core_addons(), *egresswall_addons(self.gate, fronted=True))
         host, port = self.config.listen
         # The front owns the public port and hands mitmproxy what it does not relay itself; mitmproxy's
         # own listener is an internal one on loopback (and counted as egresswall itself).

@@ -488,11 +488,15 @@ hosts:
 
 
 def test_bulk_built_rules_equal_rules_built_one_at_a_time() -> None:
-    from dataclasses import FrozenInstanceError, replace
+    from dataclasses import MISSING, FrozenInstanceError, fields, replace
 
     from policy.model import HostRule, Origin
     from policy.patterns import HostPattern
 
+    # HostRule.plain sets four fields and leaves the conditions to the class, where a dataclass keeps plain defaults
+    # (a default_factory would leave no class attribute, and plain rules without that field).
+    for f in fields(HostRule)[4:]:
+        assert f.default is not MISSING and getattr(HostRule, f.name) == f.default, f.name
     policy = parse_policy(BULK, "bulk.yaml")
     texts = [rule.pattern.text for rule in policy.allow.rules]
     assert texts == ["docs.example.com", "*.cdn.example.com", ".example.org", "api.example.net", "api.example.net",

@@ -10,24 +10,38 @@ packages: the in-process proxy ``browse`` uses (``embedded``) and a worker of ``
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 from importlib import metadata
 
-from . import browse, browser_server, check, lint, operators, run, squid
 from .errors import EXIT_INTERRUPTED, describe
 
-COMMANDS = (check, lint, run, browse, browser_server, squid, operators)
+# Each command and the module that registers it, in the order --help lists them. The parser is built with
+# the one command named on the command line only, so that `run` (and each of its workers) does not import
+# the browser, Playwright's helpers, the squid translator or the audit-log tools it never uses: each costs
+# memory in every process (README, "Speed"). With no command named (--help, --version, a mistyped name)
+# every command is registered, so argparse lists them all.
+COMMANDS = {"check": "check", "lint": "lint", "run": "run", "browse": "browse", "browser-server": "browser_server",
+            "squid": "squid", "replay": "operators", "suggest": "operators"}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="egresswall", description="An egress firewall for browsers and agents.")
     parser.add_argument("--version", action="version", version=version())
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in COMMANDS:
-        command.register(sub)
+    named = _command_named(sys.argv[1:] if argv is None else argv)
+    for module in [COMMANDS[named]] if named else dict.fromkeys(COMMANDS.values()):
+        importlib.import_module(f"{__name__}.{module}").register(sub)
     _no_abbreviations(parser)
     return parser
+
+
+def _command_named(argv: Sequence[str]) -> str | None:
+    """The command on the command line: the first argument that is not an option (the top level takes
+    none with a value), when it is one of COMMANDS."""
+    first = next((arg for arg in argv if not arg.startswith("-")), None)
+    return first if first in COMMANDS else None
 
 
 def version() -> str:
@@ -51,7 +65,7 @@ def _no_abbreviations(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)  # a usage error: argparse's usage line and message, exit 2
+    args = build_parser(argv).parse_args(argv)  # a usage error: argparse's usage line and message, exit 2
     try:
         return args.func(args)
     except KeyboardInterrupt:

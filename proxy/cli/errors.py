@@ -15,9 +15,6 @@ import sys
 import tempfile
 import traceback
 
-from squid_compat.conf import ConfError
-
-from browser.launch import ContainmentError
 from policy.loader import PolicyError
 from proxy.listeners import ADMIN, BROWSER_SERVER, PROXY, ListenError
 
@@ -34,12 +31,21 @@ def describe(err: BaseException) -> tuple[str, int]:
     """(one line for people, exit status) for a failure that ended a command."""
     if isinstance(err, ListenError):
         return f"{err}; {_listen_advice(err)}", EXIT_USAGE
-    if isinstance(err, (PolicyError, ContainmentError, ConfError, UsageError)):
+    if isinstance(err, (PolicyError, UsageError, *_imported(_WRITTEN_TO_BE_READ))):
         return str(err), EXIT_USAGE  # written to be read as they are (file:line:column: ...)
     if isinstance(err, OSError) and (err.filename is not None or isinstance(err, PermissionError)):
         where = f": {err.filename}" if err.filename is not None else ""
         return f"{(err.strerror or str(err)).lower()}{where}", EXIT_USAGE
     return _report_bug(err), EXIT_BUG
+
+
+# Errors of the commands that use the browser or the squid translator, by module and name: `run` imports
+# neither module (each costs memory in every worker), and an error of a class never imported cannot occur.
+_WRITTEN_TO_BE_READ = (("browser.launch", "ContainmentError"), ("squid_compat.conf", "ConfError"))
+
+
+def _imported(classes: tuple[tuple[str, str], ...]) -> list[type]:
+    return [getattr(sys.modules[module], name) for module, name in classes if module in sys.modules]
 
 
 def _listen_advice(err: ListenError) -> str:

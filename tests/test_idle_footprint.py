@@ -1,0 +1,81 @@
+"""What ``egresswall run`` loads (issue 15 item 3): the proxy and its workers import neither the browser, nor
+Playwright's helpers, nor the squid translator, nor mitmproxy's thirty-odd addons it never instantiates;
+the Master still has every addon enforcement relies on. Through a real ProxyRunner on loopback ports, in a
+fresh interpreter, so that nothing this test process imported counts. The figures are
+tests/benchmarks/bench_memory.py's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.integration
+
+# Started as `egresswall run` and its workers start: the command line parsed, the worker module imported,
+# a ProxyRunner serving until ready; then what is in sys.modules and which addons the Master holds.
+PROBE = """
+import asyncio, json, sys
+from proxy.cli import build_parser
+args = build_parser(["run"]).parse_args(["run", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0",
+                                           "--log", "/dev/null"])
+import proxy.cli.worker
+from proxy.cli.run import run_config_from, serve
+from proxy.runner import ProxyRunner
+
+runner = ProxyRunner(run_config_from(args))
+
+async def main():
+    def ready():
+        names = [type(addon).__name__ for addon in runner.master.addons.chain]
+        print(json.dumps({"modules": sorted(sys.modules), "addons": names}), flush=True)
+        asyncio.ensure_future(runner.stop())
+    await serve(runner, ready)
+
+asyncio.run(main())
+"""
+
+NOT_FOR_RUN = ("browser", "squid_compat", "playwright", "trafilatura", "lxml", "publicsuffixlist", "ldap3", "flask",
+               "werkzeug", "jinja2", "proxy.suggest", "proxy.replay", "proxy.cli.browse", "proxy.cli.squid")
+CORE_ADDON_MODULES = {"mitmproxy.addons", "mitmproxy.addons.core", "mitmproxy.addons.proxyserver",
+                      "mitmproxy.addons.next_layer", "mitmproxy.addons.tlsconfig", "mitmproxy.addons.disable_h2c",
+                      "mitmproxy.addons.termlog"}  # termlog: mitmproxy.master imports it for its own log
+
+
+@pytest.fixture(scope="module")
+def loaded() -> dict:
+    done = subprocess.run([sys.executable, "-P", "-c", PROBE], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_run_imports_nothing_only_other_commands_use(loaded: dict) -> None:
+    unused = [name for name in loaded["modules"] if name.startswith(tuple(f"{p}." for p in NOT_FOR_RUN))
+              or name in NOT_FOR_RUN]
+    assert unused == []
+
+
+def test_run_imports_only_the_core_mitmproxy_addons(loaded: dict) -> None:
+    addon_modules = {name for name in loaded["modules"] if name.startswith("mitmproxy.addons")}
+    assert addon_modules == CORE_ADDON_MODULES
+
+
+def test_the_master_still_has_every_addon_enforcement_needs(loaded: dict) -> None:
+    addons = loaded["addons"]
+    assert addons[:5] == ["Core", "Proxyserver", "NextLayer", "TlsConfig", "DisableH2C"]
+    assert len(addons) > 5  # egresswall's own (proxy/addons/) follow, their next_layer after mitmproxy's
+
+
+def test_the_addons_package_still_works_whole_when_asked(loaded: dict) -> None:
+    """A name the package itself defines (mitmdump's default_addons) runs its __init__ then, once."""
+    code = ("import sys\nfrom proxy.mitm_core import core_addons\nimport mitmproxy.addons as addons\n"
+            "assert 'mitmproxy.addons.proxyauth' not in sys.modules\n"
+            "print(len(addons.default_addons()), 'mitmproxy.addons.proxyauth' in sys.modules)")
+    done = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 0, done.stderr
+    count, loaded_all = done.stdout.split()
+    assert int(count) > 20 and loaded_all == "True"
