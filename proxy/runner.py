@@ -15,12 +15,9 @@ import datetime
 import logging
 import signal
 import socket
-from dataclasses import dataclass
 
 from .mitm_core import Master, core_addons  # isort: skip  (first: before mitmproxy.master is imported)
 from mitmproxy import options as mitm_options
-
-from policy.loader import Overrides
 
 from . import mitm_patches
 from .addons import egresswall_addons, patch_state_for
@@ -32,25 +29,9 @@ from .listeners import ADMIN, PROXY, ListenError
 from .metrics import Metrics
 from .peers import peer_of
 from .reload import PolicyHolder
+from .run_config import RunConfig
 
 log = logging.getLogger("egresswall")
-
-
-@dataclass
-class RunConfig:
-    policy_path: str | None
-    overrides: Overrides
-    listen: tuple[str, int] = ("127.0.0.1", 3128)
-    admin: tuple[str, int] | None = ("127.0.0.1", 3131)  # README, "Admin port"
-    log_path: str | None = None
-    log_format: str = "json"
-    confdir: str | None = None  # where mitmproxy keeps its CA (interception only)
-    upstream_ca: str | None = None  # extra CA bundle to verify intercepted upstreams with (labs, private CAs)
-    watch_interval: float = 0.25
-    reuse_port: bool = False  # a worker of several sharing the listen port (proxy/workers.py)
-    fast_tunnels: bool = True  # passed-through TLS tunnels relayed by the front (proxy/front.py), not mitmproxy
-    worker_count: int = 1  # connection caps are shared out between this many workers
-    extra_self_endpoints: tuple[tuple[str, int], ...] = ()  # e.g. the supervisor's admin listener
 
 
 class ProxyRunner:

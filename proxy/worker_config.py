@@ -30,7 +30,7 @@ from typing import Any
 
 from policy.loader import Overrides
 
-from .runner import RunConfig
+from .run_config import RunConfig
 
 READY, FAILED = "ready", "failed"
 _RUN_FIELDS = frozenset(f.name for f in dataclasses.fields(RunConfig))

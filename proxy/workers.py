@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 from .admin import AdminServer
 from .listeners import ADMIN, PROXY, ListenError, check_free
-from .runner import RunConfig
+from .run_config import RunConfig
 from .worker_config import FAILED, WorkerConfig, WorkerReport
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{.*\})?) (\S+)$")

@@ -79,3 +79,21 @@ def test_the_addons_package_still_works_whole_when_asked(loaded: dict) -> None:
     assert done.returncode == 0, done.stderr
     count, loaded_all = done.stdout.split()
     assert int(count) > 20 and loaded_all == "True"
+
+
+def test_the_supervisor_of_workers_does_not_import_mitmproxy() -> None:
+    """``run --workers N``: the supervisor starts workers and never proxies (proxy/run_config.py)."""
+    code = ("import sys\nfrom proxy.cli import build_parser\nbuild_parser(['run'])\n"
+            "import proxy.cli.run, proxy.workers\n"
+            "print(sorted(n for n in sys.modules if n.split('.')[0] == 'mitmproxy'))")
+    done = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_the_supervisor_names_mitmproxy_s_own_ca_directory() -> None:
+    from mitmproxy.options import CONF_DIR
+
+    from proxy.cli.run import MITMPROXY_CONF_DIR
+
+    assert MITMPROXY_CONF_DIR == CONF_DIR

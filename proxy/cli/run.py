@@ -10,20 +10,23 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-
-from mitmproxy.options import CONF_DIR
+from typing import TYPE_CHECKING
 
 from policy.model import Policy
 from policy.resolver import DnsResolver
 from proxy.listeners import authority
-from proxy.runner import ProxyRunner, RunConfig
+from proxy.run_config import RunConfig
 from proxy.workers import Supervisor
 
 from . import logs
 from .errors import UsageError
 from .options import add_policy_options, load_from_args, overrides_from, parse_hostport
 
+if TYPE_CHECKING:
+    from proxy.runner import ProxyRunner
+
 DEFAULT_LISTEN = ("127.0.0.1", 3128)
+MITMPROXY_CONF_DIR = "~/.mitmproxy"  # mitmproxy.options.CONF_DIR, without importing mitmproxy (tests check both agree)
 DEFAULT_ADMIN = ("127.0.0.1", 3131)  # not 9090: that is Prometheus's own port (README, "Admin port")
 
 
@@ -66,13 +69,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     logs.configure()
     config = run_config_from(args)
     if args.workers > 1:
+        # The supervisor never proxies: it does not import mitmproxy (proxy/run_config.py), only its workers do.
         policy = load_from_args(args)  # a policy that does not load fails here, once, with its file:line:column
-        confdir = config.confdir or CONF_DIR
+        confdir = config.confdir or MITMPROXY_CONF_DIR
 
         def announce(listen: tuple[str, int], admin: tuple[str, int] | None) -> None:
             say(startup_line(listen, admin, policy, config, confdir, workers=args.workers))
 
         return asyncio.run(Supervisor(config, args.workers, on_ready=announce).run())
+    from proxy.runner import ProxyRunner
+
     runner = ProxyRunner(config)  # loads the policy: a bad file fails here
     asyncio.run(serve(runner, lambda: say(startup_line_of(runner))))
     return 0
