@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -67,8 +67,16 @@ class AuditRecord:
     error: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        fields = asdict(self)
-        return {"time": fields.pop("time"), **fields}  # time first: the order a reader scans a line in
+        # time first: the order a reader scans a line in. Built field by field, not with
+        # dataclasses.asdict (a deep copy that was a tenth of a fast tunnel's CPU); the lists are copied.
+        line: dict[str, Any] = {"time": self.time}
+        for name in _FIELD_NAMES:
+            value = getattr(self, name)
+            line[name] = list(value) if isinstance(value, list) else value
+        return line
+
+
+_FIELD_NAMES = tuple(f.name for f in fields(AuditRecord) if f.name != "time")
 
 
 class Recorder:

@@ -170,3 +170,18 @@ def test_an_unwritable_audit_log_refuses_what_the_policy_allows(lab, make_gate):
     outcome = asyncio.run(gate.decide_connect("10.0.0.1", f"public.lab.example:{lab.public_tls.port}"))
     assert outcome.refusal.status == 503 and outcome.refusal.verdict.rule == "audit"
     assert gate.metrics.audit_failures == 1
+
+
+def test_a_record_line_is_every_field_once_time_first_lists_copied() -> None:
+    import dataclasses
+
+    from proxy.records import AuditRecord
+
+    record = AuditRecord(event="tunnel", id="x", client="127.0.0.1", verdict="allow", stage="address",
+                         rule="global", rule_id="global", reason="r", mode="enforce", time="t",
+                         addresses=["192.0.2.1"], cnames=["a.example"])
+    line = record.as_dict()
+    assert list(line) == ["time"] + [f.name for f in dataclasses.fields(AuditRecord) if f.name != "time"]
+    assert line == dataclasses.asdict(record)
+    line["addresses"].append("192.0.2.2")
+    assert record.addresses == ["192.0.2.1"]
