@@ -45,6 +45,7 @@ class Metrics:
         r = self.registry
         self._decisions = Counter("egresswall_decisions", "Decisions by verdict and the deciding rule's stable id.",
                                   ["verdict", "rule_id"], registry=r)
+        self._decision_series: dict[tuple[str, str], Counter] = {}
         self._refusals = Counter("egresswall_refusals", "Refusals that are not policy decisions (caps, timeouts).",
                                  ["reason"], registry=r)
         self._open_tunnels = Gauge("egresswall_open_tunnels", "CONNECT tunnels open now.", registry=r)
@@ -71,7 +72,10 @@ class Metrics:
 
     def decision(self, verdict: str, rule_id: str) -> None:
         """``verdict``: allow / refuse / report; ``rule_id``: the deciding rule's stable id."""
-        self._decisions.labels(verdict, rule_id).inc()
+        child = self._decision_series.get((verdict, rule_id))
+        if child is None:  # labels() validates and locks each time: look a series up once
+            child = self._decision_series[(verdict, rule_id)] = self._decisions.labels(verdict, rule_id)
+        child.inc()
 
     def refusal(self, reason: str) -> None:
         self._refusals.labels(reason).inc()
