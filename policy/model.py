@@ -10,6 +10,7 @@ from datetime import datetime
 
 import netaddr
 
+from . import rule_ids
 from .addresses import AddressRules
 from .patterns import HostIndex, HostPattern
 
@@ -53,8 +54,9 @@ class HostRule:
 
     @property
     def rule_id(self) -> str:
-        """The stable id (metrics, records); a rule built by hand without one is named by where it was written."""
-        return self.id or self.where
+        """The stable id (metrics, records). The loader gives every rule one; a rule built by hand without one
+        gets the id its list and pattern derive (never ``where``: a file position moves, and labels metrics)."""
+        return self.id or rule_ids.derived(rule_ids.host_list(self.action), self.pattern.text)
 
     @property
     def needs_visible_request(self) -> bool:

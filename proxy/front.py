@@ -230,7 +230,7 @@ class Front:
             if upstream is None:
                 await self._connect_failed(conn, tunnel, error, accept)
                 return
-            gate.metrics.fast_tunnels += 1
+            gate.metrics.fast_tunnel()
             await _send(conn, b"HTTP/1.1 200 Connection established\r\n\r\n")
             hello = await self._first_message(conn, tunnel, rest)
             if hello is None:

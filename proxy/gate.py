@@ -103,7 +103,8 @@ class Gate:
         self._resolver = resolver
         self._resolver_for: Policy | None = None
         self._audit_probe: asyncio.Task | None = None
-        self.metrics.policy_loaded = 1
+        self.metrics.policy_in_force()
+        self.metrics.count_audit_failures(lambda: self.audit.failures)
 
     # ---- the policy, the resolver and the decision -------------------------------------------------
 
@@ -130,7 +131,7 @@ class Gate:
         if resolution is not None or verdict.stage == "resolve":
             self.metrics.observe_dns(time.monotonic() - started)
         if verdict.stage == "resolve" and verdict.rule.startswith("dns:"):
-            self.metrics.dns_errors[verdict.rule[4:]] += 1
+            self.metrics.dns_error(verdict.rule[4:])
         if verdict.allowed and verdict.pinned and self.is_self(verdict.pinned, request.target.port):
             verdict = self_refusal(verdict.pinned, request.target.port, verdict)
         return verdict, resolution
@@ -145,14 +146,14 @@ class Gate:
     def admit(self, client: str) -> CapRefusal | None:
         refusal = self.admission.admit(client, self.policy.limits)
         if refusal is None:
-            self.metrics.open_connections = self.admission.total
+            self.metrics.connections_open(self.admission.total)
         else:
-            self.metrics.refusals[refusal.rule] += 1
+            self.metrics.refusal(refusal.rule)
         return refusal
 
     def release(self, client: str) -> None:
         self.admission.release(client)
-        self.metrics.open_connections = self.admission.total
+        self.metrics.connections_open(self.admission.total)
 
     def refuse_admission(self, client: str, cap: CapRefusal, method: str | None = None,
                          target: Target | None = None, url: str | None = None,
@@ -190,7 +191,7 @@ class Gate:
         tunnel = Tunnel(flow_id, target, verdict, client, intercept=policy.intercepts(target.host),
                         http_inside=target.port in policy.http_ports,
                         cnames=resolution.cnames if resolution else ())
-        self.metrics.open_tunnels += 1
+        self.metrics.tunnel_opened()
         return ConnectOutcome(tunnel, None)
 
     def tunnel_start(self, tunnel: Tunnel, data: bytes) -> FirstBytes:
@@ -224,7 +225,7 @@ class Gate:
         if tunnel.closed:
             return
         tunnel.closed = True
-        self.metrics.open_tunnels -= 1
+        self.metrics.tunnel_closed()
         record = self.recorder.record(TUNNEL, tunnel.id, tunnel.client, "CONNECT", tunnel.target, tunnel.verdict,
                                       tunnel.cnames)
         self.recorder.ended(record, tunnel.started, up, down, error, 200)
@@ -265,7 +266,7 @@ class Gate:
             verdict = Verdict(False, LIMITS, "limits.max_request_body",
                               f"the request body of {ask.content_length} bytes is over the limit of {limit} "
                               "(limits.max_request_body)")
-            self.metrics.refusals["limits.max_request_body"] += 1
+            self.metrics.refusal("limits.max_request_body")
             return self._request_refused(ask, target, verdict, 413)
         verdict, resolution = await self.decide(
             policy, Request(target, ask.method, ask.client, tunnel=False, websocket=ask.websocket))
@@ -313,7 +314,7 @@ class Gate:
             record.url = safe_text(url)
         self.recorder.decision(record)
         if rule.startswith("limits.") or rule in ("shutdown", "audit"):
-            self.metrics.refusals[rule] += 1
+            self.metrics.refusal(rule)
         return refusal
 
     def connection_refused(self, client: str, status: int, rule: str, reason: str) -> None:
@@ -333,7 +334,7 @@ class Gate:
         cannot take lines, allowed requests are refused with 503, /readyz fails, and a probe tries a
         line every second (README, "Audit log and admin endpoint")."""
         self._start_audit_probe()
-        self.metrics.refusals["audit"] += 1
+        self.metrics.refusal("audit")
         return refusal_for(503, Verdict(False, "audit", "audit", "the audit log cannot be written, and egresswall "
                                                                  "does not let through what it cannot record"),
                            target, accept)

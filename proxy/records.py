@@ -104,14 +104,13 @@ class Recorder:
 
     def decision(self, record: AuditRecord) -> bool:
         """Write a decision line and count it; False when the log could not take it (fail closed)."""
-        self.metrics.decisions[(record.verdict, record.rule_id)] += 1
+        self.metrics.decision(record.verdict, record.rule_id)
         return self.write(record)
 
     def ended(self, record: AuditRecord, started: float, up: int, down: int, error: str | None,
               status: int | None) -> bool:
         """A response or tunnel line: bytes each way, how long, how it ended."""
-        self.metrics.bytes_up += up
-        self.metrics.bytes_down += down
+        self.metrics.relayed(up, down)
         record.bytes_up, record.bytes_down, record.error, record.status = up, down, error, status
         record.duration_ms = round((time.monotonic() - started) * 1000, 3)
         return self.write(record)
@@ -119,7 +118,6 @@ class Recorder:
     def write(self, record: AuditRecord) -> bool:
         record.time = rfc3339(time.time())
         if not self.audit.write(record.as_dict()):
-            self.metrics.audit_failures += 1
             self.on_failure()
             return False
         return True

@@ -30,6 +30,7 @@ from .audit import AuditLog, json_line
 from .front import Front
 from .gate import Gate
 from .listeners import ADMIN, PROXY, ListenError
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
 from .peers import peer_of
 from .reload import PolicyHolder
@@ -74,7 +75,7 @@ class ProxyRunner:
         self._stopping = False
 
     def _on_reload(self, ok: bool, detail: str) -> None:
-        self.metrics.reloads["success" if ok else "failure"] += 1
+        self.metrics.reloaded(ok)
 
     # ---- admin routes -------------------------------------------------------------------------
 
@@ -94,8 +95,7 @@ class ProxyRunner:
         return 200, "text/plain", f"ready; policy {self.holder.policy.source}\n"
 
     def _metrics(self) -> tuple[int, str, str]:
-        self.metrics.audit_failures = self.audit.failures
-        return 200, "text/plain; version=0.0.4; charset=utf-8", self.metrics.render()
+        return 200, METRICS_CONTENT_TYPE, self.metrics.render()
 
     # ---- lifecycle ----------------------------------------------------------------------------
 

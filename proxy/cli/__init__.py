@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from importlib import metadata
+
+from proxy.build import versions
 
 from . import browse, browser_server, check, lint, operators, run, squid
 from .errors import EXIT_INTERRUPTED, describe
@@ -31,14 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def version() -> str:
-    def of(name: str) -> str:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            return "unknown"
-
-    python = ".".join(str(n) for n in sys.version_info[:3])
-    return f"egresswall {of('egresswall')} (mitmproxy {of('mitmproxy')}, Python {python})"
+    built = versions()
+    return f"egresswall {built['version']} (mitmproxy {built['mitmproxy']}, Python {built['python']})"
 
 
 def _no_abbreviations(parser: argparse.ArgumentParser) -> None:
