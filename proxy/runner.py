@@ -33,7 +33,7 @@ from .listeners import ADMIN, PROXY, ListenError
 from .metrics import Metrics
 from .peers import peer_of
 from .reload import PolicyHolder
-from .upstream import read_credentials
+from .upstream import basic_authorization, read_credentials
 
 log = logging.getLogger("egresswall")
 
@@ -76,12 +76,6 @@ class ProxyRunner:
         self.admin_address: tuple[str, int] | None = None
         self.ready = asyncio.Event()
         self._stopping = False
-
-    @property
-    def fast_tunnels(self) -> bool:
-        """The front relays tunnels itself only when it may connect to the checked address: with an upstream
-        proxy every tunnel is mitmproxy's, whose upstream mode sends the CONNECT on to the upstream."""
-        return self.config.fast_tunnels and self.holder.policy.upstream is None
 
     def _on_reload(self, ok: bool, detail: str) -> None:
         self.metrics.reloads["success" if ok else "failure"] += 1
@@ -142,7 +136,9 @@ class ProxyRunner:
         master_task = asyncio.create_task(self.master.run())
         try:
             if await self._wait_listening(master_task):  # False: asked to stop during start-up
-                self.front = Front(self.gate, self._handoff, relay_tunnels=self.fast_tunnels)
+                authorization = basic_authorization(self.upstream_credentials) if self.upstream_credentials else None
+                self.front = Front(self.gate, self._handoff, relay_tunnels=self.config.fast_tunnels,
+                                   upstream_authorization=authorization)
                 try:
                     self.listen_address = await self.front.start(host, port, reuse_port=self.config.reuse_port)
                 except OSError as err:

@@ -8,6 +8,7 @@ file to a service group, as a Kubernetes secret mounted with ``defaultMode: 0440
 
 from __future__ import annotations
 
+import base64
 import os
 import stat
 
@@ -58,3 +59,8 @@ def parse_credentials(raw: bytes, where: str = "the credentials file") -> str:
     if not colon or not user or not password:
         raise UpstreamError(f"{where}: expected one line user:password (a user and a password, both not empty)")
     return line
+
+
+def basic_authorization(credentials: str) -> str:
+    """The Proxy-Authorization value for ``user:password`` (RFC 7617; UTF-8, as its charset parameter says)."""
+    return "Basic " + base64.b64encode(credentials.encode("utf-8")).decode("ascii")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import re
 import shutil
 import socket
 import ssl
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import pytest
 from labnet import PUBLIC_IP
-from proxyproc import ROOT
+from proxyproc import ROOT, read_response
 from test_squid_differential import SQUID, Squid, _guard, free_port
 
 pytestmark = pytest.mark.integration
@@ -114,13 +115,18 @@ def credentials_file(tmp_path: Path, text: str = f"{USER}:{PASSWORD}\n", mode: i
 
 
 def upstream_policy(lab, squid: Squid, credentials: Path, resolution: str = "  resolution: upstream\n") -> str:
-    return lab.policy_text(
+    text = lab.policy_text(
         "hosts:\n  deny: [denied.lab.example]\n"
         f"upstream:\n  proxy: http://127.0.0.1:{squid.port}\n{resolution}  credentials_file: {credentials}\n")
+    # CONNECT to the plain-HTTP stand-in too (HTTP inside a tunnel, as ws:// arrives).
+    return re.sub(r"(?m)^  connect: \[", f"  connect: [{lab.public.port}, ", text, count=1)
 
 
-def test_requests_go_through_squid_and_refused_ones_never_reach_it(lab, squid, start_proxy, tmp_path) -> None:
-    proxy = start_proxy(upstream_policy(lab, squid, credentials_file(tmp_path)))
+@pytest.mark.parametrize("tunnels", ["--fast-tunnels", "--no-fast-tunnels"])
+def test_requests_go_through_squid_and_refused_ones_never_reach_it(lab, squid, start_proxy, tmp_path,
+                                                                   tunnels) -> None:
+    """Both tunnel paths: the front's own CONNECT to squid, and mitmproxy's upstream mode."""
+    proxy = start_proxy(upstream_policy(lab, squid, credentials_file(tmp_path)), tunnels)
     line = next(line for line in proxy.stderr.splitlines() if "proxy on" in line)
     assert f"upstream proxy http://127.0.0.1:{squid.port}" in line and "WEAKENED" in line
 
@@ -146,6 +152,20 @@ def test_requests_go_through_squid_and_refused_ones_never_reach_it(lab, squid, s
     assert answer.startswith(b"HTTP/1.1 200 OK") and answer.endswith(b"hello from public-tls /tunnelled")
     tunnel_line = wait_for_line(squid, f"CONNECT public.lab.example:{lab.public_tls.port}")
     assert f" {USER} " in tunnel_line
+
+    # HTTP inside a CONNECT to a plain-HTTP port (how Chromium sends ws://): always mitmproxy's path, each
+    # request decided inside; squid's credentials go on the CONNECT, never into the tunnel to the origin.
+    seen_before = len(lab.public.requests)
+    sock, status, _ = proxy.connect(f"public.lab.example:{lab.public.port}")
+    assert status == 200
+    with sock:
+        sock.sendall(f"GET /inside HTTP/1.1\r\nHost: public.lab.example:{lab.public.port}\r\n"
+                     "Connection: close\r\n\r\n".encode())
+        inside = read_response(sock)
+    assert inside.endswith(b"hello from public /inside"), inside
+    assert f" {USER} " in wait_for_line(squid, f"CONNECT public.lab.example:{lab.public.port}")
+    origin_headers = {k.lower() for k in lab.public.requests[seen_before][2]}
+    assert "proxy-authorization" not in origin_headers
 
     # Refused by host, and by address (egresswall's DNS says 127.0.0.3; squid's hosts file would have served
     # it): every one answered by egresswall, and not one of them in squid's log.
@@ -235,6 +255,13 @@ def test_wrong_credentials_reach_squid_and_it_says_no(lab, squid, start_proxy, t
     status, _, _ = proxy.get(f"http://public.lab.example:{lab.public.port}/wrong-password")
     assert status == 407
     assert "TCP_DENIED/407" in wait_for_line(squid, "/wrong-password")
+    # A tunnel squid refuses: the client's CONNECT is answered only after squid's, with its status in the reason.
+    sock, status, headers = proxy.connect(f"public.lab.example:{lab.public_tls.port}")
+    sock.close()
+    assert status == 502 and "refused the tunnel: 407" in headers["x-egresswall-reason"]
+    assert "TCP_DENIED/407" in wait_for_line(squid, f"CONNECT public.lab.example:{lab.public_tls.port}")
+    closed = [r for r in proxy.audit() if r["event"] == "tunnel" and r["method"] == "CONNECT"]
+    assert any("refused the tunnel: 407" in (r.get("error") or "") for r in closed), closed
 
 
 def test_a_reload_cannot_change_the_upstream(lab, squid, start_proxy, tmp_path) -> None:

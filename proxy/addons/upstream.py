@@ -13,11 +13,10 @@ resolution; this addon only shapes what the upstream is asked for:
 
 from __future__ import annotations
 
-import base64
-
 from mitmproxy import http
 
 from ..gate import Gate
+from ..upstream import basic_authorization
 from .connections import ConnectionTable
 from .decision import TARGET, VERDICT
 
@@ -25,8 +24,7 @@ from .decision import TARGET, VERDICT
 class UpstreamForwarding:
     def __init__(self, gate: Gate, table: ConnectionTable, credentials: str | None) -> None:
         self.gate, self.table = gate, table
-        self.authorization = ("Basic " + base64.b64encode(credentials.encode("utf-8")).decode("ascii")
-                              if credentials else None)
+        self.authorization = basic_authorization(credentials) if credentials else None
 
     def http_connect(self, flow: http.HTTPFlow) -> None:
         tunnel = self.table.tunnels.get(flow.server_conn.id)

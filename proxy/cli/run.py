@@ -156,7 +156,7 @@ def upstream_words(policy: Policy) -> str:
     assert upstream is not None
     credentials = f", credentials from {upstream.credentials_file}" if upstream.credentials_file else ""
     return (f"upstream proxy {upstream.url}{credentials}: address guarantee WEAKENED, the upstream resolves names "
-            "itself (egresswall decides on its own resolution but cannot pin the connection); fast tunnels off")
+            "itself (egresswall decides on its own resolution but cannot pin the connection)")
 
 
 def _nameservers(policy: Policy) -> str:
