@@ -3,7 +3,8 @@
 The file holds one line, ``user:password`` (a trailing newline is fine), and must not be readable by
 every user of the machine: a proxy password in a world-readable file is a password for everyone, so
 egresswall refuses to start rather than send it. Group-readable is allowed (a deployment may give the
-file to a service group, as a Kubernetes secret mounted with ``defaultMode: 0440`` does).
+file to a service group, as a Kubernetes secret mounted with ``defaultMode: 0440`` does). A symbolic link
+is followed (a mounted secret is one) and its target is judged.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def read_credentials(upstream: Upstream) -> str | None:
         return None
     where = f"upstream.credentials_file {path}"
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as err:
         raise UpstreamError(f"{where}: cannot be read: {(err.strerror or str(err)).lower()}") from None
     try:
