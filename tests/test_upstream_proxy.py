@@ -11,6 +11,7 @@ never is.
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import re
@@ -187,6 +188,8 @@ def test_requests_go_through_squid_and_refused_ones_never_reach_it(lab, squid, s
     log = "\n".join(access_log(squid))
     for _, _, host in refused:
         assert host not in log, f"{host} reached squid:\n{log}"
+    allowed = [r for r in proxy.decisions() if r["verdict"] == "allow"]
+    assert allowed and all(r["pinned"] is None and r["addresses"] == [PUBLIC_IP] for r in allowed)  # not pinned
     stages = {(r["host"], r["method"]): r["stage"] for r in proxy.decisions() if r["verdict"] == "refuse"}
     assert stages[("denied.lab.example", "GET")] == "host" and stages[("internal.lab.example", "GET")] == "address"
     assert stages[("internal.lab.example", "CONNECT")] == "address"
@@ -285,6 +288,12 @@ def test_check_says_the_address_guarantee_is_weakened(lab, squid, tmp_path) -> N
     assert done.returncode == 0, done.stderr
     assert "checked   127.0.0.2 (not pinned: the upstream resolves the name itself)" in done.stdout
     assert "WEAKENED" in done.stdout and "\npinned" not in done.stdout
+    done = subprocess.run([sys.executable, "-m", "proxy.cli", "check", "--json", "--policy", str(policy),
+                           f"http://public.lab.example:{lab.public.port}/"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)
+    answer = json.loads(done.stdout)
+    assert answer["pinned"] is None and answer["addresses"] == [PUBLIC_IP]
+    assert answer["upstream"] == {"proxy": f"http://127.0.0.1:{squid.port}", "resolution": "upstream"}
 
 
 def test_squid_log_socket_is_the_one_named(squid) -> None:

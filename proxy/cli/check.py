@@ -42,7 +42,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     results = [asyncio.run(_check_one(policy, resolver, url, args)) for url in args.url]
     for url, verdict, resolution in results:
         if args.json:
-            extra = {"upstream": _upstream_json(policy)} if policy.upstream else {}  # only then: the interface stays
+            # Only with an upstream (the interface stays as it was without): nothing is pinned, as in the audit log.
+            extra = {"pinned": None, "upstream": _upstream_json(policy)} if policy.upstream else {}
             print(json.dumps(_verdict_json(url, verdict, resolution) | extra))
         else:
             _print_verdict(url, verdict, resolution, policy)
@@ -77,7 +78,7 @@ def _verdict_word(verdict: Verdict) -> str:
 
 def _upstream_json(policy: Policy) -> dict:
     assert policy.upstream is not None
-    return {"proxy": policy.upstream.url, "resolution": policy.upstream.resolution, "pinned": False}
+    return {"proxy": policy.upstream.url, "resolution": policy.upstream.resolution}
 
 
 def _print_verdict(url: str, verdict: Verdict, resolution, policy: Policy) -> None:
