@@ -301,3 +301,29 @@ def test_squid_log_socket_is_the_one_named(squid) -> None:
     with socket.create_connection(("127.0.0.1", squid.port), timeout=5) as sock:
         sock.sendall(b"GET http://public.lab.example/ HTTP/1.1\r\nHost: public.lab.example\r\n\r\n")
         assert sock.recv(100).startswith(b"HTTP/1.1 407")
+
+
+def test_an_intercepted_host_through_squid(lab, squid, start_proxy, tmp_path) -> None:
+    """Interception (mitmproxy's path): TLS to egresswall's certificate, each request inside decided, then
+    TLS to the origin through squid's tunnel, verified against the lab's CA."""
+    policy = upstream_policy(lab, squid, credentials_file(tmp_path)).replace(
+        "hosts:\n  deny: [denied.lab.example]\n",
+        "hosts:\n  allow:\n    - host: public.lab.example\n      paths: [/ok/]\n      intercept: true\n")
+    proxy = start_proxy(policy.replace("default: allow", "default: deny"), "--confdir", str(tmp_path / "ca"),
+                        "--upstream-ca", str(lab.cert_file))
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE  # egresswall's own interception CA
+    answers = {}
+    for path in ("/ok/intercepted", "/not-ok"):
+        sock, status, _ = proxy.connect(f"public.lab.example:{lab.public_tls.port}")
+        assert status == 200
+        with context.wrap_socket(sock, server_hostname="public.lab.example") as tls:
+            tls.sendall(f"GET {path} HTTP/1.1\r\nHost: public.lab.example:{lab.public_tls.port}\r\n"
+                        "Connection: close\r\n\r\n".encode())
+            answers[path] = read_response(tls)
+    assert answers["/ok/intercepted"].startswith(b"HTTP/1.1 200")
+    assert answers["/ok/intercepted"].endswith(b"hello from public-tls /ok/intercepted")
+    assert answers["/not-ok"].startswith(b"HTTP/1.1 403") and b"x-egresswall-rule" in answers["/not-ok"].lower()
+    assert f" {USER} " in wait_for_line(squid, f"CONNECT public.lab.example:{lab.public_tls.port}")
+    assert not any(path == "/not-ok" for _, path, _ in lab.public_tls.requests)  # refused inside, never sent
+    assert {(e["host"], e["port"]) for e in proxy.outbound()} == {("127.0.0.1", squid.port)}
