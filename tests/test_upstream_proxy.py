@@ -327,3 +327,13 @@ def test_an_intercepted_host_through_squid(lab, squid, start_proxy, tmp_path) ->
     assert f" {USER} " in wait_for_line(squid, f"CONNECT public.lab.example:{lab.public_tls.port}")
     assert not any(path == "/not-ok" for _, path, _ in lab.public_tls.requests)  # refused inside, never sent
     assert {(e["host"], e["port"]) for e in proxy.outbound()} == {("127.0.0.1", squid.port)}
+
+
+def test_the_mitmdump_shim_refuses_an_upstream_policy(tmp_path) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("version: 1\nupstream:\n  proxy: http://127.0.0.1:3129\n  resolution: upstream\n")
+    done = subprocess.run([str(Path(sys.executable).with_name("mitmdump")), "-q", "--listen-host", "127.0.0.1",
+                           "--listen-port", "0", "-s", str(ROOT / "proxy" / "mitmdump_addon.py"), "--set",
+                           f"egresswall_policy={policy}"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode != 0
+    assert "the mitmdump shim does not chain to one: use `egresswall run`" in done.stdout + done.stderr
