@@ -265,6 +265,19 @@ def test_wrong_credentials_reach_squid_and_it_says_no(lab, squid, start_proxy, t
     assert "TCP_DENIED/407" in wait_for_line(squid, f"CONNECT public.lab.example:{lab.public_tls.port}")
     closed = [r for r in proxy.audit() if r["event"] == "tunnel" and r["method"] == "CONNECT"]
     assert any("refused the tunnel: 407" in (r.get("error") or "") for r in closed), closed
+    # mitmproxy's upstream mode answers the CONNECT first and asks squid at the first message: the tunnel then
+    # closes, and its record says why.
+    proxy = start_proxy(upstream_policy(lab, squid, credentials_file(tmp_path, f"{USER}:wrong\n")),
+                        "--no-fast-tunnels")
+    sock, status, _ = proxy.connect(f"public.lab.example:{lab.public_tls.port}")
+    assert status == 200
+    with pytest.raises((ssl.SSLError, OSError)):
+        ssl.create_default_context(cafile=str(lab.cert_file)).wrap_socket(sock, server_hostname="public.lab.example")
+    sock.close()
+    deadline = time.monotonic() + 5
+    while not (closed := [r for r in proxy.audit() if r["event"] == "tunnel"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert closed and "refused HTTP CONNECT request: 407" in closed[0]["error"], closed
 
 
 def test_a_reload_cannot_change_the_upstream(lab, squid, start_proxy, tmp_path) -> None:
