@@ -52,7 +52,7 @@ def parse_credentials(raw: bytes, where: str = "the credentials file") -> str:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise UpstreamError(f"{where}: not UTF-8 text; expected one line user:password") from None
-    line = text.removesuffix("\n").removesuffix("\r")
+    line = text[:-2] if text.endswith("\r\n") else text.removesuffix("\n")  # a lone CR is a control character
     if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in line):
         raise UpstreamError(f"{where}: holds more than one line, or a control character; expected one line "
                             "user:password")

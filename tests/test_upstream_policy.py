@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from policy.loader import Overrides, PolicyError, parse_policy
@@ -202,3 +202,21 @@ def test_lint_notes_the_weakened_guarantee_and_strict_still_passes(tmp_path: Pat
     assert done.stdout.startswith(f"note: {policy}:3:3: upstream: every allowed request and tunnel goes through the "
                                   "upstream proxy http://127.0.0.1:3128, which resolves names itself: the address "
                                   "guarantee is weakened")
+
+
+@given(st.binary(max_size=64))
+@example(b"user:pw\r")
+@example(b"user:pw\r\n")
+def test_any_credentials_file_is_one_accepted_line_or_refused_without_its_content(raw: bytes) -> None:
+    try:
+        line = parse_credentials(raw, "F")
+    except UpstreamError as err:
+        shown = str(err)
+        assert shown.startswith("F: ")
+        secret = raw.partition(b":")[2].strip()
+        if len(secret) >= 4:  # a password is never repeated (short fragments may occur in the words by chance)
+            assert secret.decode("utf-8", "replace") not in shown[3:]
+    else:
+        user, _, password = line.partition(":")
+        assert user and password and "\n" not in line and "\r" not in line
+        assert raw in (line.encode(), line.encode() + b"\n", line.encode() + b"\r\n")
