@@ -161,6 +161,28 @@ class Limits:
     first_byte_timeout: float = 10.0
 
 
+RESOLUTION_UPSTREAM = "upstream"  # the only accepted value: the upstream resolves names, pinning cannot hold
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """Where every allowed request and tunnel goes, instead of to the address egresswall checked."""
+
+    host: str  # an IP address (canonical, no brackets) or a lower-case name
+    port: int
+    resolution: str = RESOLUTION_UPSTREAM
+    credentials_file: str | None = None  # an absolute path; read once at start (proxy/upstream.py)
+    origin: Origin = field(default=Origin("<built>"), compare=False)
+
+    @property
+    def authority(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.authority}"
+
+
 @dataclass(frozen=True)
 class Policy:
     source: str
@@ -178,6 +200,8 @@ class Policy:
     log_query_strings: bool = False
     tls_ech: str | None = None  # "allow" | "refuse"; None: refused on an allowlist (proxy/gate.py ech_allowed)
     address_rules_text: tuple[tuple[str, str, Origin], ...] = ()  # (action, cidr, origin), for lint/export
+    # Forward through this proxy (policy/upstream.py): decisions stay egresswall's, the connect is the upstream's.
+    upstream: Upstream | None = None
     # Which role a client address has never changes for one policy: remember it (IPSet membership costs
     # tens of microseconds, and one client sends many requests). Bounded; a new policy starts empty.
     _role_cache: dict[int, Role | None] = field(default_factory=dict, compare=False, repr=False)

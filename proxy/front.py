@@ -6,8 +6,10 @@ nothing, ``limits.header_timeout`` from the first byte, ``limits.max_header_byte
 
 * relays it itself: a ``CONNECT`` to a host that is not intercepted, on a port that is not a
   plain-HTTP port — the shape nearly all of a browser's traffic has — decided by the gate, connected
-  to the pinned address, its ClientHello judged whole by the gate, then copied socket to socket with
-  counted bytes, without mitmproxy's per-chunk event machinery (``relay_tunnels``, the default); or
+  to the pinned address (or, when the policy names an upstream proxy, through a CONNECT to it:
+  ``proxy/upstream_connect.py``), its ClientHello judged whole by the gate, then copied socket to
+  socket with counted bytes, without mitmproxy's per-chunk event machinery (``relay_tunnels``, the
+  default); or
 * hands it to mitmproxy with the bytes it has read put back in front (plain HTTP, WebSocket over
   CONNECT to port 80, intercepted hosts, anything the front does not take), exactly as if mitmproxy
   had accepted it; the connection keeps its admission.
@@ -34,6 +36,7 @@ from .peers import client_key
 from .refusals import refusal_bytes
 from .tls_hello import MAX_HELLO_BYTES
 from .tunnel_relay import relay
+from .upstream_connect import connect_via_upstream
 
 _HEAD_END = re.compile(rb"\n\r?\n")  # what h11 and mitmproxy accept as the end of a head (bare LF too)
 HALF_CLOSED_IDLE = 5.0  # once one side has finished, the other gets this long of silence before the tunnel ends
@@ -50,10 +53,12 @@ class HeadProblem(Exception):
 
 
 class Front:
-    def __init__(self, gate: Gate, handoff: Handoff, relay_tunnels: bool = True) -> None:
+    def __init__(self, gate: Gate, handoff: Handoff, relay_tunnels: bool = True,
+                 upstream_authorization: str | None = None) -> None:
         self.gate = gate
         self.handoff = handoff
         self.relay_tunnels = relay_tunnels
+        self.upstream_authorization = upstream_authorization  # Proxy-Authorization for the policy's upstream
         self.listener: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
         self._over_cap_pending = 0
@@ -222,11 +227,17 @@ class Front:
         upstream: socket.socket | None = None
         try:
             port = tunnel.target.port
-            refused = gate.guard(tunnel.verdict.pinned, port)
+            via = gate.policy.upstream
+            refused = gate.guard(tunnel.verdict.pinned, port) if via is None else gate.guard_upstream(via.host,
+                                                                                                      via.port)
             if refused:
                 await self._connect_failed(conn, tunnel, refused, accept)
                 return
-            upstream, error = await _connect(tunnel.verdict.pinned, port, gate.policy.limits.connect_timeout)
+            if via is None:
+                upstream, error = await _connect(tunnel.verdict.pinned, port, gate.policy.limits.connect_timeout)
+            else:  # decided on egresswall's resolution; the upstream connects, resolving the name itself
+                upstream, error = await connect_via_upstream(via, tunnel.target, self.upstream_authorization,
+                                                             gate.policy.limits.connect_timeout)
             if upstream is None:
                 await self._connect_failed(conn, tunnel, error, accept)
                 return

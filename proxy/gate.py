@@ -241,6 +241,18 @@ class Gate:
             return f"refused connect to {pinned}:{port}: it is egresswall's own listener"
         return None
 
+    def guard_upstream(self, host: str, port: int) -> str | None:
+        """Why a connect to (host, port) is refused when the policy names an upstream proxy: only the
+        upstream itself may be connected to, and never when it is egresswall's own listener."""
+        upstream = self.policy.upstream
+        assert upstream is not None
+        if (host.lower().strip("[]"), port) != (upstream.host, upstream.port):
+            return (f"egresswall: refused a direct connect to {host}:{port}: the policy sends every connection "
+                    f"through the upstream proxy {upstream.url}")
+        if self.is_self(upstream.host, port):
+            return f"egresswall: the upstream proxy {upstream.url} is egresswall's own listener"
+        return None
+
     # ---- plain HTTP, and requests inside tunnels ---------------------------------------------------
 
     async def decide_request(self, ask: HttpAsk, tunnel: Tunnel | None) -> RequestOutcome:

@@ -59,7 +59,7 @@ class AuditRecord:
     url: str | None = None  # what the client asked for, when it could not be parsed into host and port
     addresses: list[str] = field(default_factory=list)
     cnames: list[str] = field(default_factory=list)
-    pinned: str | None = None  # the one checked address connected to
+    pinned: str | None = None  # the one checked address connected to (None through an upstream proxy)
     status: int | None = None  # what the client was answered (None: a tunnel ended inside, no HTTP status)
     bytes_up: int | None = None
     bytes_down: int | None = None
@@ -100,7 +100,8 @@ class Recorder:
             rule=verdict.rule, rule_id=rule_id_of(verdict), reason=verdict.reason, mode=policy.mode, role=verdict.role,
             method=method, scheme=target.scheme if target else None, host=target.host if target else None,
             port=target.port if target else None, path=path, addresses=list(verdict.addresses),
-            cnames=list(cnames), pinned=verdict.pinned)
+            # Through an upstream proxy nothing is pinned: the upstream connects where its own resolution says.
+            cnames=list(cnames), pinned=None if policy.upstream else verdict.pinned)
 
     def decision(self, record: AuditRecord) -> bool:
         """Write a decision line and count it; False when the log could not take it (fail closed)."""

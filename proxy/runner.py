@@ -34,6 +34,7 @@ from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
 from .peers import peer_of
 from .reload import PolicyHolder
+from .upstream import basic_authorization, read_credentials
 
 log = logging.getLogger("egresswall")
 
@@ -65,6 +66,9 @@ class ProxyRunner:
         for host, port in config.extra_self_endpoints:
             self.gate.self_endpoints.add((_endpoint_host(host), port))
         self.patch_state = patch_state_for(self.gate, first_byte_timer=False)  # the front bounds first bytes
+        upstream = self.holder.policy.upstream
+        # Read now, so a missing or world-readable file fails before anything listens (and in the caller).
+        self.upstream_credentials = read_credentials(upstream) if upstream else None
         self.admin = AdminServer({"/healthz": self._healthz, "/readyz": self._readyz,
                                   "/metrics": self._metrics})
         self.master: Master | None = None
@@ -107,11 +111,16 @@ class ProxyRunner:
         self.master = Master(opts, event_loop=asyncio.get_running_loop())
         # mitmproxy's NextLayer comes before egresswall's addons: their next_layer hook has the final say.
         self.master.addons.add(core.Core(), proxyserver.Proxyserver(), next_layer.NextLayer(), tlsconfig.TlsConfig(),
-                               disable_h2c.DisableH2C(), *egresswall_addons(self.gate, fronted=True))
+                               disable_h2c.DisableH2C(),
+                               *egresswall_addons(self.gate, fronted=True,
+                                                  upstream_credentials=self.upstream_credentials))
         host, port = self.config.listen
         # The front owns the public port and hands mitmproxy what it does not relay itself; mitmproxy's
-        # own listener is an internal one on loopback (and counted as egresswall itself).
-        updates = dict(listen_host="127.0.0.1", listen_port=0, mode=["regular"])
+        # own listener is an internal one on loopback (and counted as egresswall itself). With an upstream
+        # proxy mitmproxy runs in upstream mode: every request and tunnel it forwards goes to the upstream.
+        upstream = self.holder.policy.upstream
+        updates = dict(listen_host="127.0.0.1", listen_port=0,
+                       mode=[f"upstream:{upstream.url}" if upstream else "regular"])
         if self.config.confdir:
             updates["confdir"] = self.config.confdir
         if self.config.upstream_ca:
@@ -127,7 +136,9 @@ class ProxyRunner:
         master_task = asyncio.create_task(self.master.run())
         try:
             if await self._wait_listening(master_task):  # False: asked to stop during start-up
-                self.front = Front(self.gate, self._handoff, relay_tunnels=self.config.fast_tunnels)
+                authorization = basic_authorization(self.upstream_credentials) if self.upstream_credentials else None
+                self.front = Front(self.gate, self._handoff, relay_tunnels=self.config.fast_tunnels,
+                                   upstream_authorization=authorization)
                 try:
                     self.listen_address = await self.front.start(host, port, reuse_port=self.config.reuse_port)
                 except OSError as err:

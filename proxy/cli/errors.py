@@ -20,6 +20,7 @@ from squid_compat.conf import ConfError
 from browser.launch import ContainmentError
 from policy.loader import PolicyError
 from proxy.listeners import ADMIN, BROWSER_SERVER, PROXY, ListenError
+from proxy.upstream import UpstreamError
 
 EXIT_USAGE, EXIT_BUG, EXIT_INTERRUPTED = 2, 70, 130
 _OPTION = {PROXY: "--listen HOST:PORT", ADMIN: "--admin HOST:PORT (or --no-admin)",
@@ -34,7 +35,7 @@ def describe(err: BaseException) -> tuple[str, int]:
     """(one line for people, exit status) for a failure that ended a command."""
     if isinstance(err, ListenError):
         return f"{err}; {_listen_advice(err)}", EXIT_USAGE
-    if isinstance(err, (PolicyError, ContainmentError, ConfError, UsageError)):
+    if isinstance(err, (PolicyError, ContainmentError, ConfError, UsageError, UpstreamError)):
         return str(err), EXIT_USAGE  # written to be read as they are (file:line:column: ...)
     if isinstance(err, OSError) and (err.filename is not None or isinstance(err, PermissionError)):
         where = f": {err.filename}" if err.filename is not None else ""

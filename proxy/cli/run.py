@@ -67,6 +67,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = run_config_from(args)
     if args.workers > 1:
         policy = load_from_args(args)  # a policy that does not load fails here, once, with its file:line:column
+        if policy.upstream is not None:
+            raise UsageError(f"--workers {args.workers}: not supported with an upstream proxy "
+                             f"({policy.upstream.url}); run one process (the upstream does the heavy lifting)")
         confdir = config.confdir or CONF_DIR
 
         def announce(listen: tuple[str, int], admin: tuple[str, int] | None) -> None:
@@ -140,9 +143,20 @@ def startup_line(listen: tuple[str, int], admin: tuple[str, int] | None, policy:
     parts.append(f"nameservers {_nameservers(policy)}")
     log = "standard output" if config.log_path in (None, "-") else config.log_path
     parts.append(f"audit log {log} ({config.log_format})")
+    if policy.upstream is not None:
+        parts.append(upstream_words(policy))
     if any(rule.intercept for rule in policy.all_host_rules()):
         parts.append(f"interception CA {Path(confdir).expanduser() / 'mitmproxy-ca-cert.pem'}")
     return "; ".join(parts)
+
+
+def upstream_words(policy: Policy) -> str:
+    """What an upstream proxy changes, said wherever the guarantee is stated (the startup line, ``check``)."""
+    upstream = policy.upstream
+    assert upstream is not None
+    credentials = f", credentials from {upstream.credentials_file}" if upstream.credentials_file else ""
+    return (f"upstream proxy {upstream.url}{credentials}: address guarantee WEAKENED, the upstream resolves names "
+            "itself (egresswall decides on its own resolution but cannot pin the connection)")
 
 
 def _nameservers(policy: Policy) -> str:
