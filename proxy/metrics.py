@@ -26,6 +26,12 @@ class Metrics:
     dns_lookups: int = 0
     audit_failures: int = 0
     policy_loaded: int = 0
+    # Sessions (proxy/sessions/): no per-session labels, only counts and refusals by reason.
+    session_refusals: Counter[str] = field(default_factory=Counter)  # by rule: session:not-granted, ...
+    session_requests: int = 0  # requests and CONNECTs admitted under a session
+    sessions_created: int = 0
+    sessions_ended: int = 0
+    sessions_active: int = 0  # sessions in force in the store (refreshed every few seconds)
 
     def observe_dns(self, seconds: float) -> None:
         self.dns_lookups += 1
@@ -63,4 +69,14 @@ class Metrics:
         family("egresswall_policy_loaded", "gauge", "1 when a policy is in force.", [({}, self.policy_loaded)])
         family("egresswall_audit_write_failures_total", "counter", "Audit lines that could not be written.",
                [({}, self.audit_failures)])
+        family("egresswall_session_refusals_total", "counter", "Requests refused by a session, by reason.",
+               [({"reason": r}, n) for r, n in sorted(self.session_refusals.items())])
+        family("egresswall_session_requests_total", "counter", "Requests and CONNECTs admitted under a session.",
+               [({}, self.session_requests)])
+        family("egresswall_sessions_created_total", "counter", "Sessions created through the admin API.",
+               [({}, self.sessions_created)])
+        family("egresswall_sessions_ended_total", "counter", "Sessions ended through the admin API.",
+               [({}, self.sessions_ended)])
+        family("egresswall_sessions_active", "gauge", "Sessions in force in the session store.",
+               [({}, self.sessions_active)])
         return "\n".join(lines) + "\n"

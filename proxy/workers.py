@@ -34,6 +34,7 @@ from .worker_config import FAILED, WorkerConfig, WorkerReport
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{.*\})?) (\S+)$")
 _ALL_MUST_HOLD = {"egresswall_policy_loaded"}  # gauges where the pool is only as good as its worst worker
+_SAME_IN_EVERY_WORKER = {"egresswall_sessions_active"}  # read from the one shared store: not summed
 START_TIMEOUT = 60.0  # seconds for every worker to report
 
 
@@ -343,7 +344,8 @@ def sum_metrics(texts: list[str], carried: dict[str, float] | None = None) -> st
                 out.append(line)
             else:
                 samples = values[line]
-                total = min(samples) if fam in _ALL_MUST_HOLD else sum(samples) + (carried or {}).get(line, 0.0)
+                total = (min(samples) if fam in _ALL_MUST_HOLD else max(samples, default=0.0) if fam in _SAME_IN_EVERY_WORKER
+                         else sum(samples) + (carried or {}).get(line, 0.0))
                 out.append(f"{line} {int(total) if total.is_integer() else repr(total)}")
     return "\n".join(out) + "\n"
 
