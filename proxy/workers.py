@@ -119,8 +119,17 @@ class Supervisor:
         self.config, self.count, self.on_ready = config, workers, on_ready
         self.listen, self.admin_address = config.listen, config.admin
         self.workers: list[Worker] = []
+        self.sessions = None
+        api = None
+        if config.admin_token_file:
+            from .sessions.api import SessionApi, read_token_file
+            from .sessions.service import SessionService
+            from .sessions.store import open_store
+
+            self.sessions = SessionService(open_store(config.session_store), configured=True)
+            api = SessionApi(self.sessions, read_token_file(config.admin_token_file))
         self.admin = AdminServer({"/healthz": lambda: (200, "text/plain", "ok\n"), "/readyz": self._readyz,
-                                  "/metrics": self._metrics})
+                                  "/metrics": self._metrics}, api)
         self.stopping = False
         self.stop_signal: signal.Signals | None = None
         self._stop_requested = asyncio.Event()
@@ -156,8 +165,10 @@ class Supervisor:
     async def _start_workers(self, admin: tuple[str, int] | None) -> None:
         """Start every worker and wait until each has reported ready. Stops at once, with the reason,
         when one reports a failure or dies, or when a stop signal arrives."""
+        # The session API is the supervisor's (on its admin listener, over the shared store); workers only judge.
         config = dataclasses.replace(self.config, listen=self.listen, admin=("127.0.0.1", 0), reuse_port=True,
-                                     worker_count=self.count, extra_self_endpoints=(admin,) if admin else ())
+                                     worker_count=self.count, extra_self_endpoints=(admin,) if admin else (),
+                                     admin_token_file=None)
         self.workers = [Worker(i, config) for i in range(self.count)]
         for worker in self.workers:
             if self.stopping:
@@ -344,8 +355,12 @@ def sum_metrics(texts: list[str], carried: dict[str, float] | None = None) -> st
                 out.append(line)
             else:
                 samples = values[line]
-                total = (min(samples) if fam in _ALL_MUST_HOLD else max(samples, default=0.0) if fam in _SAME_IN_EVERY_WORKER
-                         else sum(samples) + (carried or {}).get(line, 0.0))
+                if fam in _ALL_MUST_HOLD:
+                    total = min(samples)
+                elif fam in _SAME_IN_EVERY_WORKER:
+                    total = max(samples, default=0.0)
+                else:
+                    total = sum(samples) + (carried or {}).get(line, 0.0)
                 out.append(f"{line} {int(total) if total.is_integer() else repr(total)}")
     return "\n".join(out) + "\n"
 

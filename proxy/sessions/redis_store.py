@@ -15,7 +15,6 @@ each arrives at. Every Redis error is ``StoreUnavailable`` (fail closed).
 
 from __future__ import annotations
 
-import asyncio
 import math
 
 import redis.asyncio as aioredis
@@ -50,7 +49,7 @@ class RedisStore:
     async def _call(self, job):
         try:
             result = await job
-        except (RedisError, OSError, asyncio.TimeoutError) as err:
+        except (TimeoutError, RedisError, OSError) as err:
             self._healthy = False
             raise StoreUnavailable(f"the session store {self.safe_url} cannot be reached: "
                                    f"{type(err).__name__}: {err}"[:300]) from None
@@ -137,7 +136,7 @@ class RedisStore:
                     return None
                 except WatchError:
                     continue  # another process counted first: judge again on the new counts
-                except (RedisError, OSError, asyncio.TimeoutError) as err:
+                except (TimeoutError, RedisError, OSError) as err:
                     self._healthy = False
                     raise StoreUnavailable(f"the session store {self.safe_url} cannot be reached: "
                                            f"{type(err).__name__}: {err}"[:300]) from None

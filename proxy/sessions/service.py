@@ -20,14 +20,21 @@ from policy.credentials import CredentialsError, parse_proxy_authorization
 from policy.decision import Verdict, role_of
 from policy.hosts import Target
 from policy.model import Policy
-from policy.sessions import (CREDENTIALS, REQUIRED, STORE_UNAVAILABLE, Session, SessionSpec, check_grant, refused,
-                             secret_digest)
+from policy.sessions import (
+    CREDENTIALS,
+    REQUIRED,
+    STORE_UNAVAILABLE,
+    Session,
+    SessionSpec,
+    check_grant,
+    refused,
+    secret_digest,
+)
 
 from ..metrics import Metrics
 from .store import MemoryStore, SessionStore, StoreUnavailable
 
 log = logging.getLogger("egresswall")
-CHALLENGE = 'Basic realm="egresswall", charset="UTF-8"'  # the Proxy-Authenticate of every 407
 
 
 @dataclass(frozen=True)
