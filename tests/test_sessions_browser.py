@@ -14,7 +14,8 @@ from session_client import api, create, token_file
 
 CHROMIUM = "/usr/lib/chromium/chromium"
 pytestmark = [pytest.mark.integration,
-              pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's chromium (ci/install.sh --browser)")]
+              pytest.mark.skipif(not os.path.exists(CHROMIUM),
+                                 reason="needs Debian's chromium (ci/install.sh --browser)")]
 
 
 @pytest.fixture
