@@ -272,7 +272,13 @@ class Supervisor:
             if text.startswith("# HELP"):
                 worker.last_metrics = text
             texts.append(worker.last_metrics)  # an unreachable worker counts with what it last said
-        return 200, "text/plain; version=0.0.4; charset=utf-8", sum_metrics(texts, self.carried)
+        extra = dict(self.carried)
+        if self.sessions is not None:  # the session API is the supervisor's: its counts are added to the workers'
+            counted = self.sessions.metrics
+            for key, value in (("egresswall_sessions_created_total", counted.sessions_created),
+                               ("egresswall_sessions_ended_total", counted.sessions_ended)):
+                extra[key] = extra.get(key, 0.0) + value
+        return 200, "text/plain; version=0.0.4; charset=utf-8", sum_metrics(texts, extra)
 
 
 def _choose_listen_port(host: str, port: int) -> tuple[str, int]:

@@ -153,6 +153,10 @@ def test_workers_share_sessions_through_the_supervisors_admin_api(lab, redis_ser
         statuses = [get(proxy, f"http://public.lab.example:{lab.public.port}/w", session)[0] for _ in range(5)]
         assert statuses == [200, 200, 200, 403, 403]
         assert get(proxy, f"http://public.lab.example:{lab.public.port}/w")[0] == 407
+        status, text = proxy.admin("/metrics")
+        assert status == 200 and "egresswall_sessions_created_total 1" in text.splitlines()
+        refused = [line for line in text.splitlines() if 'reason="session:budget-requests"' in line]
+        assert refused and float(refused[0].split()[-1]) == 2
     finally:
         proxy.stop()
 
