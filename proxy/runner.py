@@ -35,7 +35,7 @@ from .peers import peer_of
 from .reload import PolicyHolder
 from .sessions.api import SessionApi, read_token_file
 from .sessions.service import SessionService
-from .sessions.store import open_store
+from .sessions.store_url import open_store
 
 log = logging.getLogger("egresswall")
 

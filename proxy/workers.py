@@ -124,7 +124,7 @@ class Supervisor:
         if config.admin_token_file:
             from .sessions.api import SessionApi, read_token_file
             from .sessions.service import SessionService
-            from .sessions.store import open_store
+            from .sessions.store_url import open_store
 
             self.sessions = SessionService(open_store(config.session_store), configured=True)
             api = SessionApi(self.sessions, read_token_file(config.admin_token_file))

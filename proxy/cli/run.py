@@ -18,7 +18,7 @@ from policy.resolver import DnsResolver
 from proxy.listeners import authority
 from proxy.runner import ProxyRunner, RunConfig
 from proxy.sessions.api import read_token_file
-from proxy.sessions.store import check_store_url
+from proxy.sessions.store_url import check_store_url
 from proxy.workers import Supervisor
 
 from . import logs

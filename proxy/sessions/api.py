@@ -70,7 +70,7 @@ class SessionApi:
     def register(self, app: web.Application) -> None:
         app.middlewares.append(self._authorized)
         app.router.add_post("/v1/sessions", self.create)
-        app.router.add_get("/v1/sessions", self.list, allow_head=False)
+        app.router.add_get("/v1/sessions", self.list_ids, allow_head=False)
         app.router.add_get("/v1/sessions/{id}", self.read, allow_head=False)
         app.router.add_post("/v1/sessions/{id}/extend", self.extend)
         app.router.add_patch("/v1/sessions/{id}", self.extend)
@@ -112,7 +112,7 @@ class SessionApi:
         return web.json_response(body, status=201, headers={"Cache-Control": "no-store",
                                                             "Location": f"/v1/sessions/{session.id}"})
 
-    async def list(self, request: web.Request) -> web.Response:
+    async def list_ids(self, request: web.Request) -> web.Response:
         return web.json_response({"sessions": await self.service.store.ids(self.service.clock())})
 
     async def read(self, request: web.Request) -> web.Response:
