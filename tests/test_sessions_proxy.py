@@ -324,3 +324,53 @@ def test_the_admin_api_is_off_without_a_token_file(lab, start_proxy):
     status, _, _ = get(proxy, f"http://public.lab.example:{lab.public.port}/sessions-off",
                        authorization="Basic dXNlcjpwYXNz")
     assert status == 200
+
+
+# ---- an intercepted tunnel: the exact URL holds for HTTPS too -----------------------------------
+
+@pytest.fixture(scope="module")
+def intercepting(lab, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sessions-intercept")
+    policy = folder / "policy.yaml"
+    policy.write_text(lab.policy_text("session: required\nhosts:\n  allow:\n    - host: public.lab.example\n"
+                                      "      intercept: true\n"))
+    process = ProxyProcess(["--policy", str(policy), "--confdir", str(folder / "ca"), "--upstream-ca",
+                            str(lab.cert_file), "--admin-token-file", str(token_file(folder))], folder / "audit.jsonl")
+    yield process
+    process.stop()
+
+
+def _intercepted_get(proxy: ProxyProcess, lab, session: dict, path: str) -> bytes:
+    sock, status, _, _ = connect(proxy, f"public.lab.example:{lab.public_tls.port}", session)
+    assert status == 200
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE  # mitmproxy's leaf: not what is tested here
+    with context.wrap_socket(sock, server_hostname="public.lab.example") as tls:
+        tls.sendall(f"GET {path} HTTP/1.1\r\nHost: public.lab.example:{lab.public_tls.port}\r\nConnection: close\r\n"
+                    f"Accept: application/json\r\n\r\n".encode())
+        return read_response(tls)
+
+
+def test_inside_an_intercepted_tunnel_the_connects_session_holds_each_request_to_its_exact_url(lab, intercepting):
+    link = f"https://public.lab.example:{lab.public_tls.port}/read/this"
+    session = create(intercepting.admin_port, {"urls": [link]}, budgets={"requests": 10})
+    assert _intercepted_get(intercepting, lab, session, "/read/this").startswith(b"HTTP/1.1 200")
+    refused = _intercepted_get(intercepting, lab, session, "/read/other?q=x")
+    assert refused.startswith(b"HTTP/1.1 403") and b"session:not-granted" in refused
+    assert not [p for _, p, _ in lab.public_tls.requests if p.startswith("/read/other")]
+    inside = [r for r in intercepting.decisions() if r.get("session") == session["id"] and r["method"] == "GET"]
+    assert [r["verdict"] for r in inside] == ["allow", "refuse"]
+    # The CONNECT and each request inside it count against the session's requests.
+    assert api(intercepting.admin_port, "GET", f"/v1/sessions/{session['id']}")[2]["usage"]["requests"] == 3
+
+
+def test_where_sessions_are_optional_a_presented_session_still_narrows(lab, start_proxy, tmp_path):
+    proxy = start_proxy(lab.policy_text(), "--admin-token-file", str(token_file(tmp_path)))
+    session = create(proxy.admin_port, {"hosts": ["public.lab.example"]})
+    assert get(proxy, f"http://other.lab.example:{lab.public.port}/optional")[0] == 200  # no session: the policy
+    status, headers, _ = get(proxy, f"http://other.lab.example:{lab.public.port}/optional", session)
+    assert status == 403 and headers["x-egresswall-rule"] == "session:not-granted"
+    assert get(proxy, f"http://public.lab.example:{lab.public.port}/optional", session)[0] == 200
+    status, headers, _ = get(proxy, f"http://public.lab.example:{lab.public.port}/optional",
+                             authorization="Basic " + "czE6eA==")
+    assert status == 407  # sessions are on: a header that names no session is refused, never ignored
