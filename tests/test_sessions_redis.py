@@ -136,11 +136,14 @@ def test_an_unreachable_store_refuses_session_requests_and_fails_readyz(lab, two
     refused = [r for r in proxy.decisions() if r["rule"] == "session:store-unavailable"]
     assert refused and refused[0]["verdict"] == "refuse"
     # The store comes back (empty: nothing was saved): /readyz recovers by itself.
-    RedisServer(redis_server.folder, redis_server.port)
-    deadline = time.monotonic() + 10
-    while proxy.admin("/readyz")[0] != 200 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert proxy.admin("/readyz")[0] == 200
+    back = RedisServer(redis_server.folder, redis_server.port)
+    try:
+        deadline = time.monotonic() + 10
+        while proxy.admin("/readyz")[0] != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert proxy.admin("/readyz")[0] == 200
+    finally:
+        back.stop()
 
 
 def test_workers_share_sessions_through_the_supervisors_admin_api(lab, redis_server, tmp_path):
