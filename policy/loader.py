@@ -194,6 +194,7 @@ class _Builder:
             ),
             limits=Limits(**{key: limits[key] for key in limits if self.unusable.clean(("limits", key))}),
             log_query_strings=self.value(("log", "query_strings"), False),
+            session=self.value(("session",), "optional"),
             tls_ech=self.value(("tls", "ech"), None),
             address_rules_text=tuple(address_rules),
             upstream=self.upstream(),
@@ -268,7 +269,7 @@ class _Builder:
         if name is None or not self.unusable.clean((*at, "clients")):
             return None  # its host rules were still checked
         return Role(name=name, clients=clients, origin=self.doc.origin(at), default=self.value((*at, "default"), None),
-                    allow=allow, deny=deny)
+                    allow=allow, deny=deny, session=self.value((*at, "session"), None))
 
     def table(self, at: KeyPath, action: str, role: str | None = None) -> HostTable:
         path = (*at, action)

@@ -16,6 +16,7 @@ from .patterns import HostIndex, HostPattern
 
 ENFORCE, REPORT = "enforce", "report"
 ALLOW, DENY = "allow", "deny"
+REQUIRED, OPTIONAL = "required", "optional"  # whether a client must present a session
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,7 @@ class Role:
     default: str | None  # None: the policy's default
     allow: HostTable
     deny: HostTable
+    session: str | None = None  # REQUIRED | OPTIONAL; None: the policy's
 
 
 @dataclass(frozen=True)
@@ -198,6 +200,7 @@ class Policy:
     resolver: ResolverSettings = ResolverSettings()
     limits: Limits = Limits()
     log_query_strings: bool = False
+    session: str = "optional"  # REQUIRED: a client outside a role that says otherwise must present a session
     tls_ech: str | None = None  # "allow" | "refuse"; None: refused on an allowlist (proxy/gate.py ech_allowed)
     address_rules_text: tuple[tuple[str, str, Origin], ...] = ()  # (action, cidr, origin), for lint/export
     # Forward through this proxy (policy/upstream.py): decisions stay egresswall's, the connect is the upstream's.
@@ -217,6 +220,16 @@ class Policy:
             self._role_cache.clear()
         self._role_cache[key] = role
         return role
+
+    def session_required(self, role: Role | None) -> bool:
+        """Whether a client with this role (None: no role) must present a session."""
+        need = role.session if role is not None and role.session is not None else self.session
+        return need == REQUIRED
+
+    @property
+    def requires_sessions(self) -> bool:
+        """Some client must present a session: the proxy judges session credentials then."""
+        return self.session == REQUIRED or any(role.session == REQUIRED for role in self.roles)
 
     def all_host_rules(self) -> Iterator[HostRule]:
         yield from self.deny.rules

@@ -135,7 +135,8 @@ class Front:
                 self.gate.admission.hand_over(peer)
                 self.handoff(conn, head + rest)
                 return
-            await self._tunnel(conn, client, authority, rest, _accept_values(event))
+            await self._tunnel(conn, client, authority, rest, _header_values(event, b"accept"),
+                               _header_values(event, b"proxy-authorization"))
         except (OSError, TimeoutError, asyncio.IncompleteReadError):
             pass
         finally:
@@ -216,9 +217,9 @@ class Front:
     # ---- the fast tunnel ----------------------------------------------------------------------
 
     async def _tunnel(self, conn: socket.socket, client: str, authority: str, rest: bytes,
-                      accept: tuple[str, ...] = ()) -> None:
+                      accept: tuple[str, ...] = (), credentials: tuple[str, ...] = ()) -> None:
         gate, loop = self.gate, asyncio.get_running_loop()
-        outcome = await gate.decide_connect(client, authority, uuid.uuid4().hex, accept)
+        outcome = await gate.decide_connect(client, authority, uuid.uuid4().hex, accept, credentials)
         if outcome.refusal is not None:
             await _send(conn, refusal_bytes(outcome.refusal))
             return
@@ -312,13 +313,14 @@ def _parse_head(head: bytes) -> tuple[str | None, str | None, h11.Request | None
 
 def _accept_of(head: bytes) -> tuple[str, ...]:
     """The Accept header values of a head as h11 parsed them (latin-1, as sent); () when it did not parse."""
-    return _accept_values(_parse_head(head)[2])
+    return _header_values(_parse_head(head)[2], b"accept")
 
 
-def _accept_values(event: h11.Request | None) -> tuple[str, ...]:
+def _header_values(event: h11.Request | None, name: bytes) -> tuple[str, ...]:
+    """One header's values (lower-case ``name``) as h11 parsed them, latin-1; () when the head did not parse."""
     if event is None:
         return ()
-    return tuple(value.decode("latin-1") for name, value in event.headers if name == b"accept")
+    return tuple(value.decode("latin-1") for key, value in event.headers if key == name)
 
 
 def _request_of(head: bytes) -> tuple[str | None, Target | None, str | None]:

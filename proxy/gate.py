@@ -21,12 +21,13 @@ import contextlib
 import time
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from policy.decision import Request, Resolution, Verdict, refuse_form
+from policy.decision import Request, Resolution, Verdict, refuse_form, role_of
 from policy.hosts import HostFormError, Target, host_header_agrees, parse_authority, parse_url
 from policy.model import Policy
 from policy.resolver import DnsResolver, Resolver, resolve_and_decide
+from policy.sessions import Session
 
 from .accept import prefers_json
 from .admission import Admission, CapRefusal
@@ -37,6 +38,7 @@ from .peers import is_local_address
 from .records import DECISION, RESPONSE, TUNNEL, Recorder
 from .refusals import Refusal
 from .reload import PolicyHolder
+from .sessions.service import SessionService
 
 LIMITS, TLS, HTTP = "limits", "tls", "http"
 
@@ -58,6 +60,7 @@ class Tunnel:
     first_byte_at: float | None = None
     closed: bool = False
     client_conn_id: str = ""  # the mitmproxy client connection carrying it (so it never outlives it)
+    session: Session | None = None  # the CONNECT's session: it applies to every request inside the tunnel
 
 
 @dataclass(frozen=True)
@@ -88,15 +91,17 @@ class HttpAsk:
     content_length: int | None = None  # None: no Content-Length (chunked, or no body)
     authority: str | None = None  # the request target's authority (absolute-form), if it had one
     accept: tuple[str, ...] = ()  # the Accept header values, as sent: a refusal is JSON when they prefer it
+    credentials: tuple[str, ...] = ()  # the Proxy-Authorization header values, as sent (a session's id:secret)
     flow_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
 class Gate:
     def __init__(self, holder: PolicyHolder, audit: AuditLog, metrics: Metrics | None = None,
-                 resolver: Resolver | None = None, share: int = 1) -> None:
+                 resolver: Resolver | None = None, share: int = 1, sessions: SessionService | None = None) -> None:
         self.holder = holder
         self.audit = audit
         self.metrics = metrics or Metrics()
+        self.sessions = sessions or SessionService(metrics=self.metrics)
         self.recorder = Recorder(audit, self.metrics, lambda: self.holder.policy, self._start_audit_probe)
         self.admission = Admission(share)
         self.self_endpoints: set[tuple[str, int]] = set()  # (ip or "*", port) egresswall itself listens on
@@ -164,25 +169,31 @@ class Gate:
     # ---- CONNECT -----------------------------------------------------------------------------------
 
     async def decide_connect(self, client: str, authority: str, flow_id: str | None = None,
-                             accept: Iterable[str] = ()) -> ConnectOutcome:
+                             accept: Iterable[str] = (), credentials: Iterable[str] = ()) -> ConnectOutcome:
         """Decide a CONNECT; an allowed one gets its Tunnel (counted open until ``tunnel_closed``).
-        ``accept``: the CONNECT's Accept header values, which choose the refusal's body."""
+        ``accept``: the CONNECT's Accept header values, which choose the refusal's body; ``credentials``: its
+        Proxy-Authorization values (a session)."""
         policy = self.policy
         flow_id = flow_id or uuid.uuid4().hex
         resolution = None
+        session = None
+        status = 403
         try:
             target = parse_authority(authority, "https")
         except HostFormError as err:
             verdict, target = refuse_form(err), None
         else:
-            verdict, resolution = await self.decide(policy, Request(target, "CONNECT", client, tunnel=True))
+            session, verdict, status = await self._session_first(policy, client, tuple(credentials), target, False)
+            if verdict is None:
+                verdict, resolution = await self.decide(policy, Request(target, "CONNECT", client, tunnel=True))
+                verdict, status = await self._session_charge(session, verdict, target, None)
         record = self.recorder.record(DECISION, flow_id, client, "CONNECT", target, verdict,
                                       resolution.cnames if resolution else ())
         if target is None:
             record.url = safe_text(authority)
         if not verdict.allowed:
-            refusal = refusal_for(403, verdict, target, accept)
-            record.status, record.bytes_down = 403, refusal.size
+            refusal = refusal_for(status, verdict, target, accept)
+            record.status, record.bytes_down = status, refusal.size
             self.recorder.decision(record)
             return ConnectOutcome(None, refusal)
         if not (self.recorder.decision(record) and self.audit.healthy):
@@ -190,7 +201,7 @@ class Gate:
         assert target is not None
         tunnel = Tunnel(flow_id, target, verdict, client, intercept=policy.intercepts(target.host),
                         http_inside=target.port in policy.http_ports,
-                        cnames=resolution.cnames if resolution else ())
+                        cnames=resolution.cnames if resolution else (), session=session)
         self.metrics.tunnel_opened()
         return ConnectOutcome(tunnel, None)
 
@@ -214,7 +225,8 @@ class Gate:
 
     def refuse_tunnel(self, tunnel: Tunnel, rule: str, reason: str) -> None:
         stage = LIMITS if rule.startswith("limits.") else TLS if rule.startswith("tls:") else HTTP
-        verdict = Verdict(False, stage, rule, reason, role=tunnel.verdict.role, addresses=tunnel.verdict.addresses)
+        verdict = Verdict(False, stage, rule, reason, role=tunnel.verdict.role, addresses=tunnel.verdict.addresses,
+                          session=tunnel.verdict.session)
         record = self.recorder.record(DECISION, tunnel.id + "-tls", tunnel.client, "CONNECT", tunnel.target, verdict,
                                       tunnel.cnames)
         self.recorder.decision(record)
@@ -229,6 +241,7 @@ class Gate:
         record = self.recorder.record(TUNNEL, tunnel.id, tunnel.client, "CONNECT", tunnel.target, tunnel.verdict,
                                       tunnel.cnames)
         self.recorder.ended(record, tunnel.started, up, down, error, 200)
+        self.sessions.count_bytes(tunnel.verdict.session, up, down)
 
     # ---- the guard at connect time -----------------------------------------------------------------
 
@@ -280,18 +293,57 @@ class Gate:
                               "(limits.max_request_body)")
             self.metrics.refusal("limits.max_request_body")
             return self._request_refused(ask, target, verdict, 413)
-        verdict, resolution = await self.decide(
-            policy, Request(target, ask.method, ask.client, tunnel=False, websocket=ask.websocket))
+        resolution = None
+        if tunnel is not None:  # the CONNECT's session applies inside; a header inside names no other one
+            session = tunnel.session
+            verdict = self.sessions.check(session, target, True, tunnel.verdict.role) if session else None
+            status = 403
+        else:
+            session, verdict, status = await self._session_first(policy, ask.client, ask.credentials, target, True)
+        if verdict is None:
+            verdict, resolution = await self.decide(
+                policy, Request(target, ask.method, ask.client, tunnel=False, websocket=ask.websocket))
+            verdict, status = await self._session_charge(session, verdict, target, ask.content_length)
+        elif session is not None:
+            verdict = replace(verdict, session=session.id)
         record = self.recorder.record(DECISION, ask.flow_id, ask.client, ask.method, target, verdict,
                                       resolution.cnames if resolution else ())
         if not verdict.allowed:
-            refusal = refusal_for(403, verdict, target, ask.accept)
-            record.status, record.bytes_down = 403, refusal.size
+            refusal = refusal_for(status, verdict, target, ask.accept)
+            record.status, record.bytes_down = status, refusal.size
             self.recorder.decision(record)
             return RequestOutcome(verdict, target, refusal)
         if not (self.recorder.decision(record) and self.audit.healthy):
             return RequestOutcome(verdict, target, self.audit_unwritable(target, ask.accept))
         return RequestOutcome(verdict, target, None)
+
+    # ---- sessions --------------------------------------------------------------------------------
+
+    async def _session_first(self, policy: Policy, client: str, credentials: tuple[str, ...], target: Target,
+                             visible: bool) -> tuple[Session | None, Verdict | None, int]:
+        """Before the policy decides (so an ungranted name is never looked up): who the request came as,
+        and whether its session grants the target. (session, refusal or None, status of a refusal)."""
+        identity = await self.sessions.identify(policy, client, credentials)
+        if identity.refusal is not None:
+            return None, identity.refusal, identity.status
+        session = identity.session
+        if session is None:
+            return None, None, 403
+        role = role_of(policy, client)
+        return session, self.sessions.check(session, target, visible, role.name if role else None), 403
+
+    async def _session_charge(self, session: Session | None, verdict: Verdict, target: Target,
+                              content_length: int | None) -> tuple[Verdict, int]:
+        """After the policy allowed it: count the request against the session's budgets (atomically, in the
+        store). The verdict carries the session's id from here on, into every record."""
+        if session is None:
+            return verdict, 403
+        if not verdict.allowed:
+            return replace(verdict, session=session.id), 403
+        refusal, status = await self.sessions.charge(session, target, content_length, verdict.role)
+        if refusal is not None:
+            return replace(refusal, addresses=verdict.addresses), status
+        return replace(verdict, session=session.id), 403
 
     def _request_target(self, ask: HttpAsk, tunnel: Tunnel | None) -> Target:
         if tunnel is not None:
@@ -338,6 +390,7 @@ class Gate:
                         started: float, up: int, down: int, status: int | None, error: str | None) -> None:
         record = self.recorder.record(RESPONSE, flow_id, client, method, target, verdict)
         self.recorder.ended(record, started, up, down, error, status)
+        self.sessions.count_bytes(verdict.session, up, down)
 
     # ---- the audit log failing closed ----------------------------------------------------------------
 

@@ -23,6 +23,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.metrics_core import Metric
 
 from .build import versions
 
@@ -67,6 +68,21 @@ class Metrics:
              registry=r).info(dict(build if build is not None else versions()))
         self._audit_failures: Callable[[], int] = lambda: 0
         r.register(_AuditFailures(lambda: self._audit_failures()))
+        # Sessions (proxy/sessions/): counts and refusals by reason, never a per-session label.
+        self._session_refusals = Counter("egresswall_session_refusals", "Requests refused by a session, by reason.",
+                                         ["reason"], registry=r)
+        self._session_requests = Counter("egresswall_session_requests",
+                                         "Requests and CONNECTs admitted under a session.", registry=r)
+        self._sessions_active = Gauge("egresswall_sessions_active", "Sessions in force in the session store.",
+                                      registry=r)
+        # The session API's own counts are also a page of their own: with --workers the API is the
+        # supervisor's, which adds this page to the workers' (proxy/workers.py).
+        self.api_registry = CollectorRegistry()
+        self._sessions_created = Counter("egresswall_sessions_created", "Sessions created through the admin API.",
+                                         registry=self.api_registry)
+        self._sessions_ended = Counter("egresswall_sessions_ended", "Sessions ended through the admin API.",
+                                       registry=self.api_registry)
+        r.register(_Collected(self.api_registry))
 
     # ---- the hot path: once or twice a request ---------------------------------------------------
 
@@ -79,6 +95,22 @@ class Metrics:
 
     def refusal(self, reason: str) -> None:
         self._refusals.labels(reason).inc()
+
+    def session_refusal(self, rule: str) -> None:
+        """``rule``: the refusal's rule (``session:not-granted``, ``session:budget-requests``, ...)."""
+        self._session_refusals.labels(rule).inc()
+
+    def session_request(self) -> None:
+        self._session_requests.inc()
+
+    def session_created(self) -> None:
+        self._sessions_created.inc()
+
+    def session_ended(self) -> None:
+        self._sessions_ended.inc()
+
+    def sessions_in_store(self, count: int) -> None:
+        self._sessions_active.set(count)
 
     def observe_dns(self, seconds: float) -> None:
         self._dns.observe(seconds)
@@ -124,6 +156,10 @@ class Metrics:
     def render(self) -> str:
         return prometheus_client.generate_latest(self.registry).decode()
 
+    def session_api_page(self) -> str:
+        """The session API's counts alone (the supervisor adds them to its workers' pages)."""
+        return prometheus_client.generate_latest(self.api_registry).decode()
+
     def value(self, name: str, **labels: str) -> float:
         """One sample's value by its exposed name (``egresswall_open_tunnels``); 0 when it has none yet."""
         found = self.registry.get_sample_value(name, labels)
@@ -139,3 +175,13 @@ class _AuditFailures:
     def collect(self) -> Iterator[CounterMetricFamily]:
         yield CounterMetricFamily("egresswall_audit_write_failures", "Audit lines that could not be written.",
                                   value=self.failures())
+
+
+class _Collected:
+    """Another registry's families, shown on this page too."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.registry.collect()

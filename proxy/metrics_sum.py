@@ -11,6 +11,7 @@ combined depends on what it measures:
 * ``egresswall_policy_loaded`` takes the minimum: the pool enforces a policy only when every worker does;
 * ``egresswall_policy_last_reload_success_timestamp_seconds`` takes the maximum: the last time any
   worker loaded the policy successfully (a failed reload is counted in ``egresswall_policy_reloads_total``);
+* ``egresswall_sessions_active`` takes the maximum: every worker counts the one shared store;
 * every other gauge (open tunnels, open connections) is added.
 
 (prometheus_client's own multiprocess mode is not used: it shares values through files in a directory
@@ -29,6 +30,7 @@ CUMULATIVE = frozenset({"counter", "histogram", "gaugehistogram", "summary"})
 GAUGE_RULES: dict[str, Callable[[Iterable[float]], float]] = {
     "egresswall_policy_loaded": min,
     "egresswall_policy_last_reload_success_timestamp_seconds": max,
+    "egresswall_sessions_active": max,  # every worker reads the one shared store: the same count, not a share
 }
 SampleKey = tuple[str, tuple[tuple[str, str], ...]]  # (sample name, sorted labels)
 

@@ -98,6 +98,7 @@ class Recorder:
         return AuditRecord(
             event=event, id=flow_id, client=client, verdict=verdict_word(verdict), stage=verdict.stage,
             rule=verdict.rule, rule_id=rule_id_of(verdict), reason=verdict.reason, mode=policy.mode, role=verdict.role,
+            session=verdict.session,
             method=method, scheme=target.scheme if target else None, host=target.host if target else None,
             port=target.port if target else None, path=path, addresses=list(verdict.addresses),
             # Through an upstream proxy nothing is pinned: the upstream connects where its own resolution says.

@@ -34,6 +34,9 @@ from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
 from .peers import peer_of
 from .reload import PolicyHolder
+from .sessions.api import SessionApi, read_token_file
+from .sessions.service import SessionService
+from .sessions.store_url import open_store
 from .upstream import basic_authorization, read_credentials
 
 log = logging.getLogger("egresswall")
@@ -54,6 +57,8 @@ class RunConfig:
     fast_tunnels: bool = True  # passed-through TLS tunnels relayed by the front (proxy/front.py), not mitmproxy
     worker_count: int = 1  # connection caps are shared out between this many workers
     extra_self_endpoints: tuple[tuple[str, int], ...] = ()  # e.g. the supervisor's admin listener
+    admin_token_file: str | None = None  # the session API's bearer token; None: the API is off
+    session_store: str | None = None  # None or "memory": this process's memory; "redis://...": shared
 
 
 class ProxyRunner:
@@ -62,15 +67,19 @@ class ProxyRunner:
         self.metrics = Metrics()
         self.holder = PolicyHolder(config.policy_path, config.overrides, on_reload=self._on_reload)
         self.audit = AuditLog(config.log_path, *_log_format(config.log_format))
-        self.gate = Gate(self.holder, self.audit, self.metrics, share=config.worker_count)
+        self.sessions = SessionService(open_store(config.session_store), self.metrics,
+                                       configured=bool(config.admin_token_file or config.session_store))
+        self.gate = Gate(self.holder, self.audit, self.metrics, share=config.worker_count, sessions=self.sessions)
         for host, port in config.extra_self_endpoints:
             self.gate.self_endpoints.add((_endpoint_host(host), port))
         self.patch_state = patch_state_for(self.gate, first_byte_timer=False)  # the front bounds first bytes
         upstream = self.holder.policy.upstream
         # Read now, so a missing or world-readable file fails before anything listens (and in the caller).
         self.upstream_credentials = read_credentials(upstream) if upstream else None
+        api = SessionApi(self.sessions, read_token_file(config.admin_token_file)) if config.admin_token_file else None
         self.admin = AdminServer({"/healthz": self._healthz, "/readyz": self._readyz,
-                                  "/metrics": self._metrics})
+                                  "/metrics": self._metrics}, api)
+        self._session_watch: asyncio.Task | None = None
         self.master: Master | None = None
         self.front: Front | None = None
         self.listen_address: tuple[str, int] | None = None
@@ -94,6 +103,9 @@ class ProxyRunner:
             problems.append("the audit log cannot be written")
         if self.gate.draining:
             problems.append("shutting down")
+        if not self.sessions.store.healthy:
+            problems.append(f"the session store ({self.sessions.store.kind}) cannot be reached; session requests "
+                            "are refused (session:store-unavailable)")
         if problems:
             return 503, "text/plain", "not ready: " + "; ".join(problems) + "\n"
         return 200, "text/plain", f"ready; policy {self.holder.policy.source}\n"
@@ -151,6 +163,7 @@ class ProxyRunner:
                         raise ListenError(ADMIN, self.config.admin, err) from err
                     self.gate.self_endpoints.add((_endpoint_host(self.admin_address[0]), self.admin_address[1]))
                 self.holder.start_watching(self.config.watch_interval)
+                self._session_watch = asyncio.get_running_loop().create_task(self._watch_sessions())
                 self.ready.set()  # the command line tells people (and a supervisor) where it listens
             await master_task
         except BaseException:
@@ -165,9 +178,27 @@ class ProxyRunner:
             raise
         finally:
             self.holder.stop_watching()
+            if self._session_watch is not None:
+                self._session_watch.cancel()
             await self.admin.stop()
+            with contextlib.suppress(Exception):
+                await self.sessions.store.close()
             self.audit.close()
             mitm_patches.uninstall()
+
+    async def _watch_sessions(self, every: float = 2.0) -> None:
+        """Keep /readyz and the sessions gauge current: ask the store every few seconds (a store that
+        came back is noticed without a request having to fail first)."""
+        from .sessions.store import StoreUnavailable
+
+        while True:
+            if self.sessions.enabled(self.holder.policy):
+                try:
+                    if await self.sessions.store.ping():
+                        self.metrics.sessions_in_store(len(await self.sessions.store.ids(self.sessions.clock())))
+                except StoreUnavailable:
+                    pass
+            await asyncio.sleep(every)
 
     async def _wait_listening(self, master_task: asyncio.Task) -> bool:
         """True once mitmproxy's internal listener is up; False when it stopped first (a stop asked for

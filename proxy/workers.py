@@ -116,8 +116,17 @@ class Supervisor:
         self.config, self.count, self.on_ready = config, workers, on_ready
         self.listen, self.admin_address = config.listen, config.admin
         self.workers: list[Worker] = []
+        self.sessions = None
+        api = None
+        if config.admin_token_file:
+            from .sessions.api import SessionApi, read_token_file
+            from .sessions.service import SessionService
+            from .sessions.store_url import open_store
+
+            self.sessions = SessionService(open_store(config.session_store), configured=True)
+            api = SessionApi(self.sessions, read_token_file(config.admin_token_file))
         self.admin = AdminServer({"/healthz": lambda: (200, "text/plain", "ok\n"), "/readyz": self._readyz,
-                                  "/metrics": self._metrics})
+                                  "/metrics": self._metrics}, api)
         self.stopping = False
         self.stop_signal: signal.Signals | None = None
         self._stop_requested = asyncio.Event()
@@ -153,8 +162,10 @@ class Supervisor:
     async def _start_workers(self, admin: tuple[str, int] | None) -> None:
         """Start every worker and wait until each has reported ready. Stops at once, with the reason,
         when one reports a failure or dies, or when a stop signal arrives."""
+        # The session API is the supervisor's (on its admin listener, over the shared store); workers only judge.
         config = dataclasses.replace(self.config, listen=self.listen, admin=("127.0.0.1", 0), reuse_port=True,
-                                     worker_count=self.count, extra_self_endpoints=(admin,) if admin else ())
+                                     worker_count=self.count, extra_self_endpoints=(admin,) if admin else (),
+                                     admin_token_file=None)
         self.workers = [Worker(i, config) for i in range(self.count)]
         for worker in self.workers:
             if self.stopping:
@@ -255,6 +266,8 @@ class Supervisor:
             if is_page(text):
                 worker.last_metrics = text
             texts.append(worker.last_metrics)  # an unreachable worker counts with what it last said
+        if self.sessions is not None:  # the session API is the supervisor's: its counts are added to the workers'
+            texts.append(self.sessions.metrics.session_api_page())
         return 200, METRICS_CONTENT_TYPE, sum_metrics(texts, self.carried)
 
 

@@ -61,8 +61,13 @@ def test_every_family_has_the_type_prometheus_users_expect():
         "egresswall_policy_last_reload_success_timestamp_seconds": "gauge",
         "egresswall_build_info": "gauge",  # an info metric: the text format calls it a gauge
         "egresswall_audit_write_failures": "counter",
+        "egresswall_session_refusals": "counter",
+        "egresswall_session_requests": "counter",
+        "egresswall_sessions_active": "gauge",
+        "egresswall_sessions_created": "counter",
+        "egresswall_sessions_ended": "counter",
     }
-    assert "_created" not in body  # no second series per counter
+    assert not [line for line in body.splitlines() if "_created " in line or "_created{" in line]  # no second series
 
 
 def test_decisions_are_labelled_by_verdict_and_rule_id():
@@ -219,3 +224,23 @@ def test_the_sum_of_split_work_is_the_page_of_all_the_work(requests):
         assert total(summed, name) == total(single, name)
     assert total(summed, "egresswall_dns_lookup_seconds_sum") == pytest.approx(
         total(single, "egresswall_dns_lookup_seconds_sum"))
+
+
+def test_the_session_api_counts_are_a_page_of_their_own_and_on_the_full_page():
+    """With --workers the API is the supervisor's: it adds this page to the workers' sum."""
+    metrics = Metrics(build={"version": "t"})
+    metrics.session_created(), metrics.session_created(), metrics.session_ended()
+    alone = metrics.session_api_page()
+    assert set(families(alone)) == {"egresswall_sessions_created", "egresswall_sessions_ended"}
+    assert value(alone, "egresswall_sessions_created_total") == 2
+    full = metrics.render()
+    assert value(full, "egresswall_sessions_created_total") == 2 and value(full, "egresswall_sessions_ended_total") == 1
+
+
+def test_the_sessions_gauge_is_the_stores_count_not_a_sum_over_workers():
+    pages = []
+    for _ in range(2):
+        metrics = Metrics(build={"version": "t"})
+        metrics.sessions_in_store(3)
+        pages.append(metrics.render())
+    assert value(sum_metrics(pages), "egresswall_sessions_active") == 3
