@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import re
 import shutil
 import socket
@@ -27,6 +26,7 @@ from pathlib import Path
 import pytest
 from labnet import PUBLIC_IP
 from proxyproc import ROOT, read_response
+from squid_files import hand_to_squid_user
 from test_squid_differential import SQUID, Squid, _guard, free_port
 
 pytestmark = pytest.mark.integration
@@ -75,23 +75,11 @@ def squid(tmp_path_factory):
     port = free_port()
     conf = workdir / "squid.conf"
     conf.write_text(SQUID_CONF.format(port=port, dir=workdir, auth=NCSA_AUTH, guard=_guard()))
-    _hand_to_squid_user(workdir)
+    hand_to_squid_user(workdir)
     running = Squid(conf, port, workdir)
     yield running
     running.stop()
     shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _hand_to_squid_user(workdir: Path) -> None:
-    """squid started as root works as the 'proxy' user, which must read its files and write its logs."""
-    try:
-        user = pwd.getpwnam("proxy")
-    except KeyError:
-        user = None
-    for path in (workdir, *workdir.iterdir()):
-        if user is not None and os.geteuid() == 0:
-            os.chown(path, user.pw_uid, user.pw_gid)
-        path.chmod(0o755 if path.is_dir() else 0o644)
 
 
 def access_log(squid: Squid) -> list[str]:
