@@ -2,12 +2,13 @@
 # The one install script: the README's commands, CI and the Dockerfiles all run this, so every install
 # step an image takes is one CI has taken too.
 #
-#   ci/install.sh [--browser] [--squid] [--lab] [--images] [--bench] [--all] [--python] [--no-venv] [--venv=DIR]
+#   ci/install.sh [--browser] [--squid] [--redis] [--lab] [--images] [--bench] [--all] [--python] [--no-venv] [--venv=DIR]
 #
 # Always: find a Python >= 3.12 (mitmproxy 12 needs it; as root, Debian's python3 is installed when there is
 # none), make a venv, pip-install egresswall into it.
 # --browser: Debian's chromium (Playwright drives it; nothing downloads a browser build).
 # --squid:   Debian's squid (benchmarks and the differential test compare against it).
+# --redis:   Debian's redis-server (the shared session store's tests start their own on loopback).
 # --lab:     iproute2, nftables and tcpdump for the network-namespace containment lab.
 # --images:  mmdebstrap and buildah, which build the images from compose/Dockerfile.* (ci/images.sh).
 # --bench:   squid, nginx-light, wrk and curl for the side-by-side benchmark (make bench).
@@ -24,14 +25,15 @@ for arg in "$@"; do
   case "$arg" in
     --browser) apt_packages+=(chromium fonts-liberation) ;;
     --squid) apt_packages+=(squid) ;;
+    --redis) apt_packages+=(redis-server) ;;
     --lab) apt_packages+=(iproute2 nftables tcpdump) ;;
     --images) apt_packages+=(mmdebstrap buildah) ;;
     --bench) apt_packages+=(squid nginx-light wrk curl) ;;
-    --all) apt_packages+=(chromium fonts-liberation squid iproute2 nftables tcpdump) ;;
+    --all) apt_packages+=(chromium fonts-liberation squid iproute2 nftables tcpdump redis-server) ;;
     --no-venv) want_venv=0 ;;
     --python) want_python=1 ;;
     --venv=*) venv="${arg#--venv=}" ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
     *) echo "install.sh: unknown option $arg" >&2; exit 2 ;;
   esac
 done

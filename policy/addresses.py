@@ -367,6 +367,8 @@ def _hint(address: netaddr.IPAddress) -> str:
 
 # --- rules -----------------------------------------------------------------------------------------
 
+CHECKED_CACHE_SIZE = 4096  # remembered verdicts per rule set; emptied whole when full
+
 class AddressRules:
     """Special-purpose and metadata refusals, plus the operator's explicit address-range rules.
 
@@ -379,6 +381,7 @@ class AddressRules:
                  refuse_cloud_metadata: bool = True,
                  allow_labels: Mapping[str, str] | None = None, deny_labels: Mapping[str, str] | None = None):
         self.refuse_cloud_metadata = refuse_cloud_metadata
+        self._checked: dict[str, AddressVerdict] = {}
         self._allow = self._rules("allow", allow, allow_labels or {})
         self._deny = self._rules("deny", deny, deny_labels or {})
 
@@ -402,6 +405,21 @@ class AddressRules:
 
     def check(self, address: str | netaddr.IPAddress | ipaddress.IPv4Address | ipaddress.IPv6Address
               ) -> AddressVerdict:
+        """The verdict on one address. A verdict depends only on the rules and the address as given,
+        so verdicts on address texts are remembered (bounded): a browser asks about the same few
+        addresses over and over, and every tunnel checks its pin twice (decision and connect guard)."""
+        if not isinstance(address, str):
+            return self._check(address)
+        known = self._checked.get(address)
+        if known is None:
+            known = self._check(address)
+            if len(self._checked) >= CHECKED_CACHE_SIZE:
+                self._checked.clear()  # bounded: a flood of distinct addresses cannot grow memory
+            self._checked[address] = known
+        return known
+
+    def _check(self, address: str | netaddr.IPAddress | ipaddress.IPv4Address | ipaddress.IPv6Address
+               ) -> AddressVerdict:
         given = _as_address(address)
         text = _text(given)
 

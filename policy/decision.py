@@ -67,6 +67,7 @@ class Verdict:
     # "default:deny". Where ``rule`` holds no file position ("ports.connect", "special-purpose 10.0.0.0/8")
     # the id is that text, which is what "" means here.
     rule_id: str = ""
+    session: str | None = None  # the id of the session the request came under (never its secret)
 
     def __post_init__(self) -> None:
         if not self.rule_id:
@@ -144,6 +145,11 @@ def decide_addresses(policy: Policy, verdict: Verdict, addresses: Iterable[str],
             return Verdict(False, ADDRESS, checked.rule, checked.reason, role=verdict.role, addresses=addresses,
                            rule_id=checked.rule_id)
     return replace(verdict, addresses=addresses, pinned=_choose_pin(addresses))
+
+
+def role_of(policy: Policy, client: str | None) -> Role | None:
+    """The role a client address has (None: no role, or no parsable address)."""
+    return policy.role_for(_client_address(client))
 
 
 def _host_rules(policy: Policy, request: Request, role: Role | None, role_name: str | None) -> Verdict:

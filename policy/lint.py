@@ -51,6 +51,17 @@ def lint(policy: Policy, now: datetime | None = None) -> list[LintWarning]:
     return warnings
 
 
+def notes(policy: Policy) -> list[LintWarning]:
+    """What the policy deliberately gives up, said every time it is linted (not warnings: ``--strict`` passes)."""
+    upstream = policy.upstream
+    if upstream is None:
+        return []
+    return [LintWarning(upstream.origin, f"every allowed request and tunnel goes through the upstream proxy "
+                                         f"{upstream.url}, which resolves names itself: the address guarantee is "
+                                         "weakened (address rules run on egresswall's own resolution, but the "
+                                         "connection is not pinned to the address checked)")]
+
+
 def _address_literals_not_readmitted(policy: Policy, scopes: list[tuple[str, HostTable, HostTable]]
                                      ) -> list[LintWarning]:
     """``allow: [10.0.0.5]`` lets the name through and the address rules refuse the connection: lists narrow

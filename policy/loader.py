@@ -22,10 +22,23 @@ from . import rule_ids
 from .addresses import AddressRules, parse_address, parse_cidr
 from .errors import PolicyError, PolicyProblem
 from .hosts import split_host_port
-from .model import ALLOW, DENY, HostRule, HostTable, Limits, Origin, Policy, ResolverSettings, Role
+from .model import (
+    ALLOW,
+    DENY,
+    RESOLUTION_UPSTREAM,
+    HostRule,
+    HostTable,
+    Limits,
+    Origin,
+    Policy,
+    ResolverSettings,
+    Role,
+    Upstream,
+)
 from .patterns import HostPattern
 from .ports import parse_port_list
 from .schema import schema, schema_problems
+from .upstream import check_credentials_path, parse_upstream_proxy
 from .yamldoc import KeyPath, YamlDocument
 
 __all__ = ["Overrides", "PolicyError", "PolicyProblem", "parse_policy", "parse_nameserver", "parse_expiry", "schema"]
@@ -43,6 +56,8 @@ class Overrides:
     deny_ranges: list[str] = field(default_factory=list)
     nameservers: list[str] = field(default_factory=list)
     mode: str | None = None
+    upstream: str | None = None  # --upstream: replaces upstream.proxy (the policy must still say resolution)
+    upstream_credentials_file: str | None = None  # --upstream-credentials-file: replaces upstream.credentials_file
 
 
 def parse_policy(text: str, source: str = "<policy>", overrides: Overrides | None = None) -> Policy:
@@ -110,6 +125,11 @@ def _apply(doc: YamlDocument, overrides: Overrides) -> None:
         for value in values:
             doc.extra_origins[(*keys, len(target))] = Origin(f"command line {flag} {value}")
             target.append(value)
+    for flag, key, value in (("--upstream", "proxy", overrides.upstream),
+                             ("--upstream-credentials-file", "credentials_file", overrides.upstream_credentials_file)):
+        if value is not None and isinstance(data.setdefault("upstream", {}), dict):
+            data["upstream"][key] = value
+            doc.extra_origins[("upstream", key)] = Origin(f"command line {flag}")
     if overrides.nameservers and isinstance(data.setdefault("resolver", {}), dict):
         data["resolver"]["nameservers"] = list(overrides.nameservers)
         for i in range(len(overrides.nameservers)):
@@ -199,8 +219,10 @@ class _Builder:
             ),
             limits=Limits(**{key: limits[key] for key in limits if self.unusable.clean(("limits", key))}),
             log_query_strings=self.value(("log", "query_strings"), False),
+            session=self.value(("session",), "optional"),
             tls_ech=self.value(("tls", "ech"), None),
             address_rules_text=tuple(address_rules),
+            upstream=self.upstream(),
         )
         self.duplicate_ids()
         return policy
@@ -272,7 +294,7 @@ class _Builder:
         if name is None or not self.unusable.clean((*at, "clients")):
             return None  # its host rules were still checked
         return Role(name=name, clients=clients, origin=self.doc.origin(at), default=self.value((*at, "default"), None),
-                    allow=allow, deny=deny)
+                    allow=allow, deny=deny, session=self.value((*at, "session"), None))
 
     def table(self, at: KeyPath, action: str, role: str | None = None) -> HostTable:
         path = (*at, action)
@@ -348,6 +370,36 @@ class _Builder:
             owner=raw.get("owner"),
             reason=raw.get("reason"),
         )
+
+    def upstream(self) -> Upstream | None:
+        """The upstream proxy, only when the policy says in so many words that pinning cannot hold through it."""
+        at: KeyPath = ("upstream",)
+        if _at(self.doc.data, at) is _MISSING or not self.unusable.usable(at):
+            return None
+        section = self.section(at)
+        proxy = self.value((*at, "proxy"), None)
+        address = None
+        if proxy is not None:
+            try:
+                address = parse_upstream_proxy(proxy)
+            except ValueError as err:
+                self.problem((*at, "proxy"), str(err))
+        credentials = self.value((*at, "credentials_file"), None)
+        if credentials is not None:
+            wrong = check_credentials_path(credentials)
+            if wrong:
+                self.problem((*at, "credentials_file"), wrong)
+        if "resolution" not in section and self.unusable.clean(at):
+            origin = self.doc.origin((*at, "proxy"))
+            where = f" (given by {origin.source})" if not origin.line else ""
+            self.problem(at, f"an upstream proxy{where} resolves names itself, so egresswall cannot pin the address it "
+                             "checked; set upstream.resolution: upstream in the policy to accept that (address rules "
+                             "still run on egresswall's own resolution)")
+            return None
+        if address is None or not self.unusable.clean(at) or (credentials and check_credentials_path(credentials)):
+            return None
+        return Upstream(address[0], address[1], self.value((*at, "resolution"), RESOLUTION_UPSTREAM), credentials,
+                        self.doc.origin(at))
 
     def nameservers(self) -> list[tuple[str, int]]:
         out = []

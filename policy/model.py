@@ -10,11 +10,13 @@ from datetime import datetime
 
 import netaddr
 
+from . import rule_ids
 from .addresses import AddressRules
 from .patterns import HostIndex, HostPattern
 
 ENFORCE, REPORT = "enforce", "report"
 ALLOW, DENY = "allow", "deny"
+REQUIRED, OPTIONAL = "required", "optional"  # whether a client must present a session
 
 
 @dataclass(frozen=True)
@@ -70,8 +72,9 @@ class HostRule:
 
     @property
     def rule_id(self) -> str:
-        """The stable id (metrics, records); a rule built by hand without one is named by where it was written."""
-        return self.id or self.where
+        """The stable id (metrics, records). The loader gives every rule one; a rule built by hand without one
+        gets the id its list and pattern derive (never ``where``: a file position moves, and labels metrics)."""
+        return self.id or rule_ids.derived(rule_ids.host_list(self.action), self.pattern.text)
 
     @property
     def needs_visible_request(self) -> bool:
@@ -151,6 +154,7 @@ class Role:
     default: str | None  # None: the policy's default
     allow: HostTable
     deny: HostTable
+    session: str | None = None  # REQUIRED | OPTIONAL; None: the policy's
 
 
 @dataclass(frozen=True)
@@ -178,6 +182,28 @@ class Limits:
     first_byte_timeout: float = 10.0
 
 
+RESOLUTION_UPSTREAM = "upstream"  # the only accepted value: the upstream resolves names, pinning cannot hold
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """Where every allowed request and tunnel goes, instead of to the address egresswall checked."""
+
+    host: str  # an IP address (canonical, no brackets) or a lower-case name
+    port: int
+    resolution: str = RESOLUTION_UPSTREAM
+    credentials_file: str | None = None  # an absolute path; read once at start (proxy/upstream.py)
+    origin: Origin = field(default=Origin("<built>"), compare=False)
+
+    @property
+    def authority(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.authority}"
+
+
 @dataclass(frozen=True)
 class Policy:
     source: str
@@ -193,8 +219,11 @@ class Policy:
     resolver: ResolverSettings = ResolverSettings()
     limits: Limits = Limits()
     log_query_strings: bool = False
+    session: str = "optional"  # REQUIRED: a client outside a role that says otherwise must present a session
     tls_ech: str | None = None  # "allow" | "refuse"; None: refused on an allowlist (proxy/gate.py ech_allowed)
     address_rules_text: tuple[tuple[str, str, Origin], ...] = ()  # (action, cidr, origin), for lint/export
+    # Forward through this proxy (policy/upstream.py): decisions stay egresswall's, the connect is the upstream's.
+    upstream: Upstream | None = None
     # Which role a client address has never changes for one policy: remember it (IPSet membership costs
     # tens of microseconds, and one client sends many requests). Bounded; a new policy starts empty.
     _role_cache: dict[int, Role | None] = field(default_factory=dict, compare=False, repr=False)
@@ -210,6 +239,16 @@ class Policy:
             self._role_cache.clear()
         self._role_cache[key] = role
         return role
+
+    def session_required(self, role: Role | None) -> bool:
+        """Whether a client with this role (None: no role) must present a session."""
+        need = role.session if role is not None and role.session is not None else self.session
+        return need == REQUIRED
+
+    @property
+    def requires_sessions(self) -> bool:
+        """Some client must present a session: the proxy judges session credentials then."""
+        return self.session == REQUIRED or any(role.session == REQUIRED for role in self.roles)
 
     def all_host_rules(self) -> Iterator[HostRule]:
         yield from self.deny.rules

@@ -79,6 +79,27 @@ def _entry_validator() -> jsonschema.Draft202012Validator:
     return jsonschema.Draft202012Validator({"$ref": "#/$defs/hostEntry", "$defs": SCHEMA["$defs"]})
 
 
+def definition_problems(data: Any, definition: str) -> list[tuple[KeyPath, str]]:
+    """(key path, message) for every error of ``data`` (parsed JSON, e.g. an admin API body) against one of
+    the schema's ``$defs``, with the policy file's words ("what was found, what was expected")."""
+    problems: list[tuple[KeyPath, str]] = []
+    for found in _definition_validator(definition).iter_errors(data):
+        err = _most_specific(found)
+        path = tuple(err.absolute_path)
+        if err.validator == "additionalProperties" and isinstance(err.instance, dict):
+            allowed = ", ".join(sorted(err.schema.get("properties", {})))
+            problems.extend(((*path, str(key)), f"unknown key {key!r}; expected one of: {allowed}")
+                            for key in err.instance if key not in err.schema.get("properties", {}))
+            continue
+        problems.append((path, _explain(err)))
+    return problems
+
+
+@cache
+def _definition_validator(definition: str) -> jsonschema.Draft202012Validator:
+    return jsonschema.Draft202012Validator({"$ref": f"#/$defs/{definition}", "$defs": SCHEMA["$defs"]})
+
+
 def _without_host_entries(data: Any) -> tuple[Any, list[tuple[KeyPath, list[Any]]]]:
     """A shallow copy of the document with every host list emptied, and the lists taken out."""
     lists: list[tuple[KeyPath, list[Any]]] = []

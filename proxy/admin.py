@@ -1,51 +1,56 @@
-"""The admin listener: /healthz, /readyz and /metrics on their own socket, loopback by default.
+"""The admin listener: /healthz, /readyz, /metrics and (with a token file) the session API, loopback by default.
 
-A tiny HTTP/1.0 responder on asyncio streams: three GET routes do not need a framework, and the
-admin port must stay up when the proxy is saturated.
+Served by aiohttp on its own socket. The plain routes keep their small interface — a mapping of path to a
+function ``() -> (status, content type, body)`` — so what builds a body can change without touching the
+server; the session API (``proxy/sessions/api.py``) adds its own routes when it is on.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
+from typing import Protocol
+
+from aiohttp import web
 
 Route = Callable[[], tuple[int, str, str]]  # () -> (status, content type, body)
-_REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable", 400: "Bad Request"}
+MAX_BODY = 64 * 1024  # an admin request body (a session's grants) is small
+
+
+class ExtraRoutes(Protocol):
+    def register(self, app: web.Application) -> None: ...
 
 
 class AdminServer:
-    def __init__(self, routes: dict[str, Route]) -> None:
+    def __init__(self, routes: dict[str, Route], api: ExtraRoutes | None = None) -> None:
         self.routes = routes
-        self.server: asyncio.Server | None = None
+        self.api = api
+        self.runner: web.AppRunner | None = None
+
+    def application(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY)
+        for path, route in self.routes.items():
+            app.router.add_get(path, _plain(route))  # HEAD too
+        if self.api is not None:
+            self.api.register(app)
+        return app
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
-        self.server = await asyncio.start_server(self._serve, host, port)
-        address = self.server.sockets[0].getsockname()
+        self.runner = web.AppRunner(self.application(), access_log=None, handle_signals=False)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, host, port, reuse_address=True)
+        await site.start()
+        address = self.runner.addresses[0]
         return address[0], address[1]
 
     async def stop(self) -> None:
-        if self.server is not None:
-            self.server.close()
-            await self.server.wait_closed()
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5)
-            method, _, rest = head.split(b"\r\n", 1)[0].decode("latin-1").partition(" ")
-            path = rest.split(" ", 1)[0].split("?", 1)[0]
-            if method not in ("GET", "HEAD"):
-                status, ctype, body = 405, "text/plain", "only GET\n"
-            elif path in self.routes:
-                status, ctype, body = self.routes[path]()
-            else:
-                status, ctype, body = 404, "text/plain", "not found\n"
-            data = body.encode()
-            writer.write(f"HTTP/1.0 {status} {_REASONS.get(status, '')}\r\nContent-Type: {ctype}\r\n"
-                         f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode())
-            if method != "HEAD":
-                writer.write(data)
-            await writer.drain()
-        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
-            pass
-        finally:
-            writer.close()
+
+def _plain(route: Route):
+    async def handle(request: web.Request) -> web.Response:
+        status, ctype, body = route()
+        return web.Response(status=status, body=body.encode(), headers={"Content-Type": ctype,
+                                                                         "Cache-Control": "no-store"})
+    return handle

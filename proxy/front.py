@@ -6,8 +6,10 @@ nothing, ``limits.header_timeout`` from the first byte, ``limits.max_header_byte
 
 * relays it itself: a ``CONNECT`` to a host that is not intercepted, on a port that is not a
   plain-HTTP port — the shape nearly all of a browser's traffic has — decided by the gate, connected
-  to the pinned address, its ClientHello judged whole by the gate, then copied socket to socket with
-  counted bytes, without mitmproxy's per-chunk event machinery (``relay_tunnels``, the default); or
+  to the pinned address (or, when the policy names an upstream proxy, through a CONNECT to it:
+  ``proxy/upstream_connect.py``), its ClientHello judged whole by the gate, then copied socket to
+  socket with counted bytes, without mitmproxy's per-chunk event machinery (``relay_tunnels``, the
+  default); or
 * hands it to mitmproxy with the bytes it has read put back in front (plain HTTP, WebSocket over
   CONNECT to port 80, intercepted hosts, anything the front does not take), exactly as if mitmproxy
   had accepted it; the connection keeps its admission.
@@ -21,7 +23,6 @@ import asyncio
 import contextlib
 import re
 import socket
-import time
 import uuid
 from collections.abc import Callable
 
@@ -34,8 +35,9 @@ from .gate import Gate, Tunnel, refusal_for
 from .peers import client_key
 from .refusals import refusal_bytes
 from .tls_hello import MAX_HELLO_BYTES
+from .tunnel_relay import relay
+from .upstream_connect import connect_via_upstream
 
-RELAY_CHUNK = 256 * 1024
 _HEAD_END = re.compile(rb"\n\r?\n")  # what h11 and mitmproxy accept as the end of a head (bare LF too)
 HALF_CLOSED_IDLE = 5.0  # once one side has finished, the other gets this long of silence before the tunnel ends
 OVER_CAP_WAIT = 2.0  # how long a connection refused by a cap may take to say where it wanted to go
@@ -51,10 +53,12 @@ class HeadProblem(Exception):
 
 
 class Front:
-    def __init__(self, gate: Gate, handoff: Handoff, relay_tunnels: bool = True) -> None:
+    def __init__(self, gate: Gate, handoff: Handoff, relay_tunnels: bool = True,
+                 upstream_authorization: str | None = None) -> None:
         self.gate = gate
         self.handoff = handoff
         self.relay_tunnels = relay_tunnels
+        self.upstream_authorization = upstream_authorization  # Proxy-Authorization for the policy's upstream
         self.listener: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
         self._over_cap_pending = 0
@@ -120,7 +124,8 @@ class Front:
                 else:
                     self.gate.connection_refused(client, 0, problem.rule, problem.reason)
                 return
-            authority = _connect_authority(head)
+            method, raw_target, event = _parse_head(head)  # parsed once: a tunnel's setup is mostly overhead
+            authority = raw_target if method == "CONNECT" else None
             target = _target(authority) if authority else None
             policy = self.gate.policy
             if (not self.relay_tunnels or target is None or target.port in policy.http_ports
@@ -130,7 +135,8 @@ class Front:
                 self.gate.admission.hand_over(peer)
                 self.handoff(conn, head + rest)
                 return
-            await self._tunnel(conn, client, authority, rest, _accept_of(head))
+            await self._tunnel(conn, client, authority, rest, _header_values(event, b"accept"),
+                               _header_values(event, b"proxy-authorization"))
         except (OSError, TimeoutError, asyncio.IncompleteReadError):
             pass
         finally:
@@ -211,9 +217,9 @@ class Front:
     # ---- the fast tunnel ----------------------------------------------------------------------
 
     async def _tunnel(self, conn: socket.socket, client: str, authority: str, rest: bytes,
-                      accept: tuple[str, ...] = ()) -> None:
+                      accept: tuple[str, ...] = (), credentials: tuple[str, ...] = ()) -> None:
         gate, loop = self.gate, asyncio.get_running_loop()
-        outcome = await gate.decide_connect(client, authority, uuid.uuid4().hex, accept)
+        outcome = await gate.decide_connect(client, authority, uuid.uuid4().hex, accept, credentials)
         if outcome.refusal is not None:
             await _send(conn, refusal_bytes(outcome.refusal))
             return
@@ -222,15 +228,21 @@ class Front:
         upstream: socket.socket | None = None
         try:
             port = tunnel.target.port
-            refused = gate.guard(tunnel.verdict.pinned, port)
+            via = gate.policy.upstream
+            refused = gate.guard(tunnel.verdict.pinned, port) if via is None else gate.guard_upstream(via.host,
+                                                                                                      via.port)
             if refused:
                 await self._connect_failed(conn, tunnel, refused, accept)
                 return
-            upstream, error = await _connect(tunnel.verdict.pinned, port, gate.policy.limits.connect_timeout)
+            if via is None:
+                upstream, error = await _connect(tunnel.verdict.pinned, port, gate.policy.limits.connect_timeout)
+            else:  # decided on egresswall's resolution; the upstream connects, resolving the name itself
+                upstream, error = await connect_via_upstream(via, tunnel.target, self.upstream_authorization,
+                                                             gate.policy.limits.connect_timeout)
             if upstream is None:
                 await self._connect_failed(conn, tunnel, error, accept)
                 return
-            gate.metrics.fast_tunnels += 1
+            gate.metrics.fast_tunnel()
             await _send(conn, b"HTTP/1.1 200 Connection established\r\n\r\n")
             hello = await self._first_message(conn, tunnel, rest)
             if hello is None:
@@ -279,58 +291,9 @@ class Front:
             data += chunk
 
     async def _relay(self, conn: socket.socket, upstream: socket.socket, tunnel: Tunnel, sent: int) -> None:
-        """Copy bytes both ways until both sides are done, a side fails, or nothing moves for long."""
-        loop = asyncio.get_running_loop()
-        counts = {"up": sent, "down": 0}
-        last = {"t": time.monotonic()}
-        finished: set[str] = set()
         idle = self.gate.policy.limits.idle_timeout
-
-        async def pump(src: socket.socket, dst: socket.socket, key: str) -> None:
-            buffer = bytearray(RELAY_CHUNK)
-            view = memoryview(buffer)
-            try:
-                while True:
-                    n = await loop.sock_recv_into(src, buffer)
-                    if n == 0:
-                        break
-                    counts[key] += n
-                    last["t"] = time.monotonic()
-                    await loop.sock_sendall(dst, view[:n])
-                    last["t"] = time.monotonic()  # a slow reader is not an idle one
-            except OSError:
-                # One side failed (reset, refused): the tunnel is over both ways, now, not at the idle timeout.
-                for sock in (src, dst):
-                    with contextlib.suppress(OSError):
-                        sock.shutdown(socket.SHUT_RDWR)
-                return
-            finished.add(key)
-            with contextlib.suppress(OSError):
-                dst.shutdown(socket.SHUT_WR)
-
-        pumps = asyncio.gather(pump(conn, upstream, "up"), pump(upstream, conn, "down"))
-        error = None
-        try:
-            while not pumps.done():
-                # Half-closed (one side said it is done): the other gets a short silence, not the whole
-                # idle timeout — a client that vanished mid-handshake must not hold a tunnel open.
-                allowed = min(idle, HALF_CLOSED_IDLE) if finished else idle
-                await asyncio.wait([pumps], timeout=min(allowed, 1.0 if finished else 5.0))
-                if not pumps.done() and time.monotonic() - last["t"] > allowed:
-                    error = (f"nothing moved for {allowed:g}s after one side finished" if finished
-                             else f"nothing moved for limits.idle_timeout ({idle:g}s)")
-                    pumps.cancel()
-                    break
-        finally:
-            with contextlib.suppress(asyncio.CancelledError, OSError):
-                await pumps
-            self.gate.tunnel_closed(tunnel, counts["up"], counts["down"], error)
-
-
-def _connect_authority(head: bytes) -> str | None:
-    """The authority of a clean ``CONNECT authority HTTP/1.x`` head (as h11 reads it), else None."""
-    method, target, _ = _parse_head(head)
-    return target if method == "CONNECT" else None
+        result = await relay(conn, upstream, idle, HALF_CLOSED_IDLE, sent)
+        self.gate.tunnel_closed(tunnel, result.up, result.down, result.error)
 
 
 def _parse_head(head: bytes) -> tuple[str | None, str | None, h11.Request | None]:
@@ -350,10 +313,14 @@ def _parse_head(head: bytes) -> tuple[str | None, str | None, h11.Request | None
 
 def _accept_of(head: bytes) -> tuple[str, ...]:
     """The Accept header values of a head as h11 parsed them (latin-1, as sent); () when it did not parse."""
-    _, _, event = _parse_head(head)
+    return _header_values(_parse_head(head)[2], b"accept")
+
+
+def _header_values(event: h11.Request | None, name: bytes) -> tuple[str, ...]:
+    """One header's values (lower-case ``name``) as h11 parsed them, latin-1; () when the head did not parse."""
     if event is None:
         return ()
-    return tuple(value.decode("latin-1") for name, value in event.headers if name == b"accept")
+    return tuple(value.decode("latin-1") for key, value in event.headers if key == name)
 
 
 def _request_of(head: bytes) -> tuple[str | None, Target | None, str | None]:

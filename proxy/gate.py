@@ -21,12 +21,13 @@ import contextlib
 import time
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from policy.decision import Request, Resolution, Verdict, refuse_form
+from policy.decision import Request, Resolution, Verdict, refuse_form, role_of
 from policy.hosts import HostFormError, Target, host_header_agrees, parse_authority, parse_url
 from policy.model import Policy
 from policy.resolver import DnsResolver, Resolver, resolve_and_decide
+from policy.sessions import Session
 
 from .accept import prefers_json
 from .admission import Admission, CapRefusal
@@ -37,6 +38,7 @@ from .peers import is_local_address
 from .records import DECISION, RESPONSE, TUNNEL, Recorder
 from .refusals import Refusal
 from .reload import PolicyHolder
+from .sessions.service import SessionService
 
 LIMITS, TLS, HTTP = "limits", "tls", "http"
 
@@ -58,6 +60,7 @@ class Tunnel:
     first_byte_at: float | None = None
     closed: bool = False
     client_conn_id: str = ""  # the mitmproxy client connection carrying it (so it never outlives it)
+    session: Session | None = None  # the CONNECT's session: it applies to every request inside the tunnel
 
 
 @dataclass(frozen=True)
@@ -88,22 +91,25 @@ class HttpAsk:
     content_length: int | None = None  # None: no Content-Length (chunked, or no body)
     authority: str | None = None  # the request target's authority (absolute-form), if it had one
     accept: tuple[str, ...] = ()  # the Accept header values, as sent: a refusal is JSON when they prefer it
+    credentials: tuple[str, ...] = ()  # the Proxy-Authorization header values, as sent (a session's id:secret)
     flow_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
 class Gate:
     def __init__(self, holder: PolicyHolder, audit: AuditLog, metrics: Metrics | None = None,
-                 resolver: Resolver | None = None, share: int = 1) -> None:
+                 resolver: Resolver | None = None, share: int = 1, sessions: SessionService | None = None) -> None:
         self.holder = holder
         self.audit = audit
         self.metrics = metrics or Metrics()
+        self.sessions = sessions or SessionService(metrics=self.metrics)
         self.recorder = Recorder(audit, self.metrics, lambda: self.holder.policy, self._start_audit_probe)
         self.admission = Admission(share)
         self.self_endpoints: set[tuple[str, int]] = set()  # (ip or "*", port) egresswall itself listens on
         self._resolver = resolver
         self._resolver_for: Policy | None = None
         self._audit_probe: asyncio.Task | None = None
-        self.metrics.policy_loaded = 1
+        self.metrics.policy_in_force()
+        self.metrics.count_audit_failures(lambda: self.audit.failures)
 
     # ---- the policy, the resolver and the decision -------------------------------------------------
 
@@ -130,7 +136,7 @@ class Gate:
         if resolution is not None or verdict.stage == "resolve":
             self.metrics.observe_dns(time.monotonic() - started)
         if verdict.stage == "resolve" and verdict.rule.startswith("dns:"):
-            self.metrics.dns_errors[verdict.rule[4:]] += 1
+            self.metrics.dns_error(verdict.rule[4:])
         if verdict.allowed and verdict.pinned and self.is_self(verdict.pinned, request.target.port):
             verdict = self_refusal(verdict.pinned, request.target.port, verdict)
         return verdict, resolution
@@ -145,14 +151,14 @@ class Gate:
     def admit(self, client: str) -> CapRefusal | None:
         refusal = self.admission.admit(client, self.policy.limits)
         if refusal is None:
-            self.metrics.open_connections = self.admission.total
+            self.metrics.connections_open(self.admission.total)
         else:
-            self.metrics.refusals[refusal.rule] += 1
+            self.metrics.refusal(refusal.rule)
         return refusal
 
     def release(self, client: str) -> None:
         self.admission.release(client)
-        self.metrics.open_connections = self.admission.total
+        self.metrics.connections_open(self.admission.total)
 
     def refuse_admission(self, client: str, cap: CapRefusal, method: str | None = None,
                          target: Target | None = None, url: str | None = None,
@@ -163,25 +169,31 @@ class Gate:
     # ---- CONNECT -----------------------------------------------------------------------------------
 
     async def decide_connect(self, client: str, authority: str, flow_id: str | None = None,
-                             accept: Iterable[str] = ()) -> ConnectOutcome:
+                             accept: Iterable[str] = (), credentials: Iterable[str] = ()) -> ConnectOutcome:
         """Decide a CONNECT; an allowed one gets its Tunnel (counted open until ``tunnel_closed``).
-        ``accept``: the CONNECT's Accept header values, which choose the refusal's body."""
+        ``accept``: the CONNECT's Accept header values, which choose the refusal's body; ``credentials``: its
+        Proxy-Authorization values (a session)."""
         policy = self.policy
         flow_id = flow_id or uuid.uuid4().hex
         resolution = None
+        session = None
+        status = 403
         try:
             target = parse_authority(authority, "https")
         except HostFormError as err:
             verdict, target = refuse_form(err), None
         else:
-            verdict, resolution = await self.decide(policy, Request(target, "CONNECT", client, tunnel=True))
+            session, verdict, status = await self._session_first(policy, client, tuple(credentials), target, False)
+            if verdict is None:
+                verdict, resolution = await self.decide(policy, Request(target, "CONNECT", client, tunnel=True))
+                verdict, status = await self._session_charge(session, verdict, target, None)
         record = self.recorder.record(DECISION, flow_id, client, "CONNECT", target, verdict,
                                       resolution.cnames if resolution else ())
         if target is None:
             record.url = safe_text(authority)
         if not verdict.allowed:
-            refusal = refusal_for(403, verdict, target, accept)
-            record.status, record.bytes_down = 403, refusal.size
+            refusal = refusal_for(status, verdict, target, accept)
+            record.status, record.bytes_down = status, refusal.size
             self.recorder.decision(record)
             return ConnectOutcome(None, refusal)
         if not (self.recorder.decision(record) and self.audit.healthy):
@@ -189,8 +201,8 @@ class Gate:
         assert target is not None
         tunnel = Tunnel(flow_id, target, verdict, client, intercept=policy.intercepts(target.host),
                         http_inside=target.port in policy.http_ports,
-                        cnames=resolution.cnames if resolution else ())
-        self.metrics.open_tunnels += 1
+                        cnames=resolution.cnames if resolution else (), session=session)
+        self.metrics.tunnel_opened()
         return ConnectOutcome(tunnel, None)
 
     def tunnel_start(self, tunnel: Tunnel, data: bytes) -> FirstBytes:
@@ -213,7 +225,8 @@ class Gate:
 
     def refuse_tunnel(self, tunnel: Tunnel, rule: str, reason: str) -> None:
         stage = LIMITS if rule.startswith("limits.") else TLS if rule.startswith("tls:") else HTTP
-        verdict = Verdict(False, stage, rule, reason, role=tunnel.verdict.role, addresses=tunnel.verdict.addresses)
+        verdict = Verdict(False, stage, rule, reason, role=tunnel.verdict.role, addresses=tunnel.verdict.addresses,
+                          session=tunnel.verdict.session)
         record = self.recorder.record(DECISION, tunnel.id + "-tls", tunnel.client, "CONNECT", tunnel.target, verdict,
                                       tunnel.cnames)
         self.recorder.decision(record)
@@ -224,10 +237,11 @@ class Gate:
         if tunnel.closed:
             return
         tunnel.closed = True
-        self.metrics.open_tunnels -= 1
+        self.metrics.tunnel_closed()
         record = self.recorder.record(TUNNEL, tunnel.id, tunnel.client, "CONNECT", tunnel.target, tunnel.verdict,
                                       tunnel.cnames)
         self.recorder.ended(record, tunnel.started, up, down, error, 200)
+        self.sessions.count_bytes(tunnel.verdict.session, up, down)
 
     # ---- the guard at connect time -----------------------------------------------------------------
 
@@ -238,6 +252,18 @@ class Gate:
             return f"refused connect to {pinned}: {checked.reason}"
         if self.is_self(pinned, port):
             return f"refused connect to {pinned}:{port}: it is egresswall's own listener"
+        return None
+
+    def guard_upstream(self, host: str, port: int) -> str | None:
+        """Why a connect to (host, port) is refused when the policy names an upstream proxy: only the
+        upstream itself may be connected to, and never when it is egresswall's own listener."""
+        upstream = self.policy.upstream
+        assert upstream is not None
+        if (host.lower().strip("[]"), port) != (upstream.host, upstream.port):
+            return (f"egresswall: refused a direct connect to {host}:{port}: the policy sends every connection "
+                    f"through the upstream proxy {upstream.url}")
+        if self.is_self(upstream.host, port):
+            return f"egresswall: the upstream proxy {upstream.url} is egresswall's own listener"
         return None
 
     # ---- plain HTTP, and requests inside tunnels ---------------------------------------------------
@@ -265,20 +291,59 @@ class Gate:
             verdict = Verdict(False, LIMITS, "limits.max_request_body",
                               f"the request body of {ask.content_length} bytes is over the limit of {limit} "
                               "(limits.max_request_body)")
-            self.metrics.refusals["limits.max_request_body"] += 1
+            self.metrics.refusal("limits.max_request_body")
             return self._request_refused(ask, target, verdict, 413)
-        verdict, resolution = await self.decide(
-            policy, Request(target, ask.method, ask.client, tunnel=False, websocket=ask.websocket))
+        resolution = None
+        if tunnel is not None:  # the CONNECT's session applies inside; a header inside names no other one
+            session = tunnel.session
+            verdict = self.sessions.check(session, target, True, tunnel.verdict.role) if session else None
+            status = 403
+        else:
+            session, verdict, status = await self._session_first(policy, ask.client, ask.credentials, target, True)
+        if verdict is None:
+            verdict, resolution = await self.decide(
+                policy, Request(target, ask.method, ask.client, tunnel=False, websocket=ask.websocket))
+            verdict, status = await self._session_charge(session, verdict, target, ask.content_length)
+        elif session is not None:
+            verdict = replace(verdict, session=session.id)
         record = self.recorder.record(DECISION, ask.flow_id, ask.client, ask.method, target, verdict,
                                       resolution.cnames if resolution else ())
         if not verdict.allowed:
-            refusal = refusal_for(403, verdict, target, ask.accept)
-            record.status, record.bytes_down = 403, refusal.size
+            refusal = refusal_for(status, verdict, target, ask.accept)
+            record.status, record.bytes_down = status, refusal.size
             self.recorder.decision(record)
             return RequestOutcome(verdict, target, refusal)
         if not (self.recorder.decision(record) and self.audit.healthy):
             return RequestOutcome(verdict, target, self.audit_unwritable(target, ask.accept))
         return RequestOutcome(verdict, target, None)
+
+    # ---- sessions --------------------------------------------------------------------------------
+
+    async def _session_first(self, policy: Policy, client: str, credentials: tuple[str, ...], target: Target,
+                             visible: bool) -> tuple[Session | None, Verdict | None, int]:
+        """Before the policy decides (so an ungranted name is never looked up): who the request came as,
+        and whether its session grants the target. (session, refusal or None, status of a refusal)."""
+        identity = await self.sessions.identify(policy, client, credentials)
+        if identity.refusal is not None:
+            return None, identity.refusal, identity.status
+        session = identity.session
+        if session is None:
+            return None, None, 403
+        role = role_of(policy, client)
+        return session, self.sessions.check(session, target, visible, role.name if role else None), 403
+
+    async def _session_charge(self, session: Session | None, verdict: Verdict, target: Target,
+                              content_length: int | None) -> tuple[Verdict, int]:
+        """After the policy allowed it: count the request against the session's budgets (atomically, in the
+        store). The verdict carries the session's id from here on, into every record."""
+        if session is None:
+            return verdict, 403
+        if not verdict.allowed:
+            return replace(verdict, session=session.id), 403
+        refusal, status = await self.sessions.charge(session, target, content_length, verdict.role)
+        if refusal is not None:
+            return replace(refusal, addresses=verdict.addresses), status
+        return replace(verdict, session=session.id), 403
 
     def _request_target(self, ask: HttpAsk, tunnel: Tunnel | None) -> Target:
         if tunnel is not None:
@@ -313,7 +378,7 @@ class Gate:
             record.url = safe_text(url)
         self.recorder.decision(record)
         if rule.startswith("limits.") or rule in ("shutdown", "audit"):
-            self.metrics.refusals[rule] += 1
+            self.metrics.refusal(rule)
         return refusal
 
     def connection_refused(self, client: str, status: int, rule: str, reason: str) -> None:
@@ -325,6 +390,7 @@ class Gate:
                         started: float, up: int, down: int, status: int | None, error: str | None) -> None:
         record = self.recorder.record(RESPONSE, flow_id, client, method, target, verdict)
         self.recorder.ended(record, started, up, down, error, status)
+        self.sessions.count_bytes(verdict.session, up, down)
 
     # ---- the audit log failing closed ----------------------------------------------------------------
 
@@ -333,7 +399,7 @@ class Gate:
         cannot take lines, allowed requests are refused with 503, /readyz fails, and a probe tries a
         line every second (README, "Audit log and admin endpoint")."""
         self._start_audit_probe()
-        self.metrics.refusals["audit"] += 1
+        self.metrics.refusal("audit")
         return refusal_for(503, Verdict(False, "audit", "audit", "the audit log cannot be written, and egresswall "
                                                                  "does not let through what it cannot record"),
                            target, accept)

@@ -66,4 +66,17 @@ def hint_for(verdict: Verdict, host: str | None = None, port: int | None = None)
         return f"egresswall does not relay this ({rule}); no policy change admits it"
     if stage == "tls":
         return f"the tunnel's TLS start was refused ({rule}); the SNI must name the CONNECT host"
+    if stage == "session":
+        return _session_hint(rule)
     return f"refused by {rule}"
+
+
+def _session_hint(rule: str) -> str:
+    if rule in ("session:required", "session:credentials"):
+        return "present a session: Proxy-Authorization: Basic base64(session-id:secret), from the admin API"
+    if rule == "session:store-unavailable":
+        return RETRY_LATER + "; the operator must make the session store reachable (sessions fail closed)"
+    if rule.startswith("session:budget-") or rule in ("session:expired", "session:ended"):
+        return "the session is spent; the platform may extend it or create a new one"
+    return ("the session does not grant this; only the platform that created the session can grant it (a new "
+            "session); the policy cannot")

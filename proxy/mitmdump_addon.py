@@ -45,6 +45,11 @@ class MitmdumpShim:
             holder = PolicyHolder(ctx.options.egresswall_policy or None)
         except PolicyError as err:
             raise OptionsError(f"egresswall_policy: {err}") from None
+        if holder.policy.upstream is not None:
+            # mitmdump's mode is the operator's own option here, and the upstream's credentials would have to
+            # pass through mitmdump's: chaining is ``egresswall run``'s (README, "Chaining to an upstream proxy").
+            raise OptionsError(f"egresswall_policy: the policy names an upstream proxy ({holder.policy.upstream.url}); "
+                               "the mitmdump shim does not chain to one: use `egresswall run`")
         self.gate = Gate(holder, AuditLog(ctx.options.egresswall_log or None))
         gate = self.gate
         mitm_patches.uninstall()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +59,7 @@ class AuditRecord:
     url: str | None = None  # what the client asked for, when it could not be parsed into host and port
     addresses: list[str] = field(default_factory=list)
     cnames: list[str] = field(default_factory=list)
-    pinned: str | None = None  # the one checked address connected to
+    pinned: str | None = None  # the one checked address connected to (None through an upstream proxy)
     status: int | None = None  # what the client was answered (None: a tunnel ended inside, no HTTP status)
     bytes_up: int | None = None
     bytes_down: int | None = None
@@ -67,8 +67,16 @@ class AuditRecord:
     error: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        fields = asdict(self)
-        return {"time": fields.pop("time"), **fields}  # time first: the order a reader scans a line in
+        # time first: the order a reader scans a line in. Built field by field, not with
+        # dataclasses.asdict (a deep copy that was a tenth of a fast tunnel's CPU); the lists are copied.
+        line: dict[str, Any] = {"time": self.time}
+        for name in _FIELD_NAMES:
+            value = getattr(self, name)
+            line[name] = list(value) if isinstance(value, list) else value
+        return line
+
+
+_FIELD_NAMES = tuple(f.name for f in fields(AuditRecord) if f.name != "time")
 
 
 class Recorder:
@@ -90,20 +98,21 @@ class Recorder:
         return AuditRecord(
             event=event, id=flow_id, client=client, verdict=verdict_word(verdict), stage=verdict.stage,
             rule=verdict.rule, rule_id=rule_id_of(verdict), reason=verdict.reason, mode=policy.mode, role=verdict.role,
+            session=verdict.session,
             method=method, scheme=target.scheme if target else None, host=target.host if target else None,
             port=target.port if target else None, path=path, addresses=list(verdict.addresses),
-            cnames=list(cnames), pinned=verdict.pinned)
+            # Through an upstream proxy nothing is pinned: the upstream connects where its own resolution says.
+            cnames=list(cnames), pinned=None if policy.upstream else verdict.pinned)
 
     def decision(self, record: AuditRecord) -> bool:
         """Write a decision line and count it; False when the log could not take it (fail closed)."""
-        self.metrics.decisions[(record.verdict, record.rule_id)] += 1
+        self.metrics.decision(record.verdict, record.rule_id)
         return self.write(record)
 
     def ended(self, record: AuditRecord, started: float, up: int, down: int, error: str | None,
               status: int | None) -> bool:
         """A response or tunnel line: bytes each way, how long, how it ended."""
-        self.metrics.bytes_up += up
-        self.metrics.bytes_down += down
+        self.metrics.relayed(up, down)
         record.bytes_up, record.bytes_down, record.error, record.status = up, down, error, status
         record.duration_ms = round((time.monotonic() - started) * 1000, 3)
         return self.write(record)
@@ -111,7 +120,6 @@ class Recorder:
     def write(self, record: AuditRecord) -> bool:
         record.time = rfc3339(time.time())
         if not self.audit.write(record.as_dict()):
-            self.metrics.audit_failures += 1
             self.on_failure()
             return False
         return True

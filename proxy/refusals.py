@@ -53,11 +53,15 @@ def one_line(text: str, limit: int = 400) -> str:
 
 
 ERROR_CODES = {"form": "malformed", "limits": "limited", "audit": "unavailable", "connect": "unavailable"}
+PROXY_AUTHENTICATE = 'Basic realm="egresswall", charset="UTF-8"'  # with every 407: present a session
 
 
 def error_code(refusal: Refusal) -> str:
-    """The JSON body's ``error``: ``refused`` for a policy decision; ``malformed``, ``limited`` (a cap,
-    a timeout, a size bound) or ``unavailable`` (the audit log, a failed connect) for the rest."""
+    """The JSON body's ``error``: ``refused`` for a policy or session decision; ``malformed``, ``limited`` (a
+    cap, a timeout, a size bound), ``unavailable`` (the audit log, a failed connect, the session store) or
+    ``unauthenticated`` (407: no session, or not this one) for the rest."""
+    if refusal.verdict.stage == "session" and refusal.status in (407, 503):
+        return "unauthenticated" if refusal.status == 407 else "unavailable"
     return ERROR_CODES.get(refusal.verdict.stage, "refused")
 
 
@@ -81,6 +85,8 @@ def refusal_parts(refusal: Refusal) -> tuple[int, list[tuple[str, str]], bytes]:
     headers = [("Content-Type", kind), ("Cache-Control", "no-store"),
                ("Connection", "close"), (REASON_HEADER, one_line(verdict.reason)),
                (RULE_HEADER, one_line(verdict.rule, 200)), (RULE_ID_HEADER, one_line(rule_id_of(verdict), 200))]
+    if refusal.status == 407:
+        headers.append(("Proxy-Authenticate", PROXY_AUTHENTICATE))
     return refusal.status, headers, body
 
 

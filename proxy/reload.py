@@ -45,6 +45,11 @@ class PolicyHolder:
         try:
             read = read_policy_file(self.path, wait=False, unsettled=self._unsettled)
             new = parse_policy(read.text, read.source, self.overrides)
+            if new.upstream != self.policy.upstream:
+                # mitmproxy's mode (regular or upstream, and to where) is fixed when the proxy starts.
+                raise PolicyError(read.source, 0, 0, "upstream",
+                                  f"the upstream proxy changed ({_upstream_text(self.policy)} -> "
+                                  f"{_upstream_text(new)}); a reload cannot change it: restart egresswall")
         except Unsettled as err:
             if self._unsettled is None or self._unsettled.identity != err.identity:
                 log.warning("policy not reloaded yet, keeping the last good policy: %s", err.summary)
@@ -87,6 +92,13 @@ class PolicyHolder:
                         await asyncio.to_thread(self.reload) if _is_large(before) else self.reload()
             except Exception:  # never let the watcher die: a dead watcher means no more reloads
                 log.exception("policy watcher error")
+
+
+def _upstream_text(policy: Policy) -> str:
+    upstream = policy.upstream
+    if upstream is None:
+        return "none"
+    return upstream.url + (f" with credentials from {upstream.credentials_file}" if upstream.credentials_file else "")
 
 
 def _is_large(ident: FileIdentity | None) -> bool:

@@ -26,3 +26,5 @@ class RunConfig:
     fast_tunnels: bool = True  # passed-through TLS tunnels relayed by the front (proxy/front.py), not mitmproxy
     worker_count: int = 1  # connection caps are shared out between this many workers
     extra_self_endpoints: tuple[tuple[str, int], ...] = ()  # e.g. the supervisor's admin listener
+    admin_token_file: str | None = None  # the session API's bearer token; None: the API is off
+    session_store: str | None = None  # None or "memory": this process's memory; "redis://...": shared

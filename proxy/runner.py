@@ -26,10 +26,15 @@ from .audit import AuditLog, json_line
 from .front import Front
 from .gate import Gate
 from .listeners import ADMIN, PROXY, ListenError
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
 from .peers import peer_of
 from .reload import PolicyHolder
 from .run_config import RunConfig
+from .sessions.api import SessionApi, read_token_file
+from .sessions.service import SessionService
+from .sessions.store_url import open_store
+from .upstream import basic_authorization, read_credentials
 
 log = logging.getLogger("egresswall")
 
@@ -40,12 +45,19 @@ class ProxyRunner:
         self.metrics = Metrics()
         self.holder = PolicyHolder(config.policy_path, config.overrides, on_reload=self._on_reload)
         self.audit = AuditLog(config.log_path, *_log_format(config.log_format))
-        self.gate = Gate(self.holder, self.audit, self.metrics, share=config.worker_count)
+        self.sessions = SessionService(open_store(config.session_store), self.metrics,
+                                       configured=bool(config.admin_token_file or config.session_store))
+        self.gate = Gate(self.holder, self.audit, self.metrics, share=config.worker_count, sessions=self.sessions)
         for host, port in config.extra_self_endpoints:
             self.gate.self_endpoints.add((_endpoint_host(host), port))
         self.patch_state = patch_state_for(self.gate, first_byte_timer=False)  # the front bounds first bytes
+        upstream = self.holder.policy.upstream
+        # Read now, so a missing or world-readable file fails before anything listens (and in the caller).
+        self.upstream_credentials = read_credentials(upstream) if upstream else None
+        api = SessionApi(self.sessions, read_token_file(config.admin_token_file)) if config.admin_token_file else None
         self.admin = AdminServer({"/healthz": self._healthz, "/readyz": self._readyz,
-                                  "/metrics": self._metrics})
+                                  "/metrics": self._metrics}, api)
+        self._session_watch: asyncio.Task | None = None
         self.master: Master | None = None
         self.front: Front | None = None
         self.listen_address: tuple[str, int] | None = None
@@ -54,7 +66,7 @@ class ProxyRunner:
         self._stopping = False
 
     def _on_reload(self, ok: bool, detail: str) -> None:
-        self.metrics.reloads["success" if ok else "failure"] += 1
+        self.metrics.reloaded(ok)
 
     # ---- admin routes -------------------------------------------------------------------------
 
@@ -69,13 +81,15 @@ class ProxyRunner:
             problems.append("the audit log cannot be written")
         if self.gate.draining:
             problems.append("shutting down")
+        if not self.sessions.store.healthy:
+            problems.append(f"the session store ({self.sessions.store.kind}) cannot be reached; session requests "
+                            "are refused (session:store-unavailable)")
         if problems:
             return 503, "text/plain", "not ready: " + "; ".join(problems) + "\n"
         return 200, "text/plain", f"ready; policy {self.holder.policy.source}\n"
 
     def _metrics(self) -> tuple[int, str, str]:
-        self.metrics.audit_failures = self.audit.failures
-        return 200, "text/plain; version=0.0.4; charset=utf-8", self.metrics.render()
+        return 200, METRICS_CONTENT_TYPE, self.metrics.render()
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -86,11 +100,15 @@ class ProxyRunner:
         opts = mitm_options.Options()
         self.master = Master(opts, event_loop=asyncio.get_running_loop())
         # mitmproxy's NextLayer comes before egresswall's addons: their next_layer hook has the final say.
-        self.master.addons.add(*core_addons(), *egresswall_addons(self.gate, fronted=True))
+        self.master.addons.add(*core_addons(), *egresswall_addons(self.gate, fronted=True,
+                                                                  upstream_credentials=self.upstream_credentials))
         host, port = self.config.listen
         # The front owns the public port and hands mitmproxy what it does not relay itself; mitmproxy's
-        # own listener is an internal one on loopback (and counted as egresswall itself).
-        updates = dict(listen_host="127.0.0.1", listen_port=0, mode=["regular"])
+        # own listener is an internal one on loopback (and counted as egresswall itself). With an upstream
+        # proxy mitmproxy runs in upstream mode: every request and tunnel it forwards goes to the upstream.
+        upstream = self.holder.policy.upstream
+        updates = dict(listen_host="127.0.0.1", listen_port=0,
+                       mode=[f"upstream:{upstream.url}" if upstream else "regular"])
         if self.config.confdir:
             updates["confdir"] = self.config.confdir
         if self.config.upstream_ca:
@@ -106,7 +124,9 @@ class ProxyRunner:
         master_task = asyncio.create_task(self.master.run())
         try:
             if await self._wait_listening(master_task):  # False: asked to stop during start-up
-                self.front = Front(self.gate, self._handoff, relay_tunnels=self.config.fast_tunnels)
+                authorization = basic_authorization(self.upstream_credentials) if self.upstream_credentials else None
+                self.front = Front(self.gate, self._handoff, relay_tunnels=self.config.fast_tunnels,
+                                   upstream_authorization=authorization)
                 try:
                     self.listen_address = await self.front.start(host, port, reuse_port=self.config.reuse_port)
                 except OSError as err:
@@ -119,6 +139,7 @@ class ProxyRunner:
                         raise ListenError(ADMIN, self.config.admin, err) from err
                     self.gate.self_endpoints.add((_endpoint_host(self.admin_address[0]), self.admin_address[1]))
                 self.holder.start_watching(self.config.watch_interval)
+                self._session_watch = asyncio.get_running_loop().create_task(self._watch_sessions())
                 self.ready.set()  # the command line tells people (and a supervisor) where it listens
             await master_task
         except BaseException:
@@ -133,9 +154,27 @@ class ProxyRunner:
             raise
         finally:
             self.holder.stop_watching()
+            if self._session_watch is not None:
+                self._session_watch.cancel()
             await self.admin.stop()
+            with contextlib.suppress(Exception):
+                await self.sessions.store.close()
             self.audit.close()
             mitm_patches.uninstall()
+
+    async def _watch_sessions(self, every: float = 2.0) -> None:
+        """Keep /readyz and the sessions gauge current: ask the store every few seconds (a store that
+        came back is noticed without a request having to fail first)."""
+        from .sessions.store import StoreUnavailable
+
+        while True:
+            if self.sessions.enabled(self.holder.policy):
+                try:
+                    if await self.sessions.store.ping():
+                        self.metrics.sessions_in_store(len(await self.sessions.store.ids(self.sessions.clock())))
+                except StoreUnavailable:
+                    pass
+            await asyncio.sleep(every)
 
     async def _wait_listening(self, master_task: asyncio.Task) -> bool:
         """True once mitmproxy's internal listener is up; False when it stopped first (a stop asked for

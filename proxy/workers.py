@@ -2,9 +2,9 @@
 
 mitmproxy runs one event loop on one core; the kernel spreads incoming connections over the
 workers, each of which builds its own decision state from the policy file and watches it. The
-supervisor (this module) owns the admin listener — ``/metrics`` is the sum over workers,
-``/readyz`` is ready when every worker is — forwards SIGHUP/SIGUSR1/SIGTERM, and restarts a worker
-that dies. Every worker appends whole lines to the same audit log (one ``write`` per line on an
+supervisor (this module) owns the admin listener — ``/metrics`` is the sum over workers
+(``proxy/metrics_sum.py``), ``/readyz`` is ready when every worker is — forwards SIGHUP/SIGUSR1/SIGTERM,
+and restarts a worker that dies. Every worker appends whole lines to the same audit log (one ``write`` per line on an
 O_APPEND file), so the log stays one log. Connection caps are shared out: each worker enforces
 1/N of them, which holds on average because the kernel hashes connections evenly.
 
@@ -20,20 +20,18 @@ import contextlib
 import dataclasses
 import datetime
 import os
-import re
 import signal
 import socket
 import sys
-from collections import OrderedDict
 from collections.abc import Callable
 
 from .admin import AdminServer
 from .listeners import ADMIN, PROXY, ListenError, check_free
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics_sum import carry, is_page, sum_metrics
 from .run_config import RunConfig
 from .worker_config import FAILED, WorkerConfig, WorkerReport
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{.*\})?) (\S+)$")
-_ALL_MUST_HOLD = {"egresswall_policy_loaded"}  # gauges where the pool is only as good as its worst worker
 START_TIMEOUT = 60.0  # seconds for every worker to report
 
 
@@ -118,12 +116,21 @@ class Supervisor:
         self.config, self.count, self.on_ready = config, workers, on_ready
         self.listen, self.admin_address = config.listen, config.admin
         self.workers: list[Worker] = []
+        self.sessions = None
+        api = None
+        if config.admin_token_file:
+            from .sessions.api import SessionApi, read_token_file
+            from .sessions.service import SessionService
+            from .sessions.store_url import open_store
+
+            self.sessions = SessionService(open_store(config.session_store), configured=True)
+            api = SessionApi(self.sessions, read_token_file(config.admin_token_file))
         self.admin = AdminServer({"/healthz": lambda: (200, "text/plain", "ok\n"), "/readyz": self._readyz,
-                                  "/metrics": self._metrics})
+                                  "/metrics": self._metrics}, api)
         self.stopping = False
         self.stop_signal: signal.Signals | None = None
         self._stop_requested = asyncio.Event()
-        self.carried: dict[str, float] = {}  # counters of workers that were restarted
+        self.carried = ""  # the counters and histograms of workers that were restarted (a metrics page)
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -155,8 +162,10 @@ class Supervisor:
     async def _start_workers(self, admin: tuple[str, int] | None) -> None:
         """Start every worker and wait until each has reported ready. Stops at once, with the reason,
         when one reports a failure or dies, or when a stop signal arrives."""
+        # The session API is the supervisor's (on its admin listener, over the shared store); workers only judge.
         config = dataclasses.replace(self.config, listen=self.listen, admin=("127.0.0.1", 0), reuse_port=True,
-                                     worker_count=self.count, extra_self_endpoints=(admin,) if admin else ())
+                                     worker_count=self.count, extra_self_endpoints=(admin,) if admin else (),
+                                     admin_token_file=None)
         self.workers = [Worker(i, config) for i in range(self.count)]
         for worker in self.workers:
             if self.stopping:
@@ -222,10 +231,7 @@ class Supervisor:
 
     def _carry_over(self, worker: Worker) -> None:
         """Counters must not go down when a worker restarts from zero: keep what it had counted."""
-        for line in worker.last_metrics.splitlines():
-            match = _SAMPLE.match(line)
-            if match and _is_counter(match.group(1)):
-                self.carried[match.group(1)] = self.carried.get(match.group(1), 0.0) + float(match.group(2))
+        self.carried = carry(self.carried, worker.last_metrics)
         worker.last_metrics = ""
 
     def _stop(self, sig: signal.Signals = signal.SIGTERM) -> None:
@@ -257,10 +263,12 @@ class Supervisor:
         texts = []
         for worker in self.workers:
             text = _fetch(worker.admin, "/metrics") if worker.admin else ""
-            if text.startswith("# HELP"):
+            if is_page(text):
                 worker.last_metrics = text
             texts.append(worker.last_metrics)  # an unreachable worker counts with what it last said
-        return 200, "text/plain; version=0.0.4; charset=utf-8", sum_metrics(texts, self.carried)
+        if self.sessions is not None:  # the session API is the supervisor's: its counts are added to the workers'
+            texts.append(self.sessions.metrics.session_api_page())
+        return 200, METRICS_CONTENT_TYPE, sum_metrics(texts, self.carried)
 
 
 def _choose_listen_port(host: str, port: int) -> tuple[str, int]:
@@ -304,47 +312,3 @@ def _fetch(address: tuple[str, int] | None, path: str) -> str:
         return data.partition(b"\r\n\r\n")[2].decode(errors="replace")
     except OSError as err:
         return f"unreachable: {err}"
-
-
-def _is_counter(series: str) -> bool:
-    name = series.split("{", 1)[0]
-    return name.endswith(("_total", "_sum", "_count"))
-
-
-def sum_metrics(texts: list[str], carried: dict[str, float] | None = None) -> str:
-    """Add the workers' samples up, series by series; comments come from the first worker. ``carried``
-    holds the counters of workers that were restarted since."""
-    order: OrderedDict[str, list[str]] = OrderedDict()  # family comment lines, in first-seen order
-    values: dict[str, list[float]] = {}
-    family = ""
-    for text in texts:
-        for line in text.splitlines():
-            if line.startswith("# "):
-                family = line.split()[2]
-                order.setdefault(family, [])
-                if line not in order[family]:
-                    order[family].append(line)
-                continue
-            match = _SAMPLE.match(line)
-            if match:
-                key = match.group(1)
-                values.setdefault(key, []).append(float(match.group(2)))
-                order.setdefault(family, [])
-                if key not in order[family]:
-                    order[family].append(key)
-    for key in carried or {}:  # a series only a restarted worker had counted still counts
-        if key not in values:
-            values[key] = []
-            order.setdefault(key.split("{", 1)[0], []).append(key)
-    out = []
-    for fam, lines in order.items():
-        for line in lines:
-            if line.startswith("# "):
-                out.append(line)
-            else:
-                samples = values[line]
-                total = min(samples) if fam in _ALL_MUST_HOLD else sum(samples) + (carried or {}).get(line, 0.0)
-                out.append(f"{line} {int(total) if total.is_integer() else repr(total)}")
-    return "\n".join(out) + "\n"
-
-

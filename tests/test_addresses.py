@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from policy.addresses import (
+    CHECKED_CACHE_SIZE,
     CLOUD_METADATA,
     SPECIAL_PURPOSE_V4,
     SPECIAL_PURPOSE_V6,
@@ -557,3 +558,33 @@ def test_unwrap_mapped_gives_the_ipv4(v4: ipaddress.IPv4Address) -> None:
 @given(st.one_of(st.ip_addresses(v=6).filter(lambda a: a.ipv4_mapped is None).map(str), st.text(max_size=30)))
 def test_unwrap_mapped_leaves_everything_else_alone(text: str) -> None:
     assert unwrap_mapped(text) == text
+
+
+_ADDRESS_TEXTS = st.one_of(
+    st.integers(0, 2**32 - 1).map(lambda n: str(ipaddress.IPv4Address(n))),
+    st.integers(0, 2**128 - 1).map(lambda n: str(ipaddress.IPv6Address(n))),
+    st.integers(0, 2**32 - 1).map(lambda n: f"::ffff:{ipaddress.IPv4Address(n)}"),
+    st.sampled_from(["169.254.169.254", "fd00:ec2::254", "64:ff9b::a00:1", "2002:a00:1::1", "10.0.0.5"]),
+)
+
+
+_RULES = {"allow": ["198.18.0.0/15", "64:ff9b::/96"], "deny": ["203.0.113.0/24"]}
+_WARM = AddressRules(**_RULES)
+
+
+@given(_ADDRESS_TEXTS)
+def test_remembered_verdicts_equal_fresh_ones(text: str) -> None:
+    """check() remembers verdicts on address texts: the remembered answer equals a fresh rule set's,
+    and the answer on the address object (never remembered)."""
+    first = _WARM.check(text)
+    assert _WARM.check(text) == first == AddressRules(**_RULES).check(text)
+    assert AddressRules(**_RULES).check(netaddr.IPAddress(text)) == first
+
+
+def test_remembered_verdicts_are_bounded() -> None:
+    rules = AddressRules(**_RULES)
+    before = rules.check("10.0.0.5")
+    for n in range(CHECKED_CACHE_SIZE + 10):
+        rules.check(str(ipaddress.IPv4Address(0x08000000 + n)))
+    assert len(rules._checked) <= CHECKED_CACHE_SIZE
+    assert rules.check("10.0.0.5") == before and not before.allowed

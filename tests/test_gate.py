@@ -45,14 +45,14 @@ def test_an_allowed_connect_opens_a_tunnel_pinned_to_the_checked_address(lab, ma
     gate = make_gate()
     outcome = asyncio.run(gate.decide_connect("10.9.8.7", f"public.lab.example:{lab.public_tls.port}", "f1"))
     assert outcome.refusal is None and outcome.tunnel.verdict.pinned == PUBLIC_IP
-    assert gate.metrics.open_tunnels == 1
+    assert gate.metrics.value("egresswall_open_tunnels") == 1
     gate.tunnel_closed(outcome.tunnel, 10, 20, None)
     gate.tunnel_closed(outcome.tunnel, 10, 20, None)  # once only
     decision, tunnel = records(gate)
     assert (decision["event"], decision["verdict"], decision["pinned"], decision["client"]) == (
         "decision", "allow", PUBLIC_IP, "10.9.8.7")
     assert (tunnel["event"], tunnel["bytes_up"], tunnel["bytes_down"], tunnel["status"]) == ("tunnel", 10, 20, 200)
-    assert gate.metrics.open_tunnels == 0
+    assert gate.metrics.value("egresswall_open_tunnels") == 0
 
 
 @pytest.mark.parametrize("authority, stage, rule", [
@@ -68,7 +68,7 @@ def test_refused_connects_get_one_record_and_no_tunnel(lab, make_gate, authority
     (record,) = records(gate)
     assert record["verdict"] == "refuse" and record["stage"] == stage and record["status"] == 403
     assert rule is None or record["rule"] == rule
-    assert gate.metrics.open_tunnels == 0
+    assert gate.metrics.value("egresswall_open_tunnels") == 0
 
 
 def test_a_pin_that_is_egresswall_itself_is_refused_as_self(lab, make_gate):
@@ -95,7 +95,7 @@ def test_admission_counts_at_accept_and_refuses_past_each_cap(make_gate):
     assert gate.admit("10.0.0.3").rule == "limits.max_connections"
     gate.release("10.0.0.1")
     assert gate.admit("10.0.0.3") is None
-    assert gate.metrics.open_connections == 3
+    assert gate.metrics.value("egresswall_open_connections") == 3
 
 
 def test_a_tunnel_start_is_judged_on_whole_messages_only(lab, make_gate):
@@ -169,4 +169,20 @@ def test_an_unwritable_audit_log_refuses_what_the_policy_allows(lab, make_gate):
     gate.audit.reopen()
     outcome = asyncio.run(gate.decide_connect("10.0.0.1", f"public.lab.example:{lab.public_tls.port}"))
     assert outcome.refusal.status == 503 and outcome.refusal.verdict.rule == "audit"
-    assert gate.metrics.audit_failures == 1
+    # The count is the audit log's own (the decision line, and the probe's line if it ran already).
+    assert gate.metrics.value("egresswall_audit_write_failures_total") == gate.audit.failures >= 1
+
+
+def test_a_record_line_is_every_field_once_time_first_lists_copied() -> None:
+    import dataclasses
+
+    from proxy.records import AuditRecord
+
+    record = AuditRecord(event="tunnel", id="x", client="127.0.0.1", verdict="allow", stage="address",
+                         rule="global", rule_id="global", reason="r", mode="enforce", time="t",
+                         addresses=["192.0.2.1"], cnames=["a.example"])
+    line = record.as_dict()
+    assert list(line) == ["time"] + [f.name for f in dataclasses.fields(AuditRecord) if f.name != "time"]
+    assert line == dataclasses.asdict(record)
+    line["addresses"].append("192.0.2.2")
+    assert record.addresses == ["192.0.2.1"]

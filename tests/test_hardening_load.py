@@ -19,6 +19,7 @@ import time
 import pytest
 from audit_watch import open_fds, rss_kib
 from loadgen import CAPS, GREEDY, LoadLab, audit_matches, read_audit, run_load, wrong_answers
+from metrics_page import value
 from proxyproc import ProxyProcess
 
 pytestmark = pytest.mark.integration
@@ -66,7 +67,7 @@ def _settle(proxy: ProxyProcess, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         _, body = proxy.admin("/metrics")
-        if "\negresswall_open_connections 0" in body and "\negresswall_open_tunnels 0" in body:
+        if value(body, "egresswall_open_connections") == 0 and value(body, "egresswall_open_tunnels") == 0:
             time.sleep(0.5)  # the last sockets close just after the counters drop
             return
         time.sleep(0.1)

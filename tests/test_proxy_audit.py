@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import ssl
@@ -15,7 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from metrics_page import families, value
+
+from proxy.build import versions
+from proxy.metrics import DNS_BUCKETS
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,17 +95,44 @@ def test_passthrough_tunnel_bytes_are_counted(lab, start_proxy):
     assert tunnels[0]["pinned"] == "127.0.0.2"
 
 
-def test_metrics_parse_with_prometheus_client(lab, start_proxy):
-    proxy = start_proxy(lab.policy_text())
-    proxy.get(f"http://public.lab.example:{lab.public.port}/")
-    proxy.get(f"http://internal.lab.example:{lab.public.port}/")
+def test_metrics_count_decisions_by_rule_id_and_show_dns_buckets_build_and_reload_time(lab, start_proxy):
+    """Issue 14 item 7 through the real proxy: the page parses with prometheus_client's parser; a decision
+    is counted by its rule's stable id (the YAML ``id:``, a derived id, a fixed refusal name), never by
+    ``file:line`` and never by the name a client asked for; DNS latency is a histogram."""
+    started = time.time()
+    proxy = start_proxy(lab.policy_text("hosts:\n  allow:\n    - host: public.lab.example\n      id: lab-public\n"
+                                        "  deny:\n    - other.lab.example\n"))
+    assert proxy.get(f"http://public.lab.example:{lab.public.port}/")[0] == 200
+    assert proxy.get(f"http://other.lab.example:{lab.public.port}/")[0] == 403
+    assert proxy.get(f"http://internal.lab.example:{lab.public.port}/")[0] == 403
+    assert proxy.get(f"http://missing.lab.example:{lab.public.port}/")[0] == 403
     status, body = proxy.admin("/metrics")
     assert status == 200
-    families = {f.name: f for f in text_string_to_metric_families(body)}
-    decisions = {(s.labels["verdict"], s.labels["rule"]): s.value for s in families["egresswall_decisions"].samples}
+    page = families(body)
+    _, samples = page["egresswall_decisions"]
+    decisions = {(s.labels["verdict"], s.labels["rule_id"]): s.value for s in samples}
+    assert decisions[("allow", "lab-public")] == 1
+    assert decisions[("refuse", "hosts.deny:other.lab.example")] == 1
     assert decisions[("refuse", "special-purpose 127.0.0.0/8")] == 1
-    assert sum(v for (verdict, _), v in decisions.items() if verdict == "allow") == 1
-    assert "egresswall_dns_lookup_seconds" in families and "egresswall_open_tunnels" in families
+    assert sum(decisions.values()) == 4
+    assert [r["rule_id"] for r in proxy.decisions()].count("lab-public") == 1  # the same id as the record's
+    labels = [v for _, family in page.values() for s in family for k, v in s.labels.items() if k != "le"]
+    assert not [v for v in labels if "policy.yaml" in v or re.search(r":\d+\b", v)], labels  # no file:line
+    assert not [v for v in labels if "internal.lab.example" in v or "missing.lab.example" in v], labels
+
+    kind, samples = page["egresswall_dns_lookup_seconds"]
+    assert kind == "histogram"
+    les = [float(s.labels["le"]) for s in samples if s.name.endswith("_bucket")]
+    assert les == [*DNS_BUCKETS, float("inf")]
+    assert value(body, "egresswall_dns_lookup_seconds_count") == 3  # public, internal, missing; not other
+    assert value(body, "egresswall_dns_lookup_seconds_bucket", le="+Inf") == 3
+    assert sum(s.value for s in page["egresswall_dns_errors"][1]) == 1
+
+    _, samples = page["egresswall_build_info"]
+    assert [(s.labels, s.value) for s in samples] == [(versions(), 1)]
+    assert started - 1 <= value(body, "egresswall_policy_last_reload_success_timestamp_seconds") <= time.time()
+    assert value(body, "egresswall_policy_loaded") == 1
+    assert "egresswall_open_tunnels" in page
     assert proxy.admin("/healthz") == (200, "ok\n")
     assert proxy.admin("/readyz")[0] == 200
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from metrics_page import value
 
 pytestmark = pytest.mark.integration
 
@@ -25,6 +26,19 @@ def wait_for(predicate, timeout: float = 1.0, interval: float = 0.05) -> float:
     raise AssertionError(f"not true within {timeout}s")
 
 
+def metric(proxy, name: str, **labels: str) -> float:
+    body = proxy.admin("/metrics")[1]
+    found = value(body, name, **labels)
+    assert found is not None, f"{name} {labels} is not on the page"
+    return found
+
+
+def reloads(proxy) -> tuple[float, float]:
+    """(successful, refused) reloads, from /metrics."""
+    return (metric(proxy, "egresswall_policy_reloads_total", result="success"),
+            metric(proxy, "egresswall_policy_reloads_total", result="failure"))
+
+
 def status_of(proxy, lab, path="/") -> int:
     return proxy.get(f"http://public.lab.example:{lab.public.port}{path}")[0]
 
@@ -34,8 +48,27 @@ def test_valid_edit_applies_within_one_second(lab, start_proxy):
     assert status_of(proxy, lab) == 200
     proxy.policy_path.write_text(lab.policy_text("hosts:\n  deny:\n    - public.lab.example\n"))
     wait_for(lambda: status_of(proxy, lab) == 403, timeout=1.0)
-    _, body = proxy.admin("/metrics")
-    assert 'egresswall_policy_reloads_total{result="success"} 1' in body
+    assert reloads(proxy) == (1, 0)
+
+
+def test_the_last_successful_reload_time_moves_on_success_and_not_on_failure(lab, start_proxy):
+    """Issue 14 item 7: egresswall_policy_last_reload_success_timestamp_seconds is the start-up load's time,
+    then the last good reload's; a refused reload leaves it (and counts a failure)."""
+    stamp = "egresswall_policy_last_reload_success_timestamp_seconds"
+    before_start = time.time()
+    proxy = start_proxy(lab.policy_text())
+    loaded = metric(proxy, stamp)
+    assert before_start - 1 <= loaded <= time.time()
+    time.sleep(0.05)
+    before_reload = time.time()
+    proxy.policy_path.write_text(lab.policy_text("hosts:\n  deny:\n    - public.lab.example\n"))
+    wait_for(lambda: reloads(proxy) == (1, 0), timeout=2.0)
+    reloaded = metric(proxy, stamp)
+    assert before_reload <= reloaded <= time.time() and reloaded > loaded
+    proxy.policy_path.write_text(lab.policy_text("hosts:\n  allwo: []\n"))
+    wait_for(lambda: reloads(proxy) == (1, 1), timeout=2.0)
+    assert metric(proxy, stamp) == reloaded
+    assert metric(proxy, "egresswall_policy_loaded") == 1  # the last good policy is still in force
 
 
 def test_invalid_edit_keeps_the_last_good_policy_and_logs_the_location(lab, start_proxy):
@@ -47,8 +80,7 @@ def test_invalid_edit_keeps_the_last_good_policy_and_logs_the_location(lab, star
     line = [ln for ln in proxy.stderr.splitlines() if "reload refused" in ln][0]
     assert re.search(rf"{re.escape(str(proxy.policy_path))}:\d+:\d+: hosts.allwo: unknown key 'allwo'", line), line
     assert status_of(proxy, lab) == 403  # still the old policy
-    _, body = proxy.admin("/metrics")
-    assert 'egresswall_policy_reloads_total{result="failure"} 1' in body
+    assert reloads(proxy) == (0, 1)
     assert proxy.admin("/readyz")[0] == 200
 
 
@@ -76,10 +108,7 @@ def test_a_complete_file_without_a_final_newline_loads_reloads_and_lints_alike(l
     took = wait_for(lambda: status_of(proxy, lab) == 403, timeout=SETTLE_SECONDS + 2.0)
     assert time.monotonic() - written >= SETTLE_SECONDS - 0.3, "taken before it had settled"
     assert took < SETTLE_SECONDS + 2.0
-    _, body = proxy.admin("/metrics")
-    assert 'egresswall_policy_reloads_total{result="success"} 1' in body
-    assert 'egresswall_policy_reloads_total{result="failure"}' not in body or \
-        'egresswall_policy_reloads_total{result="failure"} 0' in body
+    assert reloads(proxy) == (1, 0)
     assert "reload refused" not in proxy.stderr
     # SIGHUP on a fresh edit: not refused either, taken once settled.
     proxy.policy_path.write_text(lab.policy_text().rstrip("\n"))

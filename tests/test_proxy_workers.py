@@ -10,7 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from metrics_page import families, total, value
+
+from proxy.build import versions
+from proxy.metrics import DNS_BUCKETS
 
 pytestmark = pytest.mark.integration
 
@@ -21,9 +24,26 @@ def children(pid: int) -> list[int]:
 
 
 def decisions_total(proxy) -> float:
-    _, body = proxy.admin("/metrics")
-    family = {f.name: f for f in text_string_to_metric_families(body)}["egresswall_decisions"]
-    return sum(s.value for s in family.samples)
+    return total(proxy.admin("/metrics")[1], "egresswall_decisions_total")
+
+
+def check_summed_page(body: str, requests: int, started: float) -> None:
+    """The supervisor's page (issue 14 item 7): counters and the DNS histogram added over the workers,
+    one build_info series, the latest reload time, decisions by rule id."""
+    page = families(body)
+    assert value(body, "egresswall_decisions_total", verdict="allow", rule_id="default:allow") >= requests / 2
+    assert value(body, "egresswall_decisions_total", verdict="refuse", rule_id="special-purpose 127.0.0.0/8") \
+        >= requests / 2
+    kind, samples = page["egresswall_dns_lookup_seconds"]
+    assert kind == "histogram"
+    assert [float(s.labels["le"]) for s in samples if s.name.endswith("_bucket")] == [*DNS_BUCKETS, float("inf")]
+    assert value(body, "egresswall_dns_lookup_seconds_count") >= requests  # one lookup per request, summed
+    assert value(body, "egresswall_dns_lookup_seconds_bucket", le="+Inf") == \
+        value(body, "egresswall_dns_lookup_seconds_count")
+    _, samples = page["egresswall_build_info"]
+    assert [(s.labels, s.value) for s in samples] == [(versions(), 1)]  # one series, not one per worker
+    assert started - 1 <= value(body, "egresswall_policy_last_reload_success_timestamp_seconds") <= time.time()
+    assert value(body, "egresswall_policy_loaded") == 1
 
 
 def wait_ready(proxy, timeout: float = 60) -> None:
@@ -36,6 +56,7 @@ def wait_ready(proxy, timeout: float = 60) -> None:
 
 
 def test_workers_share_one_port_one_log_and_summed_metrics(lab, start_proxy):
+    started = time.time()
     proxy = start_proxy(lab.policy_text(), "--workers", "2")
     wait_ready(proxy)
     assert len(children(proxy.process.pid)) == 2
@@ -46,6 +67,7 @@ def test_workers_share_one_port_one_log_and_summed_metrics(lab, start_proxy):
     records = proxy.audit()
     assert sorted(r["path"] for r in records if r["event"] == "decision") == sorted(f"/w{i}" for i in range(20))
     assert decisions_total(proxy) == 20
+    check_summed_page(proxy.admin("/metrics")[1], 20, started)
 
     # A worker that dies is restarted, and the counters it had do not vanish from the sum.
     os.kill(children(proxy.process.pid)[0], signal.SIGKILL)
@@ -53,6 +75,7 @@ def test_workers_share_one_port_one_log_and_summed_metrics(lab, start_proxy):
     wait_ready(proxy)
     assert len(children(proxy.process.pid)) == 2
     assert decisions_total(proxy) >= 20
+    check_summed_page(proxy.admin("/metrics")[1], 20, started)  # what the dead worker counted is carried
     assert proxy.get(f"http://public.lab.example:{lab.public.port}/after")[0] == 200
 
     pids = children(proxy.process.pid)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import http.server
 import os
-import pwd
 import shutil
 import signal
 import socket
@@ -40,6 +39,7 @@ from labnet import StandIn, Upstream
 from proxyproc import parse_response
 from squid_compat.addrsets import cidrs
 from squid_compat.importer import import_conf
+from squid_files import hand_to_squid_user
 
 from policy.decision import Request, Resolution, decide
 from policy.hosts import HostFormError, parse_authority, parse_url
@@ -340,14 +340,7 @@ def squid_workdir(name: str) -> Path:
     workdir = Path(tempfile.mkdtemp(prefix=f"ew-squid-{name}-"))
     for log in ("cache.log", "access.log", "hosts"):
         (workdir / log).touch()
-    try:
-        user = pwd.getpwnam("proxy")
-    except KeyError:
-        user = None
-    for path in (workdir, *workdir.iterdir()):
-        if user is not None and os.geteuid() == 0:
-            os.chown(path, user.pw_uid, user.pw_gid)
-        path.chmod(0o755 if path.is_dir() else 0o644)
+    hand_to_squid_user(workdir)
     return workdir
 
 

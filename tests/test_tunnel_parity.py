@@ -8,6 +8,7 @@ import time
 
 import pytest
 from labnet import PUBLIC_IP
+from metrics_page import value
 from proxyproc import ProxyProcess
 from tls_build import client_hello
 
@@ -63,9 +64,9 @@ def scenario(proxy: ProxyProcess, lab) -> list[int]:
     return statuses
 
 
-def wait_for_gauge(proxy: ProxyProcess, value: int) -> None:
+def wait_for_gauge(proxy: ProxyProcess, count: int) -> None:
     deadline = time.monotonic() + 10
-    while f"\negresswall_open_connections {value}\n" not in proxy.admin("/metrics")[1] and time.monotonic() < deadline:
+    while value(proxy.admin("/metrics")[1], "egresswall_open_connections") != count and time.monotonic() < deadline:
         time.sleep(0.05)
 
 

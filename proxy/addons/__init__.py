@@ -20,13 +20,17 @@ from .hop_by_hop import HopByHop
 from .options import LimitsOptions
 from .pinning import Pinning
 from .tunnel_watch import TunnelWatch
+from .upstream import UpstreamForwarding
 
 
-def egresswall_addons(gate: Gate, fronted: bool = False) -> list:
-    """``fronted``: the front (proxy/front.py) admitted every connection before handing it over."""
+def egresswall_addons(gate: Gate, fronted: bool = False, upstream_credentials: str | None = None) -> list:
+    """``fronted``: the front (proxy/front.py) admitted every connection before handing it over.
+    With an upstream proxy in the policy (mitmproxy then runs in upstream mode) ``UpstreamForwarding``
+    follows ``HopByHop``: the client's Proxy-Authorization is gone before the upstream's is added."""
     table = ConnectionTable()
+    forwarding = [UpstreamForwarding(gate, table, upstream_credentials)] if gate.policy.upstream else []
     return [LimitsOptions(gate), AdmissionAddon(gate, table, fronted), DecisionAddon(gate, table), HopByHop(),
-            BodyLimit(gate), Pinning(gate, table), TunnelWatch(gate, table), AuditTrail(gate)]
+            *forwarding, BodyLimit(gate), Pinning(gate, table), TunnelWatch(gate, table), AuditTrail(gate)]
 
 
 def patch_state_for(gate: Gate, first_byte_timer: bool) -> mitm_patches.PatchState:

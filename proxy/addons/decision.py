@@ -31,6 +31,11 @@ def accept_of(flow: http.HTTPFlow) -> tuple[str, ...]:
     return tuple(flow.request.headers.get_all("accept"))
 
 
+def credentials_of(flow: http.HTTPFlow) -> tuple[str, ...]:
+    """The Proxy-Authorization header values (a session's id:secret); hop_by_hop.py strips them before forwarding."""
+    return tuple(flow.request.headers.get_all("proxy-authorization"))
+
+
 class DecisionAddon:
     def __init__(self, gate: Gate, table: ConnectionTable) -> None:
         self.gate, self.table = gate, table
@@ -39,7 +44,7 @@ class DecisionAddon:
         authority = (flow.request.data.authority.decode("latin-1") if flow.request.data.authority
                      else f"{flow.request.host}:{flow.request.port}")
         outcome = await self.gate.decide_connect(peer_of(flow.client_conn.peername), authority, flow.id,
-                                                 accept_of(flow))
+                                                 accept_of(flow), credentials_of(flow))
         if outcome.refusal is not None:
             flow.response = to_response(outcome.refusal)
             return
@@ -79,6 +84,7 @@ class DecisionAddon:
                       websocket=upgrade == WEBSOCKET,
                       content_length=int(length) if length is not None and length.isdigit() else None,
                       accept=accept_of(flow), authority=request.data.authority.decode("latin-1") or None,
+                      credentials=credentials_of(flow),
                       flow_id=flow.metadata[FLOW_ID])
         tunnel = self.table.tunnels.get(flow.server_conn.id)
         outcome = await self.gate.decide_request(ask, tunnel)

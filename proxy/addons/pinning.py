@@ -20,6 +20,13 @@ class Pinning:
         if data.server.address is None:
             return
         host, port = data.server.address[0], data.server.address[1]
+        upstream = self.gate.policy.upstream
+        if upstream is not None:
+            # Upstream mode: every socket mitmproxy opens is to the upstream proxy, which connects on
+            # (resolving the name itself: nothing to pin). The decision was made on egresswall's own
+            # resolution before this; any other address here would be a connection around the upstream.
+            data.server.error = self.gate.guard_upstream(host, port)
+            return
         try:
             key_host, _ = normalise_host(host)
         except HostFormError as err:

@@ -98,6 +98,14 @@ class CountedRelay(TCPLayer):
         if self._handle_event == self.done:
             self.report(None)
 
+    def handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
+        if (isinstance(event, events.OpenConnectionCompleted) and event.reply
+                and event.command.connection == self.context.server):
+            # The connect failed where no server_connect_error hook sees it (the CONNECT an upstream proxy
+            # refused, in mitmproxy's upstream mode): the tunnel's record says why, not "the client closed".
+            self.report(f"connect failed: {event.reply}")
+        return super().handle_event(event)
+
     def report(self, error: str | None) -> None:
         if not self._reported:
             self._reported = True

@@ -13,7 +13,8 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
-from importlib import metadata
+
+from proxy.build import versions
 
 from .errors import EXIT_INTERRUPTED, describe
 
@@ -45,14 +46,8 @@ def _command_named(argv: Sequence[str]) -> str | None:
 
 
 def version() -> str:
-    def of(name: str) -> str:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            return "unknown"
-
-    python = ".".join(str(n) for n in sys.version_info[:3])
-    return f"egresswall {of('egresswall')} (mitmproxy {of('mitmproxy')}, Python {python})"
+    built = versions()
+    return f"egresswall {built['version']} (mitmproxy {built['mitmproxy']}, Python {built['python']})"
 
 
 def _no_abbreviations(parser: argparse.ArgumentParser) -> None:

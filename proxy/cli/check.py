@@ -16,6 +16,7 @@ from proxy.records import verdict_word
 
 from .errors import UsageError
 from .options import add_policy_options, load_from_args
+from .run import upstream_words
 
 EXIT_ALLOWED, EXIT_REFUSED = 0, 1
 
@@ -41,9 +42,11 @@ def cmd_check(args: argparse.Namespace) -> int:
     results = [asyncio.run(_check_one(policy, resolver, url, args)) for url in args.url]
     for url, verdict, resolution in results:
         if args.json:
-            print(json.dumps(_verdict_json(url, verdict, resolution)))
+            # Only with an upstream (the interface stays as it was without): nothing is pinned, as in the audit log.
+            extra = {"pinned": None, "upstream": _upstream_json(policy)} if policy.upstream else {}
+            print(json.dumps(_verdict_json(url, verdict, resolution) | extra))
         else:
-            _print_verdict(url, verdict, resolution)
+            _print_verdict(url, verdict, resolution, policy)
     return EXIT_ALLOWED if all(v.allowed for _, v, _ in results) else EXIT_REFUSED
 
 
@@ -73,7 +76,12 @@ def _verdict_word(verdict: Verdict) -> str:
     return "ALLOWED" if verdict.allowed else "REFUSED"
 
 
-def _print_verdict(url: str, verdict: Verdict, resolution) -> None:
+def _upstream_json(policy: Policy) -> dict:
+    assert policy.upstream is not None
+    return {"proxy": policy.upstream.url, "resolution": policy.upstream.resolution}
+
+
+def _print_verdict(url: str, verdict: Verdict, resolution, policy: Policy) -> None:
     rows = [("url", url), ("verdict", _verdict_word(verdict)), ("stage", verdict.stage), ("rule", verdict.rule),
             ("rule_id", verdict.rule_id), ("reason", verdict.reason)]
     if verdict.role:
@@ -82,8 +90,12 @@ def _print_verdict(url: str, verdict: Verdict, resolution) -> None:
         rows.append(("cnames", " -> ".join(resolution.cnames)))
     if verdict.addresses:
         rows.append(("resolved", ", ".join(verdict.addresses)))
-    if verdict.pinned:
+    if verdict.pinned and policy.upstream is None:
         rows.append(("pinned", verdict.pinned))
+    elif verdict.pinned:
+        rows.append(("checked", f"{verdict.pinned} (not pinned: the upstream resolves the name itself)"))
+    if policy.upstream is not None and verdict.allowed:
+        rows.append(("upstream", upstream_words(policy)))
     for key, value in rows:
         print(f"{key:<9} {value}")
     print()

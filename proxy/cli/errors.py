@@ -17,6 +17,7 @@ import traceback
 
 from policy.loader import PolicyError
 from proxy.listeners import ADMIN, BROWSER_SERVER, PROXY, ListenError
+from proxy.upstream import UpstreamError
 
 EXIT_USAGE, EXIT_BUG, EXIT_INTERRUPTED = 2, 70, 130
 _OPTION = {PROXY: "--listen HOST:PORT", ADMIN: "--admin HOST:PORT (or --no-admin)",
@@ -31,7 +32,7 @@ def describe(err: BaseException) -> tuple[str, int]:
     """(one line for people, exit status) for a failure that ended a command."""
     if isinstance(err, ListenError):
         return f"{err}; {_listen_advice(err)}", EXIT_USAGE
-    if isinstance(err, (PolicyError, UsageError, *_imported(_WRITTEN_TO_BE_READ))):
+    if isinstance(err, (PolicyError, UsageError, UpstreamError, *_imported(_WRITTEN_TO_BE_READ))):
         return str(err), EXIT_USAGE  # written to be read as they are (file:line:column: ...)
     if isinstance(err, OSError) and (err.filename is not None or isinstance(err, PermissionError)):
         where = f": {err.filename}" if err.filename is not None else ""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from policy.lint import lint
+from policy.lint import lint, notes
 
 from .options import load_policy_file
 
@@ -21,6 +21,8 @@ def cmd_lint(args: argparse.Namespace) -> int:
     warnings = lint(policy)
     for warning in warnings:
         print(f"warning: {warning}")
+    for note in notes(policy):
+        print(f"note: {note}")
     rules = sum(1 for _ in policy.all_host_rules())
     print(f"{args.file}: valid; {rules} host rule(s), {len(policy.roles)} role(s), {len(warnings)} warning(s)")
     return 1 if warnings and args.strict else 0

@@ -4,6 +4,7 @@ command line loads a policy file (so a change of loader is a change here)."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from policy.hosts import split_host_port
@@ -15,7 +16,8 @@ from proxy.policy_file import load_policy_file as _load_policy_file
 from .errors import UsageError
 
 # The destinations of the options add_policy_options declares that add to (or replace parts of) the file.
-_OVERRIDE_OPTIONS = ("default", "mode", "allow_host", "deny_host", "allow_range", "deny_range", "nameserver")
+_OVERRIDE_OPTIONS = ("default", "mode", "allow_host", "deny_host", "allow_range", "deny_range", "nameserver",
+                     "upstream", "upstream_credentials_file")
 
 
 def add_policy_options(parser: argparse.ArgumentParser, default_policy: Path | None = DEFAULT_POLICY) -> None:
@@ -34,6 +36,11 @@ def add_policy_options(parser: argparse.ArgumentParser, default_policy: Path | N
     group.add_argument("--deny-range", action="append", default=[], metavar="CIDR", help="refuse an address range")
     group.add_argument("--nameserver", action="append", default=[], metavar="IP[:PORT]",
                        help="ask this nameserver (replaces the policy's list); repeatable")
+    group.add_argument("--upstream", metavar="http://HOST:PORT",
+                       help="forward through this HTTP proxy (replaces upstream.proxy; the policy must still say "
+                            "upstream.resolution: upstream). Never credentials here: see --upstream-credentials-file")
+    group.add_argument("--upstream-credentials-file", metavar="FILE",
+                       help="file holding user:password for the upstream proxy (replaces upstream.credentials_file)")
 
 
 def overrides_from(args: argparse.Namespace) -> Overrides:
@@ -42,8 +49,11 @@ def overrides_from(args: argparse.Namespace) -> Overrides:
             parse_nameserver(ns)  # a bad flag is an error here, with the flag's own words
         except ValueError as err:
             raise UsageError(f"--nameserver {ns}: {err}") from None
+    credentials = args.upstream_credentials_file
     return Overrides(default=args.default, mode=args.mode, allow_hosts=args.allow_host, deny_hosts=args.deny_host,
-                     allow_ranges=args.allow_range, deny_ranges=args.deny_range, nameservers=args.nameserver)
+                     allow_ranges=args.allow_range, deny_ranges=args.deny_range, nameservers=args.nameserver,
+                     upstream=args.upstream,
+                     upstream_credentials_file=os.path.abspath(credentials) if credentials else None)
 
 
 def policy_options_given(args: argparse.Namespace) -> bool:

@@ -16,6 +16,8 @@ from policy.model import Policy
 from policy.resolver import DnsResolver
 from proxy.listeners import authority
 from proxy.run_config import RunConfig
+from proxy.sessions.api import read_token_file
+from proxy.sessions.store_url import check_store_url
 from proxy.workers import Supervisor
 
 from . import logs
@@ -48,6 +50,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--fast-tunnels", action=argparse.BooleanOptionalAction, default=True,
                      help="relay passed-through TLS tunnels in egresswall's own front rather than through "
                           "mitmproxy (default: on; --no-fast-tunnels hands them to mitmproxy)")
+    run.add_argument("--admin-token-file", metavar="FILE",
+                     help="turn on the session API (/v1/sessions on the admin listener): clients of it send "
+                          "Authorization: Bearer <the file's content>; the file must be mode 600. Without it the "
+                          "API is off")
+    run.add_argument("--session-store", metavar="URL",
+                     help="where sessions and their budgets live: memory (default; this process only) or "
+                          "redis://HOST:PORT/DB, shared by --workers and replicas")
     run.set_defaults(func=cmd_run)
 
 
@@ -58,9 +67,31 @@ def run_config_from(args: argparse.Namespace) -> RunConfig:
         _check_confdir(args.confdir)
     if args.upstream_ca is not None and not os.path.isfile(args.upstream_ca):
         raise UsageError(f"--upstream-ca {args.upstream_ca}: no such file (a PEM bundle of CA certificates)")
+    _check_sessions(args)
     return RunConfig(policy_path=args.policy, overrides=overrides_from(args), listen=args.listen,
                      admin=None if args.no_admin else args.admin, log_path=args.log, log_format=args.log_format,
-                     confdir=args.confdir, upstream_ca=args.upstream_ca, fast_tunnels=args.fast_tunnels)
+                     confdir=args.confdir, upstream_ca=args.upstream_ca, fast_tunnels=args.fast_tunnels,
+                     admin_token_file=args.admin_token_file, session_store=args.session_store)
+
+
+def _check_sessions(args: argparse.Namespace) -> None:
+    """The session options, judged before anything starts, with the option's name in the message."""
+    if args.admin_token_file is not None:
+        try:
+            read_token_file(args.admin_token_file)
+        except ValueError as err:
+            raise UsageError(f"--admin-token-file {args.admin_token_file}: {err}") from None
+        if args.no_admin:
+            raise UsageError("--admin-token-file serves the session API on the admin listener; drop --no-admin")
+    if args.session_store is not None:
+        try:
+            check_store_url(args.session_store)
+        except ValueError as err:
+            raise UsageError(f"--session-store {args.session_store}: {err}") from None
+    shared = args.session_store not in (None, "memory")
+    if args.workers > 1 and args.admin_token_file is not None and not shared:
+        raise UsageError(f"--workers {args.workers} with sessions needs a shared store: each worker's memory holds "
+                         "only its own; give --session-store redis://HOST:PORT/DB")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -71,6 +102,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.workers > 1:
         # The supervisor never proxies: it does not import mitmproxy (proxy/run_config.py), only its workers do.
         policy = load_from_args(args)  # a policy that does not load fails here, once, with its file:line:column
+        if policy.upstream is not None:
+            raise UsageError(f"--workers {args.workers}: not supported with an upstream proxy "
+                             f"({policy.upstream.url}); run one process (the upstream does the heavy lifting)")
         confdir = config.confdir or MITMPROXY_CONF_DIR
 
         def announce(listen: tuple[str, int], admin: tuple[str, int] | None) -> None:
@@ -146,9 +180,25 @@ def startup_line(listen: tuple[str, int], admin: tuple[str, int] | None, policy:
     parts.append(f"nameservers {_nameservers(policy)}")
     log = "standard output" if config.log_path in (None, "-") else config.log_path
     parts.append(f"audit log {log} ({config.log_format})")
+    if policy.upstream is not None:
+        parts.append(upstream_words(policy))
+    if config.admin_token_file or config.session_store:
+        api = "session API on" if config.admin_token_file else "session API off (no --admin-token-file)"
+        store = config.session_store or "memory"
+        scheme, sep, rest = store.partition("://")
+        parts.append(f"{api}, session store {scheme}{sep}{rest.rpartition('@')[2]}")  # never a password
     if any(rule.intercept for rule in policy.all_host_rules()):
         parts.append(f"interception CA {Path(confdir).expanduser() / 'mitmproxy-ca-cert.pem'}")
     return "; ".join(parts)
+
+
+def upstream_words(policy: Policy) -> str:
+    """What an upstream proxy changes, said wherever the guarantee is stated (the startup line, ``check``)."""
+    upstream = policy.upstream
+    assert upstream is not None
+    credentials = f", credentials from {upstream.credentials_file}" if upstream.credentials_file else ""
+    return (f"upstream proxy {upstream.url}{credentials}: address guarantee WEAKENED, the upstream resolves names "
+            "itself (egresswall decides on its own resolution but cannot pin the connection)")
 
 
 def _nameservers(policy: Policy) -> str:

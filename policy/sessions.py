@@ -1,0 +1,260 @@
+"""Session grants: what one client session may reach, inside what the policy allows. Pure: no I/O, no clock.
+
+A session is created by a platform for one conversation turn (the admin API, ``proxy/sessions/api.py``)
+and presented by a client as ``Proxy-Authorization: Basic id:secret`` (``policy/credentials.py``). It
+only narrows: a request must pass the policy (role, host rules, address rules, unchanged) *and* the
+session. This module holds the session's model, the parser of its grants (the same host pattern rules
+and error words as the policy file), and the checks:
+
+* ``check_grant``: is the target granted, and is the session still in force (no counters needed);
+* ``judge_budgets``: given the usage counters the store read, may one more request go (the store
+  applies the answer atomically: ``proxy/sessions/store.py``).
+
+A URL grant admits its exact URL where the request is visible (plain HTTP, requests inside an
+intercepted or plain-HTTP tunnel) and only its host and port for a passed-through TLS tunnel, where
+egresswall sees no path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from .decision import Verdict
+from .hosts import HostFormError, Target, parse_url
+from .model import canonical_path
+from .patterns import HostPattern
+from .schema import definition_problems
+from .yamldoc import KeyPath, dotted
+
+STAGE = "session"
+NOT_GRANTED, EXPIRED, ENDED = "session:not-granted", "session:expired", "session:ended"
+BUDGET_REQUESTS, BUDGET_HOSTS = "session:budget-requests", "session:budget-hosts"
+BUDGET_REQUEST_BYTES, BUDGET_RESPONSE_BYTES = "session:budget-request-bytes", "session:budget-response-bytes"
+REQUIRED, CREDENTIALS = "session:required", "session:credentials"  # answered 407
+STORE_UNAVAILABLE = "session:store-unavailable"  # answered 503
+DEFAULT_TTL = 900.0
+SESSION_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_URL_SCHEMES = frozenset({"http", "https"})
+_PLAIN = {"ws": "http", "wss": "https"}  # a WebSocket handshake is a request to the http(s) URL it upgrades
+
+
+@dataclass(frozen=True)
+class UrlGrant:
+    """One granted URL: scheme, host and port as the policy normalises them; path and query exact."""
+
+    text: str
+    scheme: str
+    host: str
+    port: int
+    path: str  # canonical path with the query, e.g. "/a/b?x=1"
+
+    def admits_tunnel(self, target: Target) -> bool:
+        return target.host == self.host and target.port == self.port
+
+    def admits_request(self, target: Target) -> bool:
+        if _PLAIN.get(target.scheme, target.scheme) != self.scheme or not self.admits_tunnel(target):
+            return False
+        return canonical_request_path(target.path) == self.path
+
+
+@dataclass(frozen=True)
+class Grants:
+    hosts: tuple[HostPattern, ...] = ()
+    urls: tuple[UrlGrant, ...] = ()
+
+    def admit(self, target: Target, visible: bool) -> bool:
+        """``visible``: the request's scheme and path are seen (not a passed-through tunnel)."""
+        if any(pattern.matches(target.host) for pattern in self.hosts):
+            return True
+        if visible:
+            return any(url.admits_request(target) for url in self.urls)
+        return any(url.admits_tunnel(target) for url in self.urls)
+
+    def as_json(self) -> dict[str, list[str]]:
+        return {"hosts": [p.text for p in self.hosts], "urls": [u.text for u in self.urls]}
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """None: no bound. Bytes are counted when a response or tunnel ends, and checked before each request."""
+
+    requests: int | None = None
+    hosts: int | None = None
+    request_bytes: int | None = None
+    response_bytes: int | None = None
+
+    def as_json(self) -> dict[str, int]:
+        return {k: v for k, v in (("requests", self.requests), ("hosts", self.hosts),
+                                  ("request_bytes", self.request_bytes), ("response_bytes", self.response_bytes))
+                if v is not None}
+
+
+@dataclass(frozen=True)
+class Usage:
+    requests: int = 0
+    hosts: int = 0
+    request_bytes: int = 0
+    response_bytes: int = 0
+
+    def as_json(self) -> dict[str, int]:
+        return {"requests": self.requests, "hosts": self.hosts, "request_bytes": self.request_bytes,
+                "response_bytes": self.response_bytes}
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    """What a platform asked for (``POST /v1/sessions``), validated."""
+
+    grants: Grants
+    budgets: Budgets
+    ttl: float
+
+    def as_json(self) -> dict[str, Any]:
+        """The normalised request (stores keep this and parse it again on load)."""
+        return {"grants": self.grants.as_json(), "budgets": self.budgets.as_json(), "ttl": self.ttl}
+
+
+@dataclass(frozen=True)
+class Session:
+    id: str
+    secret_digest: str  # SHA-256 of the secret, hex: the secret itself is never kept
+    created: float  # seconds since the epoch (a shared store's processes share a wall clock, not a monotonic one)
+    expires: float
+    spec: SessionSpec
+
+    @property
+    def grants(self) -> Grants:
+        return self.spec.grants
+
+    @property
+    def budgets(self) -> Budgets:
+        return self.spec.budgets
+
+    def secret_matches(self, secret: str) -> bool:
+        """Constant-time: the digests are compared, never the texts."""
+        return hmac.compare_digest(secret_digest(secret), self.secret_digest)
+
+
+class SessionSpecError(ValueError):
+    """A session request that cannot be used: every problem, each with its field ("grants.urls[1]")."""
+
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        super().__init__("; ".join(f"{field}: {message}" if field else message for field, message in problems))
+        self.problems = problems
+
+
+def secret_digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def canonical_request_path(path: str) -> str | None:
+    """Path (canonical, as policy path rules read it) and query (exact); None for a path servers may read
+    differently (dot segments, encoded slashes): such a request matches no URL grant."""
+    base, sep, query = (path or "/").partition("?")
+    canonical = canonical_path(base or "/")
+    return None if canonical is None else canonical + sep + query
+
+
+def parse_url_grant(text: str) -> UrlGrant:
+    """An absolute http(s) URL, parsed as strictly as a request target; ValueError with the reason."""
+    try:
+        target = parse_url(text)
+    except HostFormError as err:
+        raise ValueError(f"got {text!r}; {err.reason}") from None
+    if target.scheme not in _URL_SCHEMES:
+        raise ValueError(f"got {text!r}; a URL grant is an http or https URL (a WebSocket handshake is a request to "
+                         "its http(s) URL)")
+    path = canonical_request_path(target.path)
+    if path is None:
+        raise ValueError(f"got {text!r}; the path has dot segments or encoded separators, which servers read "
+                         "differently: give the path the server serves")
+    return UrlGrant(text, target.scheme, target.host, target.port, path)
+
+
+def parse_session_spec(data: Any) -> SessionSpec:
+    """A session request (parsed JSON) → SessionSpec, or SessionSpecError listing every problem."""
+    problems = [(dotted(path), message) for path, message in definition_problems(data, "sessionRequest")]
+    if problems:
+        raise SessionSpecError(problems)
+    grants = data["grants"]
+    hosts = _parsed(grants.get("hosts", []), ("grants", "hosts"), HostPattern.parse, problems)
+    urls = _parsed(grants.get("urls", []), ("grants", "urls"), parse_url_grant, problems)
+    if not problems and not hosts and not urls:
+        problems.append(("grants", "the session grants nothing; give 'hosts' or 'urls'"))
+    if problems:
+        raise SessionSpecError(problems)
+    raw = data.get("budgets", {})
+    budgets = Budgets(raw.get("requests"), raw.get("hosts"), raw.get("request_bytes"), raw.get("response_bytes"))
+    return SessionSpec(Grants(tuple(hosts), tuple(urls)), budgets, float(data.get("ttl", DEFAULT_TTL)))
+
+
+def parse_extension(data: Any) -> float:
+    """The body of an extend request → its ttl (seconds from now)."""
+    problems = [(dotted(path), message) for path, message in definition_problems(data, "sessionExtend")]
+    if problems:
+        raise SessionSpecError(problems)
+    return float(data["ttl"])
+
+
+def _parsed(values: Iterable[str], at: KeyPath, parse, problems: list[tuple[str, str]]) -> list:
+    out = []
+    for i, text in enumerate(values):
+        try:
+            out.append(parse(text))
+        except ValueError as err:
+            problems.append((dotted((*at, i)), str(err)))
+    return out
+
+
+# ---- the checks -----------------------------------------------------------------------------------
+
+def refused(rule: str, reason: str, session: Session | None, role: str | None = None) -> Verdict:
+    return Verdict(False, STAGE, rule, reason, role=role, session=session.id if session else None)
+
+
+def check_grant(session: Session, target: Target, visible: bool, now: float, role: str | None = None
+                ) -> Verdict | None:
+    """A refusal when the session is no longer in force or does not grant the target; None: granted."""
+    if now >= session.expires:
+        return refused(EXPIRED, f"session {session.id} expired {now - session.expires:.0f}s ago", session, role)
+    if session.grants.admit(target, visible):
+        return None
+    # Without the query: it is what an exfiltrating request carries, and the audit log keeps none by default.
+    where = (target.url().split("?", 1)[0] if visible
+             else f"{target.authority} (a tunnel: only its host and port are seen)")
+    return refused(NOT_GRANTED, f"session {session.id} does not grant {where}; it grants "
+                                f"{_grants_text(session.grants)}", session, role)
+
+
+def judge_budgets(session: Session, usage: Usage, host_seen: bool, content_length: int | None = None,
+                  role: str | None = None) -> Verdict | None:
+    """Whether one more request to a host (``host_seen``: reached before under this session) fits the
+    budgets, given the usage so far; None: it does, and the store counts it."""
+    budgets = session.budgets
+    if budgets.requests is not None and usage.requests >= budgets.requests:
+        return refused(BUDGET_REQUESTS, f"session {session.id} has used its budget of {budgets.requests} requests",
+                       session, role)
+    if budgets.request_bytes is not None:
+        coming = content_length or 0
+        if usage.request_bytes >= budgets.request_bytes or usage.request_bytes + coming > budgets.request_bytes:
+            return refused(BUDGET_REQUEST_BYTES, f"session {session.id} has sent {usage.request_bytes} bytes"
+                           + (f" and this request would add {coming}" if coming else "")
+                           + f"; its budget is {budgets.request_bytes} bytes", session, role)
+    if budgets.response_bytes is not None and usage.response_bytes >= budgets.response_bytes:
+        return refused(BUDGET_RESPONSE_BYTES, f"session {session.id} has received {usage.response_bytes} bytes; its "
+                                              f"budget is {budgets.response_bytes} bytes", session, role)
+    if budgets.hosts is not None and not host_seen and usage.hosts >= budgets.hosts:
+        return refused(BUDGET_HOSTS, f"session {session.id} has reached its budget of {budgets.hosts} distinct "
+                                     "hosts; this would be another", session, role)
+    return None
+
+
+def _grants_text(grants: Grants, limit: int = 5) -> str:
+    named = [p.text for p in grants.hosts] + [u.text for u in grants.urls]
+    more = len(named) - limit
+    return ", ".join(named[:limit]) + (f" and {more} more" if more > 0 else "")

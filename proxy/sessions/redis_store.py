@@ -1,0 +1,180 @@
+"""The shared session store: Redis (``--session-store redis://HOST:PORT/DB``), for ``--workers N`` and replicas.
+
+Keys (``egresswall:`` prefix), each expiring ``RETAIN`` seconds after the session does:
+
+* ``session:<id>``: the session record (``store.session_record``: the secret's digest, never the secret);
+* ``session:<id>:usage``: a hash of counters (requests, request_bytes, response_bytes);
+* ``session:<id>:hosts``: the set of distinct hosts reached;
+* ``sessions``: the set of ids, for listing (pruned of ids whose record is gone).
+
+``charge`` is atomic across processes: WATCH the usage and hosts keys, read them, judge with the pure
+``judge_budgets``, then count in a MULTI/EXEC; when another process counted in between, EXEC fails and the
+charge is judged again on the new counts. So a budget of N requests admits exactly N, whichever process
+each arrives at. Every Redis error is ``StoreUnavailable`` (fail closed).
+"""
+
+from __future__ import annotations
+
+import math
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError, WatchError
+
+from policy.decision import Verdict
+from policy.sessions import ENDED, Session, Usage, judge_budgets, refused
+
+from .store import RETAIN, StoreUnavailable, session_from_record, session_record
+
+PREFIX = "egresswall:"
+TIMEOUT = 1.0  # seconds for one Redis round trip: a request waits at most this long before it is refused
+MAX_RETRIES = 50  # charge attempts under contention before giving up (fail closed)
+
+
+class RedisStore:
+    kind = "redis"
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.client = aioredis.from_url(url, socket_timeout=TIMEOUT, socket_connect_timeout=TIMEOUT,
+                                        health_check_interval=0)
+        self._healthy = True
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy
+
+    def _key(self, session_id: str, part: str = "") -> str:
+        return f"{PREFIX}session:{session_id}" + (f":{part}" if part else "")
+
+    async def _call(self, job):
+        try:
+            result = await job
+        except (TimeoutError, RedisError, OSError) as err:
+            self._healthy = False
+            raise StoreUnavailable(f"the session store {self.safe_url} cannot be reached: "
+                                   f"{type(err).__name__}: {err}"[:300]) from None
+        self._healthy = True
+        return result
+
+    @property
+    def safe_url(self) -> str:
+        """The URL without a password, for messages."""
+        scheme, sep, rest = self.url.partition("://")
+        return f"{scheme}{sep}{rest.rpartition('@')[2]}"
+
+    async def put(self, session: Session) -> None:
+        at = _expire_at(session.expires)
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.set(self._key(session.id), session_record(session), pxat=at)
+            pipe.delete(self._key(session.id, "usage"), self._key(session.id, "hosts"))
+            pipe.sadd(f"{PREFIX}sessions", session.id)
+            await self._call(pipe.execute())
+
+    async def get(self, session_id: str) -> Session | None:
+        raw = await self._call(self.client.get(self._key(session_id)))
+        return session_from_record(raw) if raw is not None else None
+
+    async def delete(self, session_id: str) -> bool:
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.delete(self._key(session_id))
+            pipe.delete(self._key(session_id, "usage"), self._key(session_id, "hosts"))
+            pipe.srem(f"{PREFIX}sessions", session_id)
+            removed, _, _ = await self._call(pipe.execute())
+        return bool(removed)
+
+    async def set_expiry(self, session_id: str, expires: float) -> Session | None:
+        from dataclasses import replace
+
+        session = await self.get(session_id)
+        if session is None:
+            return None
+        session = replace(session, expires=expires)
+        at = _expire_at(expires)
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.set(self._key(session_id), session_record(session), pxat=at, xx=True)
+            pipe.pexpireat(self._key(session_id, "usage"), at)
+            pipe.pexpireat(self._key(session_id, "hosts"), at)
+            stored, _, _ = await self._call(pipe.execute())
+        return session if stored else None
+
+    async def usage(self, session_id: str) -> Usage:
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.hmget(self._key(session_id, "usage"), "requests", "request_bytes", "response_bytes")
+            pipe.scard(self._key(session_id, "hosts"))
+            (requests, up, down), hosts = await self._call(pipe.execute())
+        return Usage(int(requests or 0), int(hosts or 0), int(up or 0), int(down or 0))
+
+    async def charge(self, session: Session, host: str, content_length: int | None,
+                     role: str | None = None) -> Verdict | None:
+        usage_key, hosts_key, record_key = (self._key(session.id, "usage"), self._key(session.id, "hosts"),
+                                            self._key(session.id))
+        at = _expire_at(session.expires)
+        for _ in range(MAX_RETRIES):
+            async with self.client.pipeline(transaction=True) as pipe:
+                try:
+                    await self._call(pipe.watch(usage_key, hosts_key, record_key))
+                    exists = await self._call(pipe.exists(record_key))
+                    if not exists:
+                        await pipe.reset()
+                        return refused(ENDED, f"session {session.id} has ended", session, role)
+                    requests, up, down = await self._call(pipe.hmget(usage_key, "requests", "request_bytes",
+                                                                     "response_bytes"))
+                    seen = await self._call(pipe.sismember(hosts_key, host))
+                    hosts = await self._call(pipe.scard(hosts_key))
+                    usage = Usage(int(requests or 0), int(hosts or 0), int(up or 0), int(down or 0))
+                    refusal = judge_budgets(session, usage, bool(seen), content_length, role)
+                    if refusal is not None:
+                        await pipe.reset()
+                        return refusal
+                    pipe.multi()
+                    pipe.hincrby(usage_key, "requests", 1)
+                    pipe.sadd(hosts_key, host)
+                    pipe.pexpireat(usage_key, at)
+                    pipe.pexpireat(hosts_key, at)
+                    await pipe.execute()
+                    self._healthy = True
+                    return None
+                except WatchError:
+                    continue  # another process counted first: judge again on the new counts
+                except (TimeoutError, RedisError, OSError) as err:
+                    self._healthy = False
+                    raise StoreUnavailable(f"the session store {self.safe_url} cannot be reached: "
+                                           f"{type(err).__name__}: {err}"[:300]) from None
+        raise StoreUnavailable(f"the session store {self.safe_url} stayed contended for {MAX_RETRIES} attempts")
+
+    async def add_bytes(self, session_id: str, up: int, down: int) -> None:
+        if not (up or down):
+            return
+        key = self._key(session_id, "usage")
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.hincrby(key, "request_bytes", up)
+            pipe.hincrby(key, "response_bytes", down)
+            # The charge that admitted the request set the counters' expiry; a count arriving after the session
+            # ended recreates the hash, which must not live for ever.
+            pipe.pexpire(key, int(RETAIN * 1000), nx=True)
+            await self._call(pipe.execute())
+
+    async def ids(self, now: float) -> list[str]:
+        found = sorted(m.decode() for m in await self._call(self.client.smembers(f"{PREFIX}sessions")))
+        live = []
+        for session_id in found:
+            session = await self.get(session_id)
+            if session is None:
+                await self._call(self.client.srem(f"{PREFIX}sessions", session_id))
+            elif now < session.expires:
+                live.append(session_id)
+        return live
+
+    async def ping(self) -> bool:
+        try:
+            await self._call(self.client.ping())
+        except StoreUnavailable:
+            return False
+        return True
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+def _expire_at(expires: float) -> int:
+    return math.ceil((expires + RETAIN) * 1000)

@@ -1,0 +1,152 @@
+"""What the gate asks about sessions: who is this (``identify``), may it go (``check``), count it (``charge``).
+
+The pure rules are policy/sessions.py's and policy/credentials.py's; this adapter adds the store (I/O) and
+the clock. Sessions are judged when they are *on*: a session store or an admin token file was given, or
+the policy requires a session somewhere (``session: required``). Off, a Proxy-Authorization header is
+not looked at (it is still stripped before forwarding, as every hop-by-hop header is).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from policy.credentials import CredentialsError, parse_proxy_authorization
+from policy.decision import Verdict, role_of
+from policy.hosts import Target
+from policy.model import Policy
+from policy.sessions import (
+    CREDENTIALS,
+    REQUIRED,
+    STORE_UNAVAILABLE,
+    Session,
+    SessionSpec,
+    check_grant,
+    refused,
+    secret_digest,
+)
+
+from ..metrics import Metrics
+from .store import MemoryStore, SessionStore, StoreUnavailable
+
+log = logging.getLogger("egresswall")
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a request came as: a session, none, or a refusal (``status`` 407 or 503)."""
+
+    session: Session | None = None
+    refusal: Verdict | None = None
+    status: int = 0
+
+
+NO_SESSION = Identity()
+_DECOY = secret_digest(secrets.token_urlsafe(32))  # compared against when the id is unknown: the same work
+
+
+class SessionService:
+    def __init__(self, store: SessionStore | None = None, metrics: Metrics | None = None, configured: bool = False,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.store: SessionStore = store or MemoryStore()
+        self.metrics = metrics or Metrics()
+        self.configured = configured
+        self.clock = clock
+        self._tasks: set[asyncio.Task] = set()
+
+    def enabled(self, policy: Policy) -> bool:
+        return self.configured or policy.requires_sessions
+
+    # ---- identity -----------------------------------------------------------------------------
+
+    async def identify(self, policy: Policy, client: str | None, values: Sequence[str]) -> Identity:
+        if not self.enabled(policy):
+            return NO_SESSION
+        role = role_of(policy, client)
+        role_name = role.name if role else None
+        try:
+            credentials = parse_proxy_authorization(values)
+        except CredentialsError as err:
+            return self._refused(Identity(None, refused(CREDENTIALS, err.reason, None, role_name), 407))
+        if credentials is None:
+            if policy.session_required(role):
+                whose = f"role {role.name}" if role is not None and role.session else "the policy"
+                return self._refused(Identity(None, refused(
+                    REQUIRED, f"{whose} requires a session (session: required): send Proxy-Authorization: Basic "
+                              "with the session's id and secret", None, role_name), 407))
+            return NO_SESSION
+        try:
+            session = await self.store.get(credentials.session_id)
+        except StoreUnavailable as err:
+            return self._refused(Identity(None, refused(STORE_UNAVAILABLE, str(err), None, role_name), 503))
+        # The same answer for an unknown id and a wrong secret, and the digest compared in constant time
+        # either way: a client learns nothing about which ids exist.
+        if session is None:
+            hmac.compare_digest(secret_digest(credentials.secret), _DECOY)
+            matches = False
+        else:
+            matches = session.secret_matches(credentials.secret)
+        if not matches:
+            return self._refused(Identity(None, refused(
+                CREDENTIALS, f"no session {credentials.session_id} with this secret (unknown, ended, or a wrong "
+                             "secret)", None, role_name), 407))
+        return Identity(session)
+
+    # ---- the checks ---------------------------------------------------------------------------
+
+    def check(self, session: Session, target: Target, visible: bool, role: str | None) -> Verdict | None:
+        refusal = check_grant(session, target, visible, self.clock(), role)
+        if refusal is not None:
+            self.metrics.session_refusal(refusal.rule)
+        return refusal
+
+    async def charge(self, session: Session, target: Target, content_length: int | None,
+                     role: str | None) -> tuple[Verdict | None, int]:
+        """(refusal, status) for one more request under the session; (None, 0) once it is counted."""
+        try:
+            refusal = await self.store.charge(session, target.host, content_length, role)
+        except StoreUnavailable as err:
+            refusal = refused(STORE_UNAVAILABLE, str(err), session, role)
+            self.metrics.session_refusal(refusal.rule)
+            return refusal, 503
+        if refusal is not None:
+            self.metrics.session_refusal(refusal.rule)
+            return refusal, 403
+        self.metrics.session_request()
+        return None, 0
+
+    def count_bytes(self, session_id: str | None, up: int, down: int) -> None:
+        """Add a finished response's or tunnel's bytes to its session (in the background: the record is
+        written already, and the next request's charge reads the counts)."""
+        if session_id is None or not (up or down):
+            return
+        try:
+            task = asyncio.get_running_loop().create_task(self._count_bytes(session_id, up, down))
+        except RuntimeError:  # no loop (a gate driven by hand)
+            return
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _count_bytes(self, session_id: str, up: int, down: int) -> None:
+        try:
+            await self.store.add_bytes(session_id, up, down)
+        except StoreUnavailable as err:
+            log.warning("session %s: %d/%d bytes not counted: %s", session_id, up, down, err)
+
+    def _refused(self, identity: Identity) -> Identity:
+        assert identity.refusal is not None
+        self.metrics.session_refusal(identity.refusal.rule)
+        return identity
+
+    # ---- the admin API's side -----------------------------------------------------------------
+
+    def new_session(self, spec: SessionSpec) -> tuple[Session, str]:
+        """A new session for a validated request, and its secret (handed out once, kept only as a digest)."""
+        secret = secrets.token_urlsafe(32)
+        now = self.clock()
+        return Session("s" + secrets.token_hex(12), secret_digest(secret), now, now + spec.ttl, spec), secret

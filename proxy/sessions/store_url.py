@@ -1,0 +1,28 @@
+"""Which store ``--session-store`` names: ``memory`` (the default) or a Redis URL (``redis_store.py``)."""
+
+from __future__ import annotations
+
+from .store import MemoryStore, SessionStore
+
+
+def check_store_url(text: str) -> str:
+    """``memory`` or ``redis://[:password@]HOST:PORT[/DB]`` (``rediss://`` for TLS, ``unix:///path``);
+    ValueError with what was expected."""
+    if text == "memory":
+        return text
+    scheme, sep, rest = text.partition("://")
+    if scheme not in ("redis", "rediss", "unix") or not sep or not rest:
+        raise ValueError("expected 'memory' or redis://HOST:PORT/DB (rediss:// for TLS, unix:///path/to/socket)")
+    if scheme != "unix":
+        where = rest.rpartition("@")[2].split("/", 1)
+        if not where[0] or (len(where) > 1 and where[1] and not where[1].isdigit()):
+            raise ValueError("expected redis://HOST:PORT/DB with a numeric database")
+    return text
+
+
+def open_store(url: str | None) -> SessionStore:
+    if url in (None, "memory"):
+        return MemoryStore()
+    from .redis_store import RedisStore  # only a deployment that asks for Redis imports its client
+
+    return RedisStore(check_store_url(url))
