@@ -608,3 +608,19 @@ def test_a_session_narrows_through_the_upstream_and_its_secret_never_reaches_it(
     assert session["id"] not in log and f" {USER} " in wait_for_line(squid, "/up/ok")
     assert [p for _, p, _ in lab.public.requests[before:]] == ["/up/ok"]
     assert not [h for _, _, h in lab.public.requests[before:] if any(k.lower() == "proxy-authorization" for k in h)]
+
+
+def test_requests_pipelined_behind_the_connect_before_its_answer_are_each_judged(lab, sessions_proxy):
+    """CONNECT, a granted request and a sibling, in one write before the 200: the sibling never reaches the
+    origin (the first message is judged, and so is every request after it)."""
+    port = lab.public.port
+    session = create(sessions_proxy.admin_port, {"urls": [f"http://public.lab.example:{port}/pipe/ok"]})
+    before = len(lab.public.requests)
+    connect_head = (f"CONNECT public.lab.example:{port} HTTP/1.1\r\nHost: public.lab.example:{port}\r\n"
+                    f"Proxy-Authorization: {session['proxy_authorization']}\r\n\r\n").encode()
+    with socket.create_connection((sessions_proxy.host, sessions_proxy.port), timeout=10) as sock:
+        sock.sendall(connect_head + _inside(lab, "/pipe/ok") + _inside(lab, "/pipe/other?q=exfiltrated")
+                     + _inside(lab, "/pipe/ok"))
+        answers = _read_all(sock)
+    assert answers.startswith(b"HTTP/1.1 200") and b"session:not-granted" in answers
+    assert [p for _, p, _ in lab.public.requests[before:]] in (["/pipe/ok"], ["/pipe/ok", "/pipe/ok"])
