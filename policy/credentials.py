@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from .sessions import SESSION_ID
 
 MAX_VALUE = 1024
-_VALUE = re.compile(r"^([A-Za-z]+) +([A-Za-z0-9+/]+={0,2})$")
-_SECRET = re.compile(r"^[\x21-\x7e]{1,256}$")  # printable ASCII, no spaces: what the API hands out and more
+_VALUE = re.compile(r"\A([A-Za-z]+) +([A-Za-z0-9+/]+={0,2})\Z")
+# \Z, not "$": "$" also matches before a trailing newline, which would be let into the secret.
+_SECRET = re.compile(r"\A[\x21-\x7e]{1,256}\Z")  # printable ASCII, no spaces: what the API hands out and more
 
 
 @dataclass(frozen=True)

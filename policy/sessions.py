@@ -38,7 +38,7 @@ BUDGET_REQUEST_BYTES, BUDGET_RESPONSE_BYTES = "session:budget-request-bytes", "s
 REQUIRED, CREDENTIALS = "session:required", "session:credentials"  # answered 407
 STORE_UNAVAILABLE = "session:store-unavailable"  # answered 503
 DEFAULT_TTL = 900.0
-SESSION_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+SESSION_ID = re.compile(r"\A[A-Za-z0-9_-]{1,64}\Z")  # \Z: "$" would let a trailing newline in
 _URL_SCHEMES = frozenset({"http", "https"})
 _PLAIN = {"ws": "http", "wss": "https"}  # a WebSocket handshake is a request to the http(s) URL it upgrades
 

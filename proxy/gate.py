@@ -295,9 +295,11 @@ class Gate:
             return self._request_refused(ask, target, verdict, 413)
         resolution = None
         if tunnel is not None:  # the CONNECT's session applies inside; a header inside names no other one
-            session = tunnel.session
-            verdict = self.sessions.check(session, target, True, tunnel.verdict.role) if session else None
-            status = 403
+            session, verdict, status = None, None, 403
+            if tunnel.session is not None:  # as the store has it now: extended, shortened or ended since
+                session, verdict, status = await self.sessions.current(tunnel.session, tunnel.verdict.role)
+                if session is not None:
+                    verdict, status = self.sessions.check(session, target, True, tunnel.verdict.role), 403
         else:
             session, verdict, status = await self._session_first(policy, ask.client, ask.credentials, target, True)
         if verdict is None:

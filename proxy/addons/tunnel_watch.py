@@ -95,7 +95,11 @@ class TunnelWatch:
             data.ignore_connection = False
 
     def server_disconnected(self, data: ServerConnectionHookData) -> None:
-        # A tunnel that never reached the relay (intercepted, HTTP inside) ends here.
-        tunnel = self.table.tunnels.pop(data.server.id, None)
+        # A tunnel that never reached the relay (intercepted, HTTP inside) gets its closing line here. It stays
+        # in the table until its client connection closes (``forget_client``): mitmproxy opens a new connection
+        # to the origin for the client's next request inside the tunnel (an origin's keep-alive timeout closes
+        # the first one), and that request is still the tunnel's — its target, its checks and its session —
+        # never a plain request decided as if no CONNECT had come before it.
+        tunnel = self.table.tunnels.get(data.server.id)
         if tunnel is not None:
             self.gate.tunnel_closed(tunnel, 0, 0, None)

@@ -22,6 +22,7 @@ from policy.hosts import Target
 from policy.model import Policy
 from policy.sessions import (
     CREDENTIALS,
+    ENDED,
     REQUIRED,
     STORE_UNAVAILABLE,
     Session,
@@ -97,6 +98,18 @@ class SessionService:
                              "secret)", None, role_name), 407))
         return Identity(session)
 
+    async def current(self, session: Session, role: str | None) -> tuple[Session | None, Verdict | None, int]:
+        """The session as the store holds it now, for a request inside a tunnel opened under it: an extension
+        or a shortened ttl applies there as on a new connection, and an ended session is refused.
+        (session, None, 0), or (None, refusal, status)."""
+        try:
+            now = await self.store.get(session.id)
+        except StoreUnavailable as err:
+            return None, self._counted(refused(STORE_UNAVAILABLE, str(err), session, role)), 503
+        if now is None or not hmac.compare_digest(now.secret_digest, session.secret_digest):
+            return None, self._counted(refused(ENDED, f"session {session.id} has ended", session, role)), 403
+        return now, None, 0
+
     # ---- the checks ---------------------------------------------------------------------------
 
     def check(self, session: Session, target: Target, visible: bool, role: str | None) -> Verdict | None:
@@ -137,6 +150,10 @@ class SessionService:
             await self.store.add_bytes(session_id, up, down)
         except StoreUnavailable as err:
             log.warning("session %s: %d/%d bytes not counted: %s", session_id, up, down, err)
+
+    def _counted(self, refusal: Verdict) -> Verdict:
+        self.metrics.session_refusal(refusal.rule)
+        return refusal
 
     def _refused(self, identity: Identity) -> Identity:
         assert identity.refusal is not None
