@@ -77,8 +77,12 @@ def _from_path(path: str) -> Credentials:
 
 
 def _unescape(value: str) -> str:
-    """%XX escapes decoded as bytes; a byte outside ASCII stays escaped, so the credential check refuses it."""
-    return _ESCAPE.sub(lambda m: chr(int(m.group(1), 16)) if int(m.group(1), 16) < 0x80 else m.group(0), value)
+    """%XX escapes decoded; an escape of a byte outside ASCII is refused (a secret is printable ASCII, and
+    keeping the escape as text would make it another secret than the client meant)."""
+    if any(int(code, 16) >= 0x80 for code in _ESCAPE.findall(value)):
+        raise CredentialsError("the session path's secret holds an escape of a byte outside ASCII; a secret is "
+                               "printable ASCII without spaces or control characters")
+    return _ESCAPE.sub(lambda m: chr(int(m.group(1), 16)), value)
 
 
 def _from_header(values: Sequence[str]) -> Credentials:
