@@ -269,6 +269,12 @@ class PageReader:
         if failure is not None and "ERR_ABORTED" not in failure:
             return self._failed(url, since, navigation, failure)
         self._settle(page, deadline)
+        if navigation.document is not None and navigation.document is not response:
+            # the page went on to another document (a meta refresh, a script's location change): judged too
+            late = self._judge_response(url, since, navigation.document, navigation)
+            if late is not None:
+                return late
+            response = navigation.document
         final_url = page.url
         title = _safe(lambda: page.title(), "")
         html = _safe(lambda: page.content(), "")
