@@ -43,6 +43,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from policy.credentials import Credentials
+
 from .caps import CapRefusal, Caps
 from .cgroup import CgroupError, MemoryCeiling
 from .driver import BrowserProcess
@@ -314,7 +316,8 @@ class BrowserServer:
             return connection.respond(503, f"egresswall browser-server: {refusal.reason}\n")
         return None
 
-    def _session_of(self, request):
+    def _session_of(self, request) -> Credentials | HandshakeRefusal | None:
+        """The session a handshake names (its path or its header), or why the handshake is refused."""
         found = session_of_handshake(request.path, request.headers.get_all(SESSION_HEADER))
         if found is not None and not isinstance(found, HandshakeRefusal) and self.sessions_refused:
             return HandshakeRefusal(403, self.sessions_refused)
