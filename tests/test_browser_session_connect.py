@@ -210,3 +210,22 @@ def test_the_session_override_requires_a_session_of_every_client_and_role():
     policy = parse_policy(text, overrides=Overrides(session="required"))
     assert policy.session == "required" and all(role.session == "required" for role in policy.roles)
     assert policy.session_required(policy.roles[0]) and policy.session_required(None)
+
+
+labels = st.from_regex(r"\A[a-z][a-z0-9]{0,8}\Z")
+sites = st.tuples(labels, st.sampled_from(["example", "co.uk", "com", "github.io"]))
+
+
+@given(st.lists(st.tuples(st.lists(labels, max_size=2), sites, st.from_regex(r"\A(/[a-z0-9]{0,6}){1,3}\Z")),
+                min_size=1, max_size=4), sites, st.sampled_from(["same-site", "none"]))
+def test_a_browse_session_admits_each_url_it_was_given_and_no_other_site(pages, other, subresources):
+    urls = [f"https://{'.'.join([*sub, name, suffix])}{path}" for sub, (name, suffix), path in pages]
+    spec = browse_grants(urls, subresources, 300).spec
+    assert spec is not None
+    for url in urls:
+        assert spec.grants.admit(parse_url(url), True) and spec.grants.admit(parse_url(url), False)
+    other_host = f"zz-{other[0]}.{other[1]}"  # a site none of the URLs is on ("-" is not in the labels)
+    assert not spec.grants.admit(parse_url(f"https://{other_host}/?q=x"), True)
+    assert not spec.grants.admit(parse_url(f"https://{other_host}/"), False)
+    if subresources == "none":
+        assert spec.grants.hosts == ()
