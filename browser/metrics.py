@@ -13,7 +13,7 @@ class BrowserMetrics:
     contexts_refused: Counter[str] = field(default_factory=Counter)  # by cap: client | server
     contexts_reaped: Counter[str] = field(default_factory=Counter)  # by why: idle | connection_idle | ...
     connections_accepted: int = 0
-    connections_refused: Counter[str] = field(default_factory=Counter)  # client | server | web_origin
+    connections_refused: Counter[str] = field(default_factory=Counter)  # client | server | web_origin | session
     connections_closed: Counter[str] = field(default_factory=Counter)  # idle | oversized | browser_exited ...
     calls_refused: Counter[str] = field(default_factory=Counter)  # filter | in_flight | call_id
     browser_starts: int = 0

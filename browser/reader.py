@@ -12,6 +12,10 @@ never with an invented page:
 * ``empty``       an HTML page without readable text;
 * ``error``       any other network error, with Chromium's own error code.
 
+A page is read even when some of its own requests are refused (a script's ``fetch``, an image on a host
+the policy or the session does not admit): those are listed with the result (``refused_requests``: the
+URL without its query, the rule and the reason), found the same two ways as below.
+
 A refused plain-HTTP request comes back as the proxy's 403, whose ``X-Egresswall-*`` headers are the
 refusal itself: its rule and reason are read from them, and nobody is asked again. For a refused CONNECT
 (https, wss) Chromium shows only ``ERR_TUNNEL_CONNECTION_FAILED`` and hides the proxy's 403. The reason then
@@ -33,7 +37,9 @@ from policy.hosts import DEFAULT_PORTS, HostFormError, normalise_host
 from policy.wire import refusal_from_headers
 
 HTML_TYPES = ("text/html", "application/xhtml+xml")
+SESSION_CHALLENGE = "session:required"  # policy/sessions.py REQUIRED
 TUNNEL_ERRORS = ("ERR_TUNNEL_CONNECTION_FAILED",)
+MAX_ASKED = 20  # a page's refused tunnels whose reason is looked up
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,7 @@ class PageResult:
     rule: str | None = None
     content_type: str | None = None
     redirected_from: list[str] | None = None
+    refused_requests: list[dict[str, str]] | None = None  # the page's own requests egresswall refused
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -111,7 +118,10 @@ class AuditRefusals:
         self._lock = threading.Lock()
 
     def record(self, record: dict[str, Any]) -> None:
-        if record.get("event") == "decision" and record.get("verdict") == "refuse":
+        # session:required is the 407 that asks a browser for its session's credentials, which a context
+        # with a session answers: it is not why anything failed, and a later record would be.
+        if (record.get("event") == "decision" and record.get("verdict") == "refuse"
+                and record.get("rule") != SESSION_CHALLENGE):
             with self._lock:
                 self._records.append((time.time(), record))  # when it was decided, on this process's clock
 
@@ -172,10 +182,14 @@ class ProxyQuery:
 class PageReader:
     """Reads pages with one (contained) Playwright ``Browser`` (sync API), a fresh context per URL."""
 
-    def __init__(self, browser: Any, refusals: RefusalSource | None = None, limits: ReadLimits | None = None) -> None:
+    def __init__(self, browser: Any, refusals: RefusalSource | None = None, limits: ReadLimits | None = None,
+                 context_proxy: dict[str, str] | None = None) -> None:
         self.browser = browser
         self.refusals = refusals
         self.limits = limits or ReadLimits()
+        # Each context's proxy option: the browser's proxy with a session's credentials (egresswall browse's
+        # session); None: the browser's own proxy.
+        self.context_proxy = context_proxy
 
     def read_all(self, urls: list[str], screenshot: str | None = None) -> list[PageResult]:
         results = []
@@ -192,18 +206,48 @@ class PageReader:
         if scheme not in ("http", "https"):
             return PageResult(url, False, problem="error", reason=f"not an http or https URL: {url!r}")
         since = time.time()
-        context = self.browser.new_context(accept_downloads=False, service_workers="block")
+        options: dict[str, Any] = {"proxy": dict(self.context_proxy)} if self.context_proxy else {}
+        context = self.browser.new_context(accept_downloads=False, service_workers="block", **options)
         try:
-            return self._read_in(context, url, since, screenshot)
+            result = self._read_in(context, url, since, screenshot)
         finally:
             context.close()
+        return result
 
     def _read_in(self, context: Any, url: str, since: float, screenshot: str | None) -> PageResult:
+        page = context.new_page()
+        navigation = _Navigation(page)
+        result = self._read_page(page, navigation, url, since, screenshot)
+        result.refused_requests = self._refused_requests(navigation, since) or None
+        return result
+
+    def _refused_requests(self, navigation: _Navigation, since: float) -> list[dict[str, str]]:
+        """The page's own requests egresswall refused: from the refusal itself (plain HTTP) or, for a
+        refused tunnel Chromium reports as a network error, from the refusal source."""
+        found: dict[tuple[str, str], dict[str, str]] = {}
+        for request_url, refusal in navigation.refused:
+            found.setdefault((_without_query(request_url), refusal[0]), {
+                "url": _without_query(request_url), "rule": refusal[0], "reason": refusal[1]})
+        asked: set[tuple[str, str, int | None]] = set()
+        for request_url, failure in navigation.failed:
+            # Only a refused tunnel hides its refusal (plain HTTP brings it as a 403, above); each host is
+            # asked about once, and at most MAX_ASKED of them (a running proxy is asked the CONNECT again).
+            where = _host_port(request_url)
+            if (not self.refusals or _net_error(failure) not in TUNNEL_ERRORS or where in asked
+                    or len(asked) >= MAX_ASKED):
+                continue
+            asked.add(where)
+            refusal = self.refusals.find(request_url, since)
+            if refusal is not None:
+                found.setdefault((_without_query(request_url), refusal.rule), {
+                    "url": _without_query(request_url), "rule": refusal.rule, "reason": refusal.reason})
+        return list(found.values())
+
+    def _read_page(self, page: Any, navigation: _Navigation, url: str, since: float,
+                   screenshot: str | None) -> PageResult:
         from playwright.sync_api import Error as PlaywrightError
         from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
-        page = context.new_page()
-        navigation = _Navigation(page)
         deadline = time.monotonic() + self.limits.timeout
         response = None
         failure = None
@@ -225,6 +269,12 @@ class PageReader:
         if failure is not None and "ERR_ABORTED" not in failure:
             return self._failed(url, since, navigation, failure)
         self._settle(page, deadline)
+        if navigation.document is not None and navigation.document is not response:
+            # the page went on to another document (a meta refresh, a script's location change): judged too
+            late = self._judge_response(url, since, navigation.document, navigation)
+            if late is not None:
+                return late
+            response = navigation.document
         final_url = page.url
         title = _safe(lambda: page.title(), "")
         html = _safe(lambda: page.content(), "")
@@ -299,6 +349,8 @@ class _Navigation:
         self.failed_url: str | None = None
         self.failure_text: str | None = None
         self.download_type: str | None = None
+        self.refused: list[tuple[str, tuple[str, str]]] = []  # the page's own requests: (url, (rule, reason))
+        self.failed: list[tuple[str, str]] = []  # the page's own requests that failed: (url, Chromium's error)
         page.on("request", self._on_request)
         page.on("requestfailed", self._on_failed)
         page.on("response", self._on_response)
@@ -316,9 +368,16 @@ class _Navigation:
     def _on_failed(self, request: Any) -> None:
         if self._main(request):
             self.failed_url, self.failure_text = request.url, request.failure
+        else:
+            self.failed.append((request.url, request.failure or ""))
 
     def _on_response(self, response: Any) -> None:
-        if self._main(response.request) and not 300 <= response.status < 400:
+        if not self._main(response.request):
+            refusal = refusal_from_headers(_safe(lambda: response.headers, {}) or {})
+            if refusal is not None and refusal[0] != SESSION_CHALLENGE:
+                self.refused.append((response.url, refusal))
+            return
+        if not 300 <= response.status < 400:
             self.document = response
             content_type = _content_type(response)
             if content_type and not any(content_type.startswith(t) for t in HTML_TYPES):
@@ -387,6 +446,12 @@ def _may_be_refusal(code: str | None) -> bool:
     return code is None or code in TUNNEL_ERRORS or code in ("ERR_ABORTED", "ERR_FAILED")
 
 
+def _without_query(url: str) -> str:
+    """A URL as a report shows it: no query or fragment (what an exfiltrating request carries; the audit
+    log keeps no query strings by default either)."""
+    return url.split("#", 1)[0].split("?", 1)[0]
+
+
 def _refused_reason(reason: str, refused_url: str, asked_url: str) -> str:
     if refused_url.rstrip("/") != asked_url.rstrip("/"):
         return f"{reason} (after a redirect to {refused_url})"
@@ -415,9 +480,22 @@ def format_text(result: PageResult) -> str:
         if result.rule:
             rows.append(("Rule", result.rule))
         rows.append(("Reason", result.reason or ""))
+        rows += _refused_rows(result)
         return "\n".join(f"{k + ':':<11}{v}" for k, v in rows) + "\n"
+    rows += _refused_rows(result)
     body = "\n".join(f"{k + ':':<11}{v}" for k, v in rows) + "\n\n" + (result.content or "") + "\n"
     return body + (_cut_note(result) + "\n" if result.truncated else "")
+
+
+def _refused_rows(result: PageResult) -> list[tuple[str, str]]:
+    return [("Refused", f"{r['url']} ({r['rule']}: {r['reason']})") for r in result.refused_requests or ()]
+
+
+def _refused_lines(result: PageResult) -> list[str]:
+    if not result.refused_requests:
+        return []
+    return ["", "Requests of the page egresswall refused:", ""] + [
+        f"- <{r['url']}> `{r['rule']}`: {r['reason']}" for r in result.refused_requests]
 
 
 def format_markdown(result: PageResult) -> str:
@@ -426,12 +504,12 @@ def format_markdown(result: PageResult) -> str:
         if result.rule:
             lines.append(f"- rule: `{result.rule}`")
         lines.append(f"- reason: {result.reason}")
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines + _refused_lines(result)) + "\n"
     lines = [f"# {result.title or result.final_url}", "", f"<{result.final_url}> · HTTP {result.status}", "",
              result.content or ""]
     if result.truncated:
         lines += ["", f"*{_cut_note(result)}*"]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _refused_lines(result)) + "\n"
 
 
 def _cut_note(result: PageResult) -> str:

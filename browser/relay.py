@@ -27,7 +27,8 @@ from websockets.exceptions import ConnectionClosed
 
 from .objects import ObjectTree, read_server_message
 from .protocol_filter import ProtocolFilter, Refusal
-from .tracker import ConnectionTracker
+from .session_connect import with_context_proxy
+from .tracker import CONTEXT_OPENERS, ConnectionTracker
 
 if TYPE_CHECKING:
     from .driver import BrowserProcess
@@ -50,7 +51,8 @@ def close_reason(text: str) -> str:
 
 
 class Relay:
-    def __init__(self, server: BrowserServer, client, key: str, browser: BrowserProcess) -> None:
+    def __init__(self, server: BrowserServer, client, key: str, browser: BrowserProcess,
+                 context_proxy: dict[str, str] | None = None) -> None:
         self.server = server
         self.browser = browser  # the one this connection reaches (a restart brings another)
         self.client = client
@@ -63,6 +65,9 @@ class Relay:
                                          time.monotonic(), server.metrics)
         self.upstream = None
         self.ending: Ending | None = None  # set when the relay itself ends the connection
+        # A session connection's proxy option (with its credentials), set on every context it opens.
+        self.context_proxy = context_proxy
+        self.session = context_proxy["username"] if context_proxy else None
 
     # ---- what the server asks of a connection ---------------------------------------------------
 
@@ -99,7 +104,7 @@ class Relay:
         except OSError as err:
             await self.client.close(1011, close_reason(f"the browser is not reachable: {err}"))
             return
-        log.info("client %s connected", self.peer)
+        log.info("client %s connected%s", self.peer, f" with session {self.session}" if self.session else "")
         to_server = asyncio.create_task(self._client_to_server())
         to_client = asyncio.create_task(self._server_to_client())
         try:
@@ -137,6 +142,10 @@ class Relay:
                     if not await self._refuse(Refusal(verdict.call_id, refusal.reason)):
                         return
                     continue
+                if self.context_proxy is not None and (verdict.interface, verdict.method) in CONTEXT_OPENERS:
+                    # After the filter (which refused any proxy the client sent): the server's proxy, with
+                    # this connection's session, is the only one the context gets.
+                    message = json.dumps(with_context_proxy(json.loads(message), self.context_proxy))
                 try:
                     await self.upstream.send(message)
                 except ConnectionClosed:

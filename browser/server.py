@@ -20,6 +20,11 @@ egress is whatever the policy allows). Keep it on loopback or on a network only 
 binding a non-loopback address needs ``--allow-non-loopback``. WebSocket handshakes that carry an
 ``Origin`` header (every web page's do; Playwright clients' do not) are refused, so a page in some
 other browser on the host cannot drive it.
+
+Sessions (``session_connect.py``): a connection to ``/session/<id>?secret=<secret>`` (or with the
+``X-Egresswall-Session`` header) gets contexts whose proxy carries that session's credentials, set here;
+a malformed one is refused at the handshake (400), and the proxy judges the credentials themselves.
+The per-client caps still count by address: an id the server cannot verify must not buy more slots.
 """
 
 from __future__ import annotations
@@ -38,12 +43,15 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from policy.credentials import Credentials
+
 from .caps import CapRefusal, Caps
 from .cgroup import CgroupError, MemoryCeiling
 from .driver import BrowserProcess
 from .launch import ContainmentError, LaunchPlan
 from .metrics import BrowserMetrics
 from .relay import MAX_QUEUE, Ending, Relay, close_reason
+from .session_connect import SESSION_HEADER, HandshakeRefusal, session_of_handshake, session_proxy
 
 log = logging.getLogger("egresswall.browser")
 MiB = 2**20
@@ -126,8 +134,11 @@ def is_loopback(host: str) -> bool:
 
 class BrowserServer:
     def __init__(self, plan: LaunchPlan, host: str = "127.0.0.1", port: int = 3000, start_timeout: float = 60.0,
-                 limits: ServerLimits | None = None, key_of: Callable[[Any], str] = client_key) -> None:
+                 limits: ServerLimits | None = None, key_of: Callable[[Any], str] = client_key,
+                 sessions_refused: str | None = None) -> None:
         self.plan = plan
+        # Why session connections are refused at the handshake (None: their credentials go to the proxy).
+        self.sessions_refused = sessions_refused
         self.host, self.port = host, port
         self.start_timeout = start_timeout
         self.limits = limits or ServerLimits()
@@ -295,11 +306,22 @@ class BrowserServer:
             self.metrics.connections_refused["web_origin"] += 1
             return connection.respond(403, "egresswall browser-server: WebSocket connections from web pages are "
                                            "refused\n")
+        session = self._session_of(request)
+        if isinstance(session, HandshakeRefusal):
+            self.metrics.connections_refused["session"] += 1
+            return connection.respond(session.status, f"egresswall browser-server: {session.reason}\n")
         refusal = self._connection_refusal(self.key_of(connection))
         if refusal is not None:  # answered before the handshake; _handle takes the slot itself
             self.metrics.connections_refused[refusal.scope] += 1
             return connection.respond(503, f"egresswall browser-server: {refusal.reason}\n")
         return None
+
+    def _session_of(self, request) -> Credentials | HandshakeRefusal | None:
+        """The session a handshake names (its path or its header), or why the handshake is refused."""
+        found = session_of_handshake(request.path, request.headers.get_all(SESSION_HEADER))
+        if found is not None and not isinstance(found, HandshakeRefusal) and self.sessions_refused:
+            return HandshakeRefusal(403, self.sessions_refused)
+        return found
 
     def _connection_refusal(self, key: str) -> CapRefusal | None:
         probe = self.connection_caps.reserve(key)
@@ -325,7 +347,10 @@ class BrowserServer:
                 return
             browser = self.browser
             assert browser is not None and browser.upstream is not None
-            relay = Relay(self, connection, key, browser)
+            session = self._session_of(connection.request)  # checked in _process_request: not a refusal
+            assert not isinstance(session, HandshakeRefusal)
+            proxy = session_proxy(self.plan.proxy_server, session) if session is not None else None
+            relay = Relay(self, connection, key, browser, proxy)
             self.relays.add(relay)
             await relay.run(browser.upstream)
         finally:

@@ -66,11 +66,17 @@ def parse_proxy_authorization(values: Sequence[str]) -> Credentials | None:
     session_id, colon, secret = text.partition(":")
     if not colon:
         raise CredentialsError("the Proxy-Authorization credentials have no ':' between session id and secret")
+    return session_credentials(session_id, secret, "the Proxy-Authorization user", "the Proxy-Authorization secret")
+
+
+def session_credentials(session_id: str, secret: str, id_name: str = "the session id",
+                        secret_name: str = "the session secret") -> Credentials:
+    """A session id and secret checked by the rules the proxy reads them with (wherever they came from: a
+    Proxy-Authorization header, a browser server's session URL); CredentialsError names what is wrong."""
     if not SESSION_ID.match(session_id):
-        raise CredentialsError("the Proxy-Authorization user is not a session id (1-64 letters, digits, '_', '-')")
+        raise CredentialsError(f"{id_name} is not a session id (1-64 letters, digits, '_', '-')")
     if not _SECRET.match(secret):
-        raise CredentialsError("the Proxy-Authorization secret is empty, too long or holds spaces or control "
-                               "characters")
+        raise CredentialsError(f"{secret_name} is empty, too long or holds spaces or control characters")
     return Credentials(session_id, secret)
 
 

@@ -58,6 +58,9 @@ class Overrides:
     mode: str | None = None
     upstream: str | None = None  # --upstream: replaces upstream.proxy (the policy must still say resolution)
     upstream_credentials_file: str | None = None  # --upstream-credentials-file: replaces upstream.credentials_file
+    # "required": every client, in every role, must present a session (egresswall browse's in-process proxy,
+    # whose one client is the browser it reads with); replaces session: in the policy and in each role.
+    session: str | None = None
 
 
 def parse_policy(text: str, source: str = "<policy>", overrides: Overrides | None = None) -> Policy:
@@ -108,6 +111,14 @@ def _apply(doc: YamlDocument, overrides: Overrides) -> None:
         doc.extra_origins[("default",)] = Origin("--default")
     if overrides.mode is not None:
         data["mode"] = overrides.mode
+    if overrides.session is not None:
+        data["session"] = overrides.session
+        doc.extra_origins[("session",)] = Origin("command line (session required)")
+        roles = data.get("roles")
+        for i, role in enumerate(roles if isinstance(roles, list) else []):
+            if isinstance(role, dict):
+                role["session"] = overrides.session
+                doc.extra_origins[("roles", i, "session")] = Origin("command line (session required)")
     for flag, keys, values in (
         ("--allow-host", ("hosts", "allow"), overrides.allow_hosts),
         ("--deny-host", ("hosts", "deny"), overrides.deny_hosts),

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from browser.launch import ContainmentError, LaunchPlan, plan_launch
+from policy.model import REQUIRED
 from proxy.listeners import authority
 
 from .embedded import EmbeddedProxy
@@ -37,10 +38,11 @@ class BrowserProxy:
 
 
 @contextlib.contextmanager
-def browser_proxy(args: argparse.Namespace) -> Iterator[BrowserProxy]:
+def browser_proxy(args: argparse.Namespace, require_sessions: bool = False) -> Iterator[BrowserProxy]:
     """The proxy (named or embedded) and the launch plan both commands start from; on the way out the
-    plan's files are removed and an embedded proxy is stopped."""
-    address, embedded, ca_files = _proxy_from_args(args)
+    plan's files are removed and an embedded proxy is stopped. ``require_sessions``: the embedded proxy
+    requires a session of every client (``browse``: its one client is the browser it reads with)."""
+    address, embedded, ca_files = _proxy_from_args(args, require_sessions)
     try:
         plan = plan_launch(address, ca_files=ca_files, sandbox=False if args.no_sandbox else None)
     except BaseException:
@@ -55,7 +57,8 @@ def browser_proxy(args: argparse.Namespace) -> Iterator[BrowserProxy]:
             embedded.stop()
 
 
-def _proxy_from_args(args: argparse.Namespace) -> tuple[str, EmbeddedProxy | None, list[str]]:
+def _proxy_from_args(args: argparse.Namespace, require_sessions: bool = False
+                     ) -> tuple[str, EmbeddedProxy | None, list[str]]:
     """(proxy address, the embedded proxy or None, CA files Chromium should accept for interception)."""
     if args.proxy:
         if policy_options_given(args):
@@ -66,6 +69,9 @@ def _proxy_from_args(args: argparse.Namespace) -> tuple[str, EmbeddedProxy | Non
         return authority(*args.proxy), None, [args.proxy_ca] if args.proxy_ca else []
     if args.proxy_ca:
         raise ContainmentError("--proxy-ca goes with --proxy; the in-process proxy makes its own CA")
-    embedded = EmbeddedProxy(policy_path(args), overrides_from(args), upstream_ca=args.upstream_ca).start()
+    overrides = overrides_from(args)
+    if require_sessions:
+        overrides.session = REQUIRED
+    embedded = EmbeddedProxy(policy_path(args), overrides, upstream_ca=args.upstream_ca).start()
     ca_files = [embedded.ca_file] if embedded.intercepts_anything() else []
     return embedded.address, embedded, ca_files

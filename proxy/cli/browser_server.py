@@ -16,6 +16,11 @@ from .browser_proxy import add_proxy_choice, browser_proxy
 from .errors import UsageError
 
 _CANNOT_LISTEN = (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES)
+# A session is created through a proxy's admin API; the in-process proxy of --policy has none, so no
+# session could exist there and every request would be refused. Say so at the handshake instead.
+EMBEDDED_NO_SESSIONS = ("this browser server runs its proxy in-process (--policy), which has no session API, so no "
+                        "session exists here; run egresswall run --admin-token-file FILE and start the browser "
+                        "server with --proxy HOST:PORT")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -73,7 +78,8 @@ def cmd_browser_server(args: argparse.Namespace) -> int:
     # Before a proxy and a browser are started for nothing: the port is the operator's most likely mistake.
     check_free(BROWSER_SERVER, args.host, args.port)
     with browser_proxy(args) as proxy:
-        server = BrowserServer(proxy.plan, args.host, args.port, limits=limits)
+        server = BrowserServer(proxy.plan, args.host, args.port, limits=limits,
+                               sessions_refused=EMBEDDED_NO_SESSIONS if proxy.embedded else None)
         try:
             asyncio.run(server.run())
         except OSError as err:

@@ -17,6 +17,7 @@ from pathlib import Path
 from browser.reader import AuditRefusals
 from policy.loader import Overrides
 from policy.model import Policy
+from policy.sessions import Session, SessionSpec
 from proxy.listeners import authority
 from proxy.runner import ProxyRunner, RunConfig
 
@@ -53,6 +54,24 @@ class EmbeddedProxy:
 
     def intercepts_anything(self) -> bool:
         return any(rule.intercept for rule in self.policy.all_host_rules())
+
+    def create_session(self, spec: SessionSpec, timeout: float = 10.0) -> tuple[Session, str]:
+        """A session in this proxy's store (as ``POST /v1/sessions`` makes one), and its secret."""
+        session, secret = self.runner.sessions.new_session(spec)
+        self._on_loop(self.runner.sessions.store.put(session), timeout)
+        self.runner.sessions.metrics.session_created()
+        return session, secret
+
+    def end_session(self, session_id: str, timeout: float = 10.0) -> None:
+        if self._on_loop(self.runner.sessions.store.delete(session_id), timeout):
+            self.runner.sessions.metrics.session_ended()
+
+    def _on_loop(self, work, timeout: float):
+        """Run a coroutine on the proxy's own loop (its store is that loop's) and wait for its answer."""
+        if self._loop is None or not self.runner.ready.is_set():
+            work.close()
+            raise RuntimeError("the in-process proxy is not running")
+        return asyncio.run_coroutine_threadsafe(work, self._loop).result(timeout)
 
     def start(self, timeout: float = 30.0) -> EmbeddedProxy:
         """Return once the proxy listens; raise what kept it from starting (a ``ListenError``, say)."""
