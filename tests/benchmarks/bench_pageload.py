@@ -18,11 +18,13 @@ rounds alternate who goes first; one warm-up load per target is not counted.
 Per load:
   * time to ``load``: the navigation timing entry's ``loadEventStart`` (ms from the navigation's start);
   * settled: when the XHR had answered and the WebSocket had echoed and closed (the page's clock);
-  * browser connections: distinct CDP ``Network.responseReceived`` ``connectionId`` values, plus one per
-    WebSocket (Chromium gives a WebSocket a connection of its own; CDP reports none for it). Through a
-    proxy each is a connection to the proxy, i.e. one tunnel;
-  * upstream connections: distinct nginx ``$connection`` serial numbers in the access-log lines the load
-    caused (what reached the servers).
+  * connections opened: how many connections nginx accepted during the load (its stub_status
+    ``accepts``). Each browser connection is one nginx connection on all three paths (a tunnel is
+    relayed 1:1), so this is what the browser opened, the ones it never sent a request on included:
+    Chromium opens more than it uses when it does not know yet that a host speaks HTTP/2, and
+    through a proxy each costs a CONNECT and a decision;
+  * connections used: distinct CDP ``Network.responseReceived`` ``connectionId`` values, plus one per
+    WebSocket (Chromium gives a WebSocket a connection of its own; CDP reports none for it).
 A load in which any subresource failed, or any status was not 200, is reported and fails the run.
 Everything listens on 127.0.0.x; nothing leaves the machine.
 """
@@ -33,11 +35,13 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,6 +108,7 @@ class PageLoadStack:
         self.lab = PageLab(work, self.port, free_port())
         self.echo = EchoServer(self.lab.echo_port)
         self.squid_port, self.ew_port, self.ew_admin = free_port(), free_port(), free_port()
+        self.nginx_status = free_port()
         self.dns = DnsLab({host.name: [Record("A", host.address, ttl=300)] for host in HOSTS})
         self.cert: Path | None = None
 
@@ -112,7 +117,8 @@ class PageLoadStack:
         _, self.cert = self_signed([host.name for host in HOSTS], str(self.work))
         self.lab.write()
         self.echo.start()
-        start_nginx(self.processes, self.lab.nginx_servers(self.cert, self.work / "key.pem"), self.lab.listens())
+        servers = self.lab.nginx_servers(self.cert, self.work / "key.pem", self.nginx_status)
+        start_nginx(self.processes, servers, [*self.lab.listens(), ("127.0.0.1", self.nginx_status)])
         names = {host.name: host.address for host in HOSTS}
         start_squid(self.processes, self.squid_port, names, [80], [self.port])
         policy = egresswall_policy(list(names), [f"{address}/32" for address in names.values()], [80], [self.port],
@@ -138,28 +144,14 @@ class PageLoadStack:
         return path.read_text().splitlines() if path.exists() else []
 
 
-class NginxLog:
-    """The access log's lines since the last look: ``$connection $host $request_uri``."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.offset = path, 0
-
-    def take(self, until: str, timeout: float = 3.0) -> list[str]:
-        """New lines, waiting (bounded) for one that contains ``until``: nginx logs a WebSocket request
-        only when it closes."""
-        deadline = time.monotonic() + timeout
-        lines: list[str] = []
-        while True:
-            if self.path.exists():
-                with open(self.path, "rb") as f:
-                    f.seek(self.offset)
-                    data = f.read()
-                whole = data[:data.rfind(b"\n") + 1]
-                self.offset += len(whole)
-                lines += whole.decode(errors="replace").splitlines()
-            if any(until in line for line in lines) or time.monotonic() > deadline:
-                return lines
-            time.sleep(0.02)
+def nginx_accepts(status_port: int) -> int:
+    """nginx's count of accepted connections so far, the one that asks included."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{status_port}/status", timeout=10) as reply:
+        text = reply.read().decode()
+    found = re.search(r"server accepts handled requests\s+(\d+)", text)
+    if not found:
+        raise RuntimeError(f"nginx's stub_status said {text!r}")
+    return int(found.group(1))
 
 
 @dataclass
@@ -167,8 +159,8 @@ class Load:
     target: str
     load_ms: float = math.nan
     settled_ms: float = math.nan
-    connections: int = 0
-    upstream_connections: int = 0
+    connections_used: int = 0
+    connections_opened: int = 0
     statuses: dict[str, int] = field(default_factory=dict)  # URL -> HTTP status, subresources and page
     protocols: Counter = field(default_factory=Counter)
     failed: list[str] = field(default_factory=list)  # "URL: Chromium's error text"
@@ -245,11 +237,12 @@ class Browsers:
             self._playwright.stop()
 
 
-def load_page(browser: Any, target: str, lab: PageLab, log: NginxLog) -> Load:
+def load_page(browser: Any, target: str, stack: PageLoadStack) -> Load:
     """One load of the lab page in a fresh context, observed through CDP and the page's own figures."""
     result = Load(target)
     connection_ids: set[float] = set()
-    log.take(until="", timeout=0)  # whatever earlier loads left behind is not this load's
+    lab = stack.lab
+    accepts_before = nginx_accepts(stack.nginx_status)
 
     def response(event: dict[str, Any]) -> None:
         reply = event["response"]
@@ -287,22 +280,20 @@ def load_page(browser: Any, target: str, lab: PageLab, log: NginxLog) -> Load:
     result.load_ms = figures["load"] or math.nan
     result.settled_ms = figures["settled"] or math.nan
     result.xhr_status, result.websocket_echo, result.scripts_run = figures["xhr"], figures["ws"], figures["scripts"]
-    result.connections = len(connection_ids) + len(result.websockets)
-    lines = log.take(until=" /echo")
-    result.upstream_connections = len({line.split(" ", 1)[0] for line in lines if line})
+    result.connections_used = len(connection_ids) + len(result.websockets)
+    result.connections_opened = nginx_accepts(stack.nginx_status) - accepts_before - 1  # less the reading's own
     return result
 
 
 def run_loads(stack: PageLoadStack, browsers: Browsers, rounds: int, warmup: int = 1) -> list[Load]:
-    log = NginxLog(stack.work / "nginx-access.log")
     for _ in range(warmup):
         for target in TARGETS:
-            load_page(browsers.browsers[target], target, stack.lab, log)
+            load_page(browsers.browsers[target], target, stack)
     loads = []
     for round_no in range(rounds):
         order = TARGETS[round_no % 3:] + TARGETS[:round_no % 3]  # alternate who goes first
         for target in order:
-            loads.append(load_page(browsers.browsers[target], target, stack.lab, log))
+            loads.append(load_page(browsers.browsers[target], target, stack))
     return loads
 
 
@@ -315,11 +306,12 @@ def p90(values: list[float]) -> float:
 
 
 FIGURES = (("time to load, ms", "load_ms"), ("settled (XHR + WebSocket), ms", "settled_ms"),
-           ("browser connections", "connections"), ("upstream connections (nginx)", "upstream_connections"))
+           ("connections opened (nginx accepts)", "connections_opened"),
+           ("connections used (CDP)", "connections_used"))
 
 
 def table(loads: list[Load]) -> list[str]:
-    rows = [f"{'figure':<38}" + "".join(f"{t:>12}" for t in TARGETS) + f"{'ew/squid':>10}"]
+    rows = [f"{'figure':<44}" + "".join(f"{t:>12}" for t in TARGETS) + f"{'ew/squid':>10}"]
     for label, attribute in FIGURES:
         for stat_name, stat in (("median", statistics.median), ("p90", p90)):
             cells, values = "", {}
@@ -333,7 +325,7 @@ def table(loads: list[Load]) -> list[str]:
                     cells += f"{'-':>12}"
             ratio = f"{values['egresswall'] / values['squid']:.2f}" if values.get("squid") and "egresswall" in values \
                 else "-"
-            rows.append(f"{label + ' ' + stat_name:<38}{cells}{ratio:>10}")
+            rows.append(f"{label + ' ' + stat_name:<44}{cells}{ratio:>10}")
     return rows
 
 

@@ -148,16 +148,15 @@ class PageLab:
         lines += ["</body></html>", ""]
         return "\n".join(lines)
 
-    def nginx_servers(self, cert: Path, key: Path) -> str:
-        """The ``http { }`` body: one server per host on its own address, every request logged with
-        nginx's connection serial number (the upstream side's count of connections)."""
+    def nginx_servers(self, cert: Path, key: Path, status_port: int) -> str:
+        """The ``http { }`` body: one server per host on its own address, and nginx's counters on
+        127.0.0.1:``status_port`` (``accepts`` counts every connection made to any of them)."""
         servers = [
-            "  log_format conns '$connection $host $request_uri';",
-            f"  access_log {self.work}/nginx-access.log conns;",
-            "  sendfile on; keepalive_requests 10000; keepalive_timeout 120;",
+            "  access_log off; sendfile on; keepalive_requests 10000; keepalive_timeout 120;",
             "  include /etc/nginx/mime.types;",
             f"  ssl_certificate {cert}; ssl_certificate_key {key};",
             "  map $http_upgrade $connection_upgrade { default upgrade; '' close; }",
+            f"  server {{ listen 127.0.0.1:{status_port}; location = /status {{ stub_status; }} }}",
         ]
         for host in HOSTS:
             listen = f"{host.address}:{self.port} ssl" + (" http2" if host.http2 else "")
