@@ -177,7 +177,7 @@ class Load:
         found += [f"status {status}: {url}" for url, status in sorted(self.statuses.items()) if status != 200]
         expected = lab.subresource_urls() | {lab.page_url}
         got = set(self.statuses) | set(self.websockets)
-        found += [f"never requested: {url}" for url in sorted(expected - got)]
+        found += [f"no response: {url}" for url in sorted(expected - got)]
         found += [f"not part of the page: {url}" for url in sorted(got - expected)]
         if self.xhr_status != 200:
             found.append(f"the XHR ended with {self.xhr_status!r}")
@@ -237,6 +237,13 @@ class Browsers:
             self._playwright.stop()
 
 
+PAGE_FIGURES = """() => {
+    const nav = performance.getEntriesByType('navigation')[0];
+    return {load: nav ? nav.loadEventStart : null, settled: window.__settledAt ?? null,
+            xhr: window.__xhr ?? null, ws: window.__ws ?? null, scripts: (window.__scripts || []).length};
+}"""
+
+
 def load_page(browser: Any, target: str, stack: PageLoadStack) -> Load:
     """One load of the lab page in a fresh context, observed through CDP and the page's own figures."""
     result = Load(target)
@@ -270,11 +277,11 @@ def load_page(browser: Any, target: str, stack: PageLoadStack) -> Load:
             page.wait_for_function("window.__settled === true", timeout=30_000)
         except Exception as err:  # a timeout or a navigation error: reported with the load, not raised
             result.error = f"{type(err).__name__}: {str(err).splitlines()[0]}"
-        figures = page.evaluate("""() => {
-            const nav = performance.getEntriesByType('navigation')[0];
-            return {load: nav ? nav.loadEventStart : null, settled: window.__settledAt ?? null,
-                    xhr: window.__xhr ?? null, ws: window.__ws ?? null, scripts: (window.__scripts || []).length};
-        }""")
+        try:
+            figures = page.evaluate(PAGE_FIGURES)
+        except Exception as err:  # the page never loaded (e.g. Chromium's error page replaced it)
+            result.error = result.error or f"{type(err).__name__}: {str(err).splitlines()[0]}"
+            figures = {"load": None, "settled": None, "xhr": None, "ws": None, "scripts": 0}
     finally:
         context.close()
     result.load_ms = figures["load"] or math.nan
