@@ -4,6 +4,7 @@ benchmark counts as the browser's connections. No timing is asserted: the figure
 
 from __future__ import annotations
 
+import math
 import shutil
 import sys
 import tempfile
@@ -73,6 +74,7 @@ def test_one_round_loads_every_subresource_through_each_target():
             assert load.problems(stack.lab) == [], load.target
             assert load.load_ms > 0 and load.connections_opened >= load.connections_used >= 12, load
             assert load.protocols["h2"] > 0 and load.protocols["http/1.1"] > 0, load.protocols
+            assert math.isnan(load.proxy_cpu_ms) == (load.target == "direct"), load
 
         # egresswall decided one CONNECT per connection nginx counted, all allowed, for all twelve names
         decisions = stack.egresswall_decisions()

@@ -24,7 +24,9 @@ Per load:
     Chromium opens more than it uses when it does not know yet that a host speaks HTTP/2, and
     through a proxy each costs a CONNECT and a decision;
   * connections used: distinct CDP ``Network.responseReceived`` ``connectionId`` values, plus one per
-    WebSocket (Chromium gives a WebSocket a connection of its own; CDP reports none for it).
+    WebSocket (Chromium gives a WebSocket a connection of its own; CDP reports none for it);
+  * proxy CPU time: user + system CPU the proxy process (and its children) used during the load, from
+    /proc (10 ms ticks): on a machine with few cores it is what a proxy takes from the browser.
 A load in which any subresource failed, or any status was not 200, is reported and fails the run.
 Everything listens on 127.0.0.x; nothing leaves the machine.
 """
@@ -38,6 +40,7 @@ import os
 import re
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -120,10 +123,10 @@ class PageLoadStack:
         servers = self.lab.nginx_servers(self.cert, self.work / "key.pem", self.nginx_status)
         start_nginx(self.processes, servers, [*self.lab.listens(), ("127.0.0.1", self.nginx_status)])
         names = {host.name: host.address for host in HOSTS}
-        start_squid(self.processes, self.squid_port, names, [80], [self.port])
+        self.squid = start_squid(self.processes, self.squid_port, names, [80], [self.port])
         policy = egresswall_policy(list(names), [f"{address}/32" for address in names.values()], [80], [self.port],
                                    self.dns.address)
-        start_egresswall(self.processes, self.ew_port, self.ew_admin, policy, self.ew_workers)
+        self.egresswall = start_egresswall(self.processes, self.ew_port, self.ew_admin, policy, self.ew_workers)
 
     def stop(self) -> None:
         self.processes.stop()
@@ -134,6 +137,9 @@ class PageLoadStack:
         return {"direct": None, "squid": f"127.0.0.1:{self.squid_port}",
                 "egresswall": f"127.0.0.1:{self.ew_port}"}[target]
 
+    def proxy_pid(self, target: str) -> int | None:
+        return {"direct": None, "squid": self.squid.pid, "egresswall": self.egresswall.pid}[target]
+
     def egresswall_decisions(self) -> list[dict[str, Any]]:
         path = self.work / "audit.jsonl"
         records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
@@ -142,6 +148,20 @@ class PageLoadStack:
     def squid_log(self) -> list[str]:
         path = self.work / "squid-access.log"
         return path.read_text().splitlines() if path.exists() else []
+
+
+def cpu_ms(pid: int) -> float:
+    """CPU time (user + system) a process and its children have used so far, in ms (/proc, 10 ms ticks)."""
+    pids = [pid] + [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True,
+                                                   text=True).stdout.split()]
+    ticks = 0
+    for p in pids:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat(5))
+    return ticks * 1000 / os.sysconf("SC_CLK_TCK")
 
 
 def nginx_accepts(status_port: int) -> int:
@@ -161,6 +181,7 @@ class Load:
     settled_ms: float = math.nan
     connections_used: int = 0
     connections_opened: int = 0
+    proxy_cpu_ms: float = math.nan  # the proxy's CPU time during the load
     statuses: dict[str, int] = field(default_factory=dict)  # URL -> HTTP status, subresources and page
     protocols: Counter = field(default_factory=Counter)
     failed: list[str] = field(default_factory=list)  # "URL: Chromium's error text"
@@ -250,6 +271,8 @@ def load_page(browser: Any, target: str, stack: PageLoadStack) -> Load:
     connection_ids: set[float] = set()
     lab = stack.lab
     accepts_before = nginx_accepts(stack.nginx_status)
+    proxy_pid = stack.proxy_pid(target)
+    cpu_before = cpu_ms(proxy_pid) if proxy_pid else math.nan
 
     def response(event: dict[str, Any]) -> None:
         reply = event["response"]
@@ -289,6 +312,7 @@ def load_page(browser: Any, target: str, stack: PageLoadStack) -> Load:
     result.xhr_status, result.websocket_echo, result.scripts_run = figures["xhr"], figures["ws"], figures["scripts"]
     result.connections_used = len(connection_ids) + len(result.websockets)
     result.connections_opened = nginx_accepts(stack.nginx_status) - accepts_before - 1  # less the reading's own
+    result.proxy_cpu_ms = cpu_ms(proxy_pid) - cpu_before if proxy_pid else math.nan
     return result
 
 
@@ -314,7 +338,7 @@ def p90(values: list[float]) -> float:
 
 FIGURES = (("time to load, ms", "load_ms"), ("settled (XHR + WebSocket), ms", "settled_ms"),
            ("connections opened (nginx accepts)", "connections_opened"),
-           ("connections used (CDP)", "connections_used"))
+           ("connections used (CDP)", "connections_used"), ("proxy CPU time, ms", "proxy_cpu_ms"))
 
 
 def table(loads: list[Load]) -> list[str]:
