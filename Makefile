@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test lint images compose-lab bench bench-quick soak
+.PHONY: run test lint images compose-lab bench bench-quick bench-pageload soak
 
 run:
 	@ci/install.sh
@@ -37,6 +37,12 @@ bench:
 bench-quick:
 	@ci/install.sh --bench
 	$(PY) tests/benchmarks/bench_proxy.py --quick
+
+# Chromium from egresswall's launcher loads a 60-subresource HTTPS page from 12 names, direct, via squid and
+# via egresswall (README, speed section). BENCH_ARGS e.g. "--rounds 5".
+bench-pageload:
+	@ci/install.sh --bench --browser
+	$(PY) tests/benchmarks/bench_pageload.py $(BENCH_ARGS)
 
 # The full hardening load: 1,000 clients for a minute, then kill -9 mid-load; prints its figures
 # (the test run has a 200-client, 10-second version). SOAK_ARGS e.g. "--clients 500 --seconds 30".

@@ -11,7 +11,7 @@
 # --redis:   Debian's redis-server (the shared session store's tests start their own on loopback).
 # --lab:     iproute2, nftables and tcpdump for the network-namespace containment lab.
 # --images:  mmdebstrap and buildah, which build the images from compose/Dockerfile.* (ci/images.sh).
-# --bench:   squid, nginx-light, wrk and curl for the side-by-side benchmark (make bench).
+# --bench:   squid, nginx-light, wrk and curl for the side-by-side benchmarks (make bench, make bench-pageload).
 # --python:  with --no-venv: still find (or install) the Python, so a Dockerfile can take that step apart.
 set -euo pipefail
 
@@ -29,7 +29,7 @@ for arg in "$@"; do
     --lab) apt_packages+=(iproute2 nftables tcpdump) ;;
     --images) apt_packages+=(mmdebstrap buildah) ;;
     --bench) apt_packages+=(squid nginx-light wrk curl) ;;
-    --all) apt_packages+=(chromium fonts-liberation squid iproute2 nftables tcpdump redis-server) ;;
+    --all) apt_packages+=(chromium fonts-liberation squid nginx-light iproute2 nftables tcpdump redis-server) ;;
     --no-venv) want_venv=0 ;;
     --python) want_python=1 ;;
     --venv=*) venv="${arg#--venv=}" ;;

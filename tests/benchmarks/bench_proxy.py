@@ -21,10 +21,7 @@ import argparse
 import asyncio
 import os
 import re
-import resource
 import shutil
-import signal
-import socket
 import ssl
 import statistics
 import subprocess
@@ -38,33 +35,20 @@ ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(ROOT))
 
+from benchstack import (  # noqa: E402
+    Processes,
+    egresswall_policy,
+    free_port,
+    raise_fd_limit,
+    start_egresswall,
+    start_nginx,
+    start_squid,
+)
 from dnslab import DnsLab, Record  # noqa: E402
 from labnet import self_signed  # noqa: E402
 
 UPSTREAM_IP = "127.0.0.2"
 NAME = "bench.lab.example"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def wait_port(host: str, port: int, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection((host, port), timeout=0.5).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"nothing listening on {host}:{port}")
-
-
-def raise_fd_limit() -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 65536), hard))
 
 
 def rss_kib(pid: int) -> int:
@@ -88,7 +72,7 @@ class Stack:
     def __init__(self, work: Path, ew_workers: int) -> None:
         self.work = work
         self.ew_workers = ew_workers
-        self.procs: list[subprocess.Popen] = []
+        self.processes = Processes(work)
         self.http_port, self.tls_port = free_port(UPSTREAM_IP), free_port(UPSTREAM_IP)
         self.squid_port, self.ew_port, self.ew_admin = free_port(), free_port(), free_port()
         self.dns = DnsLab({NAME: [Record("A", UPSTREAM_IP, ttl=300)]})
@@ -96,14 +80,12 @@ class Stack:
     def start(self) -> None:
         self.dns.__enter__()
         self._nginx()
-        self._squid()
-        self._egresswall()
-
-    def _spawn(self, args: list[str], name: str, **kw) -> subprocess.Popen:
-        log = open(self.work / f"{name}.out", "wb")  # noqa: SIM115 - lives as long as the process
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, preexec_fn=raise_fd_limit, **kw)
-        self.procs.append(proc)
-        return proc
+        self.squid = start_squid(self.processes, self.squid_port, {NAME: UPSTREAM_IP}, [self.http_port],
+                                 [self.tls_port])
+        allow = [f".site{i}.example.org" for i in range(1000)] + [NAME]
+        policy = egresswall_policy(allow, [f"{UPSTREAM_IP}/32"], [80, self.http_port], [443, self.tls_port],
+                                   self.dns.address, deny=["*.ads.example.com"])
+        self.egresswall = start_egresswall(self.processes, self.ew_port, self.ew_admin, policy, self.ew_workers)
 
     def _nginx(self) -> None:
         (self.work / "www").mkdir()
@@ -111,89 +93,15 @@ class Stack:
         with open(self.work / "www" / "big", "wb") as f:
             f.truncate(100 * 1024 * 1024)
         _, cert = self_signed([NAME], str(self.work))
-        conf = self.work / "nginx.conf"
-        conf.write_text(f"""
-daemon off; worker_processes 1; pid {self.work}/nginx.pid; error_log {self.work}/nginx-error.log;
-events {{ worker_connections 8192; }}
-http {{
+        self.nginx = start_nginx(self.processes, f"""
   access_log off; sendfile on; keepalive_requests 1000000; keepalive_timeout 120;
-  client_body_temp_path {self.work}/nb; proxy_temp_path {self.work}/np; fastcgi_temp_path {self.work}/nf;
-  uwsgi_temp_path {self.work}/nu; scgi_temp_path {self.work}/ns;
   server {{ listen {UPSTREAM_IP}:{self.http_port}; root {self.work}/www; }}
   server {{ listen {UPSTREAM_IP}:{self.tls_port} ssl; root {self.work}/www;
            ssl_certificate {cert}; ssl_certificate_key {self.work}/key.pem; }}
-}}
-""")
-        self.nginx = self._spawn(["nginx", "-c", str(conf), "-e", str(self.work / "nginx-error.log")], "nginx")
-        wait_port(UPSTREAM_IP, self.http_port)
-        wait_port(UPSTREAM_IP, self.tls_port)
-
-    def _squid(self) -> None:
-        os.chmod(self.work, 0o777)  # squid drops to its own user and must write its logs here
-        hosts = self.work / "hosts"
-        hosts.write_text(f"{UPSTREAM_IP} {NAME}\n")
-        conf = self.work / "squid.conf"
-        conf.write_text(f"""
-http_port 127.0.0.1:{self.squid_port}
-pid_filename {self.work}/squid.pid
-cache deny all
-cache_mem 0 MB
-access_log stdio:{self.work}/squid-access.log
-cache_log {self.work}/squid-cache.log
-hosts_file {hosts}
-dns_nameservers 127.0.0.1
-acl SSL_ports port {self.tls_port}
-acl Safe_ports port {self.http_port} {self.tls_port}
-acl CONNECT method CONNECT
-http_access deny !Safe_ports
-http_access deny CONNECT !SSL_ports
-http_access allow all
-shutdown_lifetime 1 seconds
-max_filedescriptors 65536
-""")
-        self.squid = self._spawn(["squid", "-N", "-f", str(conf)], "squid")
-        wait_port("127.0.0.1", self.squid_port, 30)
-
-    def _egresswall(self) -> None:
-        policy = self.work / "policy.yaml"
-        allow = "\n".join(f"    - .site{i}.example.org" for i in range(1000))
-        policy.write_text(f"""version: 1
-mode: enforce
-default: deny
-hosts:
-  deny:
-    - "*.ads.example.com"
-  allow:
-{allow}
-    - {NAME}
-addresses:
-  allow: [{UPSTREAM_IP}/32]
-ports:
-  http: [80, {self.http_port}]
-  connect: [443, {self.tls_port}]
-resolver:
-  nameservers: ["{self.dns.address}"]
-limits:
-  max_connections: 20000
-  max_connections_per_client: 20000
-""")
-        self.egresswall = self._spawn([sys.executable, "-m", "proxy.cli", "run", "--policy", str(policy),
-                                       "--listen", f"127.0.0.1:{self.ew_port}", "--admin",
-                                       f"127.0.0.1:{self.ew_admin}", "--log", str(self.work / "audit.jsonl"),
-                                       "--workers", str(self.ew_workers)],  # default settings: the front relays tunnels
-                                      "egresswall", cwd=ROOT)
-        wait_port("127.0.0.1", self.ew_port, 60)
-        time.sleep(1.0 if self.ew_workers > 1 else 0)  # let every worker bind, not just the first
+""", [(UPSTREAM_IP, self.http_port), (UPSTREAM_IP, self.tls_port)])
 
     def stop(self) -> None:
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        self.processes.stop()
         self.dns.__exit__()
 
     def proxies(self) -> dict[str, tuple[str, int] | None]:
