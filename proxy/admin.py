@@ -7,6 +7,7 @@ server; the session API (``proxy/sessions/api.py``) adds its own routes when it 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Protocol
 
@@ -14,6 +15,11 @@ from aiohttp import web
 
 Route = Callable[[], tuple[int, str, str]]  # () -> (status, content type, body)
 MAX_BODY = 64 * 1024  # an admin request body (a session's grants) is small
+# aiohttp bounds a head's size but not how long it may take to arrive, and keeps connections alive for
+# an hour: an admin connection lives at most this long (a scraper simply reconnects), and at most this
+# many are open at once, so a client that drips a head can hold neither memory nor the port.
+CONNECTION_LIFETIME = 10.0
+MAX_CONNECTIONS = 64
 
 
 class ExtraRoutes(Protocol):
@@ -25,6 +31,8 @@ class AdminServer:
         self.routes = routes
         self.api = api
         self.runner: web.AppRunner | None = None
+        self.server: asyncio.Server | None = None
+        self.open_connections = 0
 
     def application(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY)
@@ -37,15 +45,56 @@ class AdminServer:
     async def start(self, host: str, port: int) -> tuple[str, int]:
         self.runner = web.AppRunner(self.application(), access_log=None, handle_signals=False)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port, reuse_address=True)
-        await site.start()
-        address = self.runner.addresses[0]
+        assert self.runner.server is not None
+        self.server = await asyncio.get_running_loop().create_server(
+            self._bounded(self.runner.server), host, port, reuse_address=True)
+        address = self.server.sockets[0].getsockname()
         return address[0], address[1]
 
+    def _bounded(self, protocol_factory: web.Server) -> Callable[[], asyncio.Protocol]:
+        """aiohttp's protocol for each connection, with a lifetime and a cap on how many are open."""
+        return lambda: _Bounded(self, protocol_factory())
+
     async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
         if self.runner is not None:
             await self.runner.cleanup()
             self.runner = None
+
+
+class _Bounded(asyncio.Protocol):
+    """One admin connection: aiohttp's own protocol inside (every event handed on), closed when it has
+    lived CONNECTION_LIFETIME seconds, refused at once beyond MAX_CONNECTIONS open."""
+
+    def __init__(self, server: AdminServer, inner: asyncio.Protocol) -> None:
+        self.server = server
+        self.inner = inner
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.server.open_connections += 1
+        self.inner.connection_made(transport)
+        if self.server.open_connections > MAX_CONNECTIONS:
+            transport.abort()
+        else:
+            asyncio.get_running_loop().call_later(CONNECTION_LIFETIME, transport.close)  # no-op once closed
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.open_connections -= 1
+        self.inner.connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
 
 
 def _plain(route: Route):

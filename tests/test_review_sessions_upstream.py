@@ -516,8 +516,6 @@ def test_an_admin_body_over_the_bound_is_refused_unread(sessions_proxy):
     assert status == 413
 
 
-@pytest.mark.xfail(strict=True, reason="finding: aiohttp has no request-head timeout and the admin listener sets "
-                                        "none; a head that drips is held for ever (see the review report)")
 def test_the_admin_listener_closes_a_request_head_that_never_ends(sessions_proxy):
     """A slow-loris on the admin port (the session API's): a head that never ends must not hold a connection
     (and its memory) for ever."""
