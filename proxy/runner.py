@@ -55,6 +55,7 @@ class RunConfig:
     watch_interval: float = 0.25
     reuse_port: bool = False  # a worker of several sharing the listen port (proxy/workers.py)
     fast_tunnels: bool = True  # passed-through TLS tunnels relayed by the front (proxy/front.py), not mitmproxy
+    fast_http: bool = False  # plain-HTTP requests relayed by the front (proxy/fast_http.py), not mitmproxy
     worker_count: int = 1  # connection caps are shared out between this many workers
     extra_self_endpoints: tuple[tuple[str, int], ...] = ()  # e.g. the supervisor's admin listener
     admin_token_file: str | None = None  # the session API's bearer token; None: the API is off
@@ -150,7 +151,7 @@ class ProxyRunner:
             if await self._wait_listening(master_task):  # False: asked to stop during start-up
                 authorization = basic_authorization(self.upstream_credentials) if self.upstream_credentials else None
                 self.front = Front(self.gate, self._handoff, relay_tunnels=self.config.fast_tunnels,
-                                   upstream_authorization=authorization)
+                                   upstream_authorization=authorization, relay_http=self.config.fast_http)
                 try:
                     self.listen_address = await self.front.start(host, port, reuse_port=self.config.reuse_port)
                 except OSError as err:

@@ -9,11 +9,12 @@ import uuid
 
 import pytest
 from labnet import PUBLIC_IP
+from proxyproc import TRANSPORTS
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module", params=["fast-tunnels", "mitmproxy-tunnels"])
+@pytest.fixture(scope="module", params=list(TRANSPORTS))
 def proxy(lab, tmp_path_factory, request):
     """Every test here runs against both tunnel paths: egresswall's fast relay and mitmproxy's layers."""
     from proxyproc import ProxyProcess
@@ -21,9 +22,9 @@ def proxy(lab, tmp_path_factory, request):
     folder = tmp_path_factory.mktemp("enforce")
     policy = folder / "policy.yaml"
     policy.write_text(lab.policy_text("hosts:\n  deny:\n    - denied.lab.example\n"))
-    mode = [] if request.param == "fast-tunnels" else ["--no-fast-tunnels"]
+    mode = TRANSPORTS[request.param]
     process = ProxyProcess(["--policy", str(policy), *mode], folder / "audit.jsonl")
-    process.tunnel_path = request.param
+    process.transport = request.param
     yield process
     process.stop()
     assert not [e for e in process.outbound() if e["host"] not in (PUBLIC_IP,)], process.outbound()
@@ -260,7 +261,7 @@ def test_tunnels_take_the_path_the_proxy_was_started_with(lab, proxy):
     _, body = proxy.admin("/metrics")
     fast = [line for line in body.splitlines() if line.startswith("egresswall_fast_tunnels_total")]
     count = float(fast[0].split()[-1])
-    assert (count > 0) == (proxy.tunnel_path == "fast-tunnels")
+    assert (count > 0) == (proxy.transport == "fast")
 
 
 def test_client_hello_split_across_reads_still_passes_through(lab, proxy):
@@ -290,3 +291,14 @@ def test_client_hello_split_across_reads_still_passes_through(lab, proxy):
             incoming.write(chunk)
     sock.sendall(outgoing.read())
     sock.close()
+
+
+def test_plain_http_takes_the_path_the_proxy_was_started_with(lab, proxy):
+    def relayed_by_the_front() -> float:
+        _, body = proxy.admin("/metrics")
+        return float(next(line for line in body.splitlines()
+                          if line.startswith("egresswall_fast_http_requests_total")).split()[-1])
+
+    before = relayed_by_the_front()
+    assert proxy.get(f"http://public.lab.example:{lab.public.port}/which-path")[0] == 200
+    assert (relayed_by_the_front() > before) == (proxy.transport == "fast")
