@@ -38,10 +38,10 @@ from dataclasses import dataclass
 import h11
 
 from policy.decision import Verdict
-from policy.hosts import Target
+from policy.hosts import HostFormError, Target
 
 from .dial import connect_pinned
-from .gate import Gate, HttpAsk, refusal_for
+from .gate import Gate, HttpAsk, plain_target, refusal_for
 from .head_reader import HeadProblem, read_head
 from .http_head import PlainRequest, take_head
 from .http_hygiene import ALWAYS_HOP_BY_HOP, hop_by_hop_names, tokens
@@ -144,11 +144,8 @@ class FastHttp:
         request = take_head(head)
         if not isinstance(request, PlainRequest):
             return None
-        from policy.hosts import HostFormError, parse_url
-
         try:
-            bracketed = f"[{request.host}]" if ":" in request.host else request.host
-            target = parse_url(f"http://{bracketed}:{request.port}{request.path}")
+            target = plain_target(ask_of(request, ""))
         except HostFormError:
             return None  # refused with its reason on mitmproxy's path, which reads the target itself
         if policy.intercepts(target.host):
@@ -225,10 +222,7 @@ class FastHttp:
         """(keep the connection, bytes already read of the next request, the upstream connection kept)."""
         gate, loop = self.gate, asyncio.get_running_loop()
         accept = request.values("accept")
-        ask = HttpAsk(client=client, method=request.method, scheme="http", host=request.host, port=request.port,
-                      path=request.path, host_header=request.values("host")[0],
-                      content_length=request.content_length, accept=accept, authority=request.authority,
-                      credentials=request.values("proxy-authorization"))
+        ask = ask_of(request, client)
         started = time.monotonic()
         body_pending = bool(request.chunked or request.content_length)
         outcome = await gate.decide_request(ask, None)
@@ -472,6 +466,15 @@ class FastHttp:
                         break
                     drained += len(chunk)
         return None
+
+
+def ask_of(request: PlainRequest, client: str) -> HttpAsk:
+    """What the gate decides on: the fields the mitmproxy addon (proxy/addons/decision.py) fills from
+    mitmproxy's parse, filled here from the fast path's."""
+    return HttpAsk(client=client, method=request.method, scheme="http", host=request.host, port=request.port,
+                   path=request.path, host_header=request.values("host")[0], content_length=request.content_length,
+                   accept=request.values("accept"), authority=request.authority,
+                   credentials=request.values("proxy-authorization"))
 
 
 def _forwarded_request_headers(request: PlainRequest) -> list[tuple[str, str]]:
