@@ -437,6 +437,14 @@ class FastHttp:
             if isinstance(event, h11.InformationalResponse):
                 continue  # a 1xx other than 101 (h11 refuses an unasked 101): not passed on, the final one follows
             if isinstance(event, h11.Response):
+                names = {k.lower() for k, _ in event.headers.raw_items()}
+                if {b"transfer-encoding", b"content-length"} <= names:
+                    # RFC 9112 6.3: a sender must not send both; one reading is as good as the other for a
+                    # smuggler, so neither is relayed (mitmproxy's path refuses it the same way).
+                    reason = ("egresswall: the upstream response has both Transfer-Encoding and Content-Length; "
+                              "egresswall does not relay a response it could read two ways")
+                    raise Ended(reason, self._connect_refusal(reason, Verdict(False, "connect", "connect", reason),
+                                                              target, accept))
                 status = event.status_code
                 out += server.send(h11.Response(status_code=status, reason=event.reason,
                                                 headers=_forwarded_response_headers(event.headers.raw_items())))
@@ -490,7 +498,7 @@ def _forwarded_request_headers(request: PlainRequest) -> list[tuple[str, str]]:
 
 def _forwarded_response_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     """The origin's headers minus hop-by-hop ones, framing (h11 re-frames the body) when it was chunked,
-    and every header only egresswall may set."""
+    and every header only egresswall may set. (A response with both framings never gets here.)"""
     connection = [v.decode("latin-1") for k, v in raw if k.lower() == b"connection"]
     dropped = {n.encode("latin-1") for n in _RESPONSE_DROPPED | set(tokens(connection))} - {b"content-length"}
     chunked = any(k.lower() == b"transfer-encoding" for k, _ in raw)
