@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 from labnet import PUBLIC_IP
-from proxyproc import TRANSPORTS
+from proxyproc import TRANSPORTS, both_transports
 
 pytestmark = pytest.mark.integration
 
@@ -189,6 +189,7 @@ def test_expect_continue_to_refused_target_is_refused_before_the_body(lab, proxy
     assert head.startswith(b"HTTP/1.1 403")
 
 
+@both_transports
 def test_request_body_over_the_limit_is_refused(lab, start_proxy):
     proxy = start_proxy(lab.policy_text(limits="limits:\n  max_request_body: 100\n"))
     status, headers, _ = proxy.get(f"http://public.lab.example:{lab.public.port}/up", method="POST", body=b"x" * 101)
@@ -197,6 +198,7 @@ def test_request_body_over_the_limit_is_refused(lab, start_proxy):
     assert status == 200 and body == b"got 100 bytes"
 
 
+@both_transports
 def test_requests_to_the_proxy_itself_are_refused(lab, start_proxy):
     # Even a policy that re-admits all of loopback and the proxy's own ports cannot make it talk to itself.
     with socket.socket() as probe:
@@ -213,6 +215,7 @@ def test_requests_to_the_proxy_itself_are_refused(lab, start_proxy):
     assert status == 403 and headers["x-egresswall-rule"] == "self"
 
 
+@both_transports
 def test_per_client_connection_cap(lab, start_proxy):
     proxy = start_proxy(lab.policy_text(limits="limits:\n  max_connections_per_client: 2\n"))
     held = [socket.create_connection((proxy.host, proxy.port), timeout=10) for _ in range(2)]
@@ -227,6 +230,7 @@ def test_per_client_connection_cap(lab, start_proxy):
             sock.close()
 
 
+@both_transports
 def test_report_mode_lets_host_refusals_through_but_never_address_refusals(lab, start_proxy):
     proxy = start_proxy(lab.policy_text("hosts:\n  deny:\n    - public.lab.example\n", mode="report"))
     status, _, body = proxy.get(f"http://public.lab.example:{lab.public.port}/reported")
@@ -238,12 +242,14 @@ def test_report_mode_lets_host_refusals_through_but_never_address_refusals(lab, 
     assert ("internal.lab.example", "refuse") in verdicts
 
 
+@both_transports
 def test_internal_address_literal_refused_even_when_host_allowed(lab, start_proxy):
     proxy = start_proxy(lab.policy_text("hosts:\n  allow:\n    - internal.lab.example\n", default="deny"))
     status, headers, _ = proxy.get(f"http://internal.lab.example:{lab.public.port}/")
     assert status == 403 and "127.0.0.0/8" in headers["x-egresswall-rule"]
 
 
+@both_transports
 def test_allowlist_mode_refuses_unlisted_host_without_resolving(lab, start_proxy):
     proxy = start_proxy(lab.policy_text("hosts:\n  allow:\n    - public.lab.example\n", default="deny"))
     assert proxy.get(f"http://public.lab.example:{lab.public.port}/")[0] == 200

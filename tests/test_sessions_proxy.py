@@ -12,7 +12,7 @@ import pytest
 from dnslab import Record
 from labnet import PUBLIC_IP
 from metrics_page import value as metric_value
-from proxyproc import TRANSPORTS, ProxyProcess, read_response
+from proxyproc import TRANSPORTS, ProxyProcess, both_transports, read_response
 from session_client import TOKEN, api, connect, create, get, token_file
 
 pytestmark = pytest.mark.integration
@@ -365,6 +365,7 @@ def test_inside_an_intercepted_tunnel_the_connects_session_holds_each_request_to
     assert api(intercepting.admin_port, "GET", f"/v1/sessions/{session['id']}")[2]["usage"]["requests"] == 3
 
 
+@both_transports
 def test_where_sessions_are_optional_a_presented_session_still_narrows(lab, start_proxy, tmp_path):
     proxy = start_proxy(lab.policy_text(), "--admin-token-file", str(token_file(tmp_path)))
     session = create(proxy.admin_port, {"hosts": ["public.lab.example"]})
