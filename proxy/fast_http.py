@@ -39,6 +39,7 @@ import h11
 
 from policy.decision import Verdict
 from policy.hosts import HostFormError, Target
+from policy.model import Policy
 
 from .dial import connect_pinned
 from .gate import Gate, HttpAsk, plain_target, refusal_for
@@ -133,10 +134,12 @@ class ClientWatch:
 class FastHttp:
     def __init__(self, gate: Gate) -> None:
         self.gate = gate
+        self._intercepts_for: Policy | None = None
+        self._intercepts = False
 
     # ---- which requests -------------------------------------------------------------------------------
 
-    def take(self, head: bytes) -> tuple[PlainRequest, h11.Connection, Target] | None:
+    def take(self, head: bytes) -> tuple[PlainRequest, h11.Connection] | None:
         """The request and its h11 server-side connection when the fast path relays it; None: mitmproxy's."""
         policy = self.gate.policy
         if policy.upstream is not None:
@@ -144,12 +147,13 @@ class FastHttp:
         request = take_head(head)
         if not isinstance(request, PlainRequest):
             return None
-        try:
-            target = plain_target(ask_of(request, ""))
-        except HostFormError:
-            return None  # refused with its reason on mitmproxy's path, which reads the target itself
-        if policy.intercepts(target.host):
-            return None
+        if self._intercepting(policy):
+            try:
+                target = plain_target(ask_of(request, ""))
+            except HostFormError:
+                return None  # refused with its reason on mitmproxy's path, which reads the target itself
+            if policy.intercepts(target.host):
+                return None
         parser = h11.Connection(h11.SERVER, max_incomplete_event_size=policy.limits.max_header_bytes)
         try:
             parser.receive_data(head)
@@ -158,7 +162,15 @@ class FastHttp:
             return None
         if not isinstance(event, h11.Request):
             return None
-        return request, parser, target
+        return request, parser
+
+    def _intercepting(self, policy: Policy) -> bool:
+        """Whether any allow rule of ``policy`` intercepts (asked once per policy object: a reload makes
+        a new one). Without such a rule no host is intercepted, and the target need not be read here."""
+        if self._intercepts_for is not policy:
+            tables = [policy.allow] + [role.allow for role in policy.roles]
+            self._intercepts_for, self._intercepts = policy, any(r.intercept for t in tables for r in t.rules)
+        return self._intercepts
 
     # ---- one connection -------------------------------------------------------------------------------
 
@@ -179,6 +191,7 @@ class FastHttp:
                 going_on, rest, upstream = await self._exchange(conn, client, *taken, rest, upstream)
                 if not going_on:
                     return False
+                await asyncio.sleep(0)  # a client and origin that are always ready do not keep the others waiting
                 following = await self._next_head(conn, client, rest)
                 if following is None:
                     return False
@@ -217,7 +230,7 @@ class FastHttp:
     # ---- one exchange ---------------------------------------------------------------------------------
 
     async def _exchange(self, conn: socket.socket, client: str, request: PlainRequest, server: h11.Connection,
-                        parsed: Target, rest: bytes, upstream: Upstream | None
+                        rest: bytes, upstream: Upstream | None
                         ) -> tuple[bool, bytes, Upstream | None]:
         """(keep the connection, bytes already read of the next request, the upstream connection kept)."""
         gate, loop = self.gate, asyncio.get_running_loop()
@@ -229,7 +242,8 @@ class FastHttp:
         if outcome.refusal is not None:
             await self._refuse(conn, outcome.refusal, body_pending)
             return False, b"", upstream
-        target, verdict = outcome.target or parsed, outcome.verdict
+        target, verdict = outcome.target, outcome.verdict
+        assert target is not None  # an allowed request has its target
         up = down = 0
         status: int | None = None
         answered = False

@@ -47,9 +47,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--fast-tunnels", action=argparse.BooleanOptionalAction, default=True,
                      help="relay passed-through TLS tunnels in egresswall's own front rather than through "
                           "mitmproxy (default: on; --no-fast-tunnels hands them to mitmproxy)")
-    run.add_argument("--fast-http", action=argparse.BooleanOptionalAction, default=False,
+    run.add_argument("--fast-http", action=argparse.BooleanOptionalAction, default=True,
                      help="relay plain-HTTP requests (absolute-form http://, not intercepted, no upgrade) in "
-                          "egresswall's own front, parsed with h11, rather than through mitmproxy (default: off)")
+                          "egresswall's own front, parsed with h11, rather than through mitmproxy (default: on; "
+                          "--no-fast-http hands them to mitmproxy)")
     run.add_argument("--admin-token-file", metavar="FILE",
                      help="turn on the session API (/v1/sessions on the admin listener): clients of it send "
                           "Authorization: Bearer <the file's content>; the file must be mode 600. Without it the "
