@@ -272,8 +272,8 @@ class FastHttp:
             up = await self._send_request(conn, server, request, upstream, body, up)
             watch = ClientWatch(conn, server.trailing_data[0], gate.policy.limits.max_header_bytes, upstream.sock)
             try:
-                status, down = await self._relay_response(conn, client, server, request, target, accept, upstream,
-                                                          watch)
+                status, down, tail = await self._relay_response(conn, client, server, request, target, accept,
+                                                                upstream, watch)
                 answered = True
             finally:
                 watch.stop()
@@ -304,6 +304,10 @@ class FastHttp:
             return False, b"", upstream
         gate.response_closed(ask.flow_id, client, request.method, target, verdict, started, up, down, status, None)
         assert watch is not None
+        try:
+            await loop.sock_sendall(conn, tail)
+        except OSError:
+            watch.closed = True
         keep = server.states == {h11.CLIENT: h11.DONE, h11.SERVER: h11.DONE} and not watch.closed
         if upstream is not None and upstream.parser.states != {h11.CLIENT: h11.DONE, h11.SERVER: h11.DONE}:
             upstream.close()
@@ -388,8 +392,9 @@ class FastHttp:
 
     async def _relay_response(self, conn: socket.socket, client: str, server: h11.Connection,
                               request: PlainRequest, target: Target, accept: tuple[str, ...], upstream: Upstream,
-                              watch: ClientWatch) -> tuple[int | None, int]:
-        """The origin's response, parsed by h11 and re-framed for the client: (status, body bytes)."""
+                              watch: ClientWatch) -> tuple[int | None, int, bytes]:
+        """The origin's response, parsed by h11 and re-framed for the client: (status, body bytes, the
+        response's last bytes, not yet sent)."""
         loop = asyncio.get_running_loop()
         limits = self.gate.policy.limits
         parser = upstream.parser
@@ -466,9 +471,9 @@ class FastHttp:
                 down += len(event.data)
                 out += server.send(h11.Data(data=event.data))
             elif isinstance(event, h11.EndOfMessage):
-                out += server.send(h11.EndOfMessage())
-                await loop.sock_sendall(conn, out)
-                return status, down
+                # The last bytes are the caller's to send, after the response record is written: a client
+                # that has its whole answer may look at the audit log at once.
+                return status, down, out + server.send(h11.EndOfMessage())
             elif isinstance(event, h11.ConnectionClosed):
                 raise Ended("the upstream closed the connection mid-response")
 
