@@ -1,4 +1,4 @@
-"""The front: egresswall's public listener, and the fast relay for passed-through TLS tunnels.
+"""The front: egresswall's public listener, and the fast relay for passed-through TLS tunnels and plain HTTP.
 
 Every connection of ``egresswall run`` is accepted here. The front admits it (connection caps, at
 accept), bounds its first request head (``limits.first_byte_timeout`` for a connection that sends
@@ -9,10 +9,13 @@ nothing, ``limits.header_timeout`` from the first byte, ``limits.max_header_byte
   to the pinned address (or, when the policy names an upstream proxy, through a CONNECT to it:
   ``proxy/upstream_connect.py``), its ClientHello judged whole by the gate, then copied socket to
   socket with counted bytes, without mitmproxy's per-chunk event machinery (``relay_tunnels``, the
-  default); or
-* hands it to mitmproxy with the bytes it has read put back in front (plain HTTP, WebSocket over
-  CONNECT to port 80, intercepted hosts, anything the front does not take), exactly as if mitmproxy
-  had accepted it; the connection keeps its admission.
+  default); or a plain-HTTP request the fast path takes (``proxy/fast_http.py``: strict framing, no
+  upgrade, not intercepted, no upstream proxy), and the kept-alive requests after it (``relay_http``,
+  the default); or
+* hands it to mitmproxy with the bytes it has read put back in front (a plain-HTTP head the fast path
+  does not take, WebSocket over CONNECT to port 80, intercepted hosts, anything the front does not
+  take), exactly as if mitmproxy had accepted it; the connection keeps its admission. The fast path
+  hands a kept-alive connection over the same way, at the first request it does not take.
 
 Every decision, refusal and record is the gate's: the two paths differ only in who copies the bytes.
 """
