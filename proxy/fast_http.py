@@ -43,7 +43,7 @@ from policy.model import Policy
 
 from .dial import connect_pinned
 from .gate import Gate, HttpAsk, plain_target, refusal_for
-from .head_reader import HeadProblem, read_head
+from .head_reader import HeadProblem, answer_then_drain, read_head
 from .http_head import PlainRequest, take_head
 from .http_hygiene import ALWAYS_HOP_BY_HOP, hop_by_hop_names, tokens
 from .refusals import OWN_HEADER_PREFIX, Refusal, refusal_bytes
@@ -219,8 +219,7 @@ class FastHttp:
                 refusal = self.gate.refuse(client, None, None, problem.status,
                                            "limits" if problem.rule.startswith("limits.") else "form",
                                            problem.rule, problem.reason)
-                with contextlib.suppress(OSError):
-                    await loop.sock_sendall(conn, refusal_bytes(refusal))
+                await answer_then_drain(conn, refusal_bytes(refusal))
             else:
                 self.gate.connection_refused(client, 0, problem.rule, problem.reason)
             return None
@@ -478,21 +477,13 @@ class FastHttp:
                 raise Ended("the upstream closed the connection mid-response")
 
     async def _refuse(self, conn: socket.socket, refusal: Refusal, body_pending: bool) -> None:
-        """Send a refusal (its record is written) and close; a body still coming is read and dropped for
-        a moment first, so the client's kernel does not answer our close with a reset that destroys the
-        answer before the client read it."""
-        loop = asyncio.get_running_loop()
+        """Send a refusal (its record is written) before the connection is closed; a body still coming is
+        read and dropped for a moment first (``answer_then_drain``)."""
+        if body_pending:
+            await answer_then_drain(conn, refusal_bytes(refusal), DRAIN_AFTER_REFUSAL, DRAIN_BYTES)
+            return
         with contextlib.suppress(OSError):
-            await loop.sock_sendall(conn, refusal_bytes(refusal))
-            if body_pending:
-                conn.shutdown(socket.SHUT_WR)
-                deadline, drained = loop.time() + DRAIN_AFTER_REFUSAL, 0
-                while drained < DRAIN_BYTES and (left := deadline - loop.time()) > 0:
-                    chunk = await asyncio.wait_for(loop.sock_recv(conn, READ), left)
-                    if not chunk:
-                        break
-                    drained += len(chunk)
-        return None
+            await asyncio.get_running_loop().sock_sendall(conn, refusal_bytes(refusal))
 
 
 def ask_of(request: PlainRequest, client: str) -> HttpAsk:

@@ -36,7 +36,7 @@ from .admission import CapRefusal
 from .dial import connect_pinned
 from .fast_http import FastHttp
 from .gate import Gate, Tunnel, refusal_for
-from .head_reader import HeadProblem, read_head
+from .head_reader import HeadProblem, answer_then_drain, read_head
 from .peers import client_key
 from .refusals import refusal_bytes
 from .tls_hello import MAX_HELLO_BYTES
@@ -117,9 +117,9 @@ class Front:
                 head, rest = await self._read_head(conn)
             except HeadProblem as problem:
                 if problem.status:
-                    await _send(conn, refusal_bytes(self.gate.refuse(client, None, None, problem.status,
-                                                                     _stage(problem.rule), problem.rule,
-                                                                     problem.reason)))
+                    await answer_then_drain(conn, refusal_bytes(self.gate.refuse(client, None, None, problem.status,
+                                                                                 _stage(problem.rule), problem.rule,
+                                                                                 problem.reason)))
                 else:
                     self.gate.connection_refused(client, 0, problem.rule, problem.reason)
                 return

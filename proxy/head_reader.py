@@ -71,3 +71,21 @@ async def read_head(conn: socket.socket, limits: Limits, first_byte: float | Non
             raise HeadProblem(0, "http:incomplete-head", f"the connection was closed by the client into a "
                                                          f"request head that never ended ({len(data)} bytes)")
         data += chunk
+
+
+async def answer_then_drain(conn: socket.socket, answer: bytes, seconds: float = 2.0, limit: int = 1 << 20) -> None:
+    """Send ``answer``, then read and drop what the client still sends (bounded by ``seconds`` and
+    ``limit``) before the caller closes: closing a socket with unread bytes makes the kernel send a reset,
+    which can destroy the answer before the client has read it."""
+    loop = asyncio.get_running_loop()
+    try:
+        await loop.sock_sendall(conn, answer)
+        conn.shutdown(socket.SHUT_WR)
+        deadline, drained = loop.time() + seconds, 0
+        while drained < limit and (left := deadline - loop.time()) > 0:
+            chunk = await asyncio.wait_for(loop.sock_recv(conn, 65536), left)
+            if not chunk:
+                return
+            drained += len(chunk)
+    except OSError:  # TimeoutError included
+        return
