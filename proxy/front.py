@@ -1,4 +1,4 @@
-"""The front: egresswall's public listener, and the fast relay for passed-through TLS tunnels.
+"""The front: egresswall's public listener, and the fast relay for passed-through TLS tunnels and plain HTTP.
 
 Every connection of ``egresswall run`` is accepted here. The front admits it (connection caps, at
 accept), bounds its first request head (``limits.first_byte_timeout`` for a connection that sends
@@ -9,10 +9,13 @@ nothing, ``limits.header_timeout`` from the first byte, ``limits.max_header_byte
   to the pinned address (or, when the policy names an upstream proxy, through a CONNECT to it:
   ``proxy/upstream_connect.py``), its ClientHello judged whole by the gate, then copied socket to
   socket with counted bytes, without mitmproxy's per-chunk event machinery (``relay_tunnels``, the
-  default); or
-* hands it to mitmproxy with the bytes it has read put back in front (plain HTTP, WebSocket over
-  CONNECT to port 80, intercepted hosts, anything the front does not take), exactly as if mitmproxy
-  had accepted it; the connection keeps its admission.
+  default); or a plain-HTTP request the fast path takes (``proxy/fast_http.py``: strict framing, no
+  upgrade, not intercepted, no upstream proxy), and the kept-alive requests after it (``relay_http``,
+  the default); or
+* hands it to mitmproxy with the bytes it has read put back in front (a plain-HTTP head the fast path
+  does not take, WebSocket over CONNECT to port 80, intercepted hosts, anything the front does not
+  take), exactly as if mitmproxy had accepted it; the connection keeps its admission. The fast path
+  hands a kept-alive connection over the same way, at the first request it does not take.
 
 Every decision, refusal and record is the gate's: the two paths differ only in who copies the bytes.
 """
@@ -21,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import socket
 import uuid
 from collections.abc import Callable
@@ -31,14 +33,16 @@ import h11
 from policy.hosts import HostFormError, Target, parse_authority, parse_url
 
 from .admission import CapRefusal
+from .dial import connect_pinned
+from .fast_http import FastHttp
 from .gate import Gate, Tunnel, refusal_for
+from .head_reader import HeadProblem, answer_then_drain, read_head
 from .peers import client_key
 from .refusals import refusal_bytes
 from .tls_hello import MAX_HELLO_BYTES
 from .tunnel_relay import relay
 from .upstream_connect import connect_via_upstream
 
-_HEAD_END = re.compile(rb"\n\r?\n")  # what h11 and mitmproxy accept as the end of a head (bare LF too)
 HALF_CLOSED_IDLE = 5.0  # once one side has finished, the other gets this long of silence before the tunnel ends
 OVER_CAP_WAIT = 2.0  # how long a connection refused by a cap may take to say where it wanted to go
 MAX_OVER_CAP_PENDING = 256  # beyond this many at once, refused connections are closed unheard (fds are finite)
@@ -46,18 +50,13 @@ TLS_ALERT_UNRECOGNIZED_NAME = bytes([21, 3, 3, 0, 2, 2, 112])
 Handoff = Callable[[socket.socket, bytes], None]
 
 
-class HeadProblem(Exception):
-    def __init__(self, status: int, rule: str, reason: str) -> None:
-        super().__init__(reason)
-        self.status, self.rule, self.reason = status, rule, reason
-
-
 class Front:
     def __init__(self, gate: Gate, handoff: Handoff, relay_tunnels: bool = True,
-                 upstream_authorization: str | None = None) -> None:
+                 upstream_authorization: str | None = None, relay_http: bool = False) -> None:
         self.gate = gate
         self.handoff = handoff
         self.relay_tunnels = relay_tunnels
+        self.fast_http = FastHttp(gate) if relay_http else None  # plain HTTP (proxy/fast_http.py)
         self.upstream_authorization = upstream_authorization  # Proxy-Authorization for the policy's upstream
         self.listener: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
@@ -118,11 +117,20 @@ class Front:
                 head, rest = await self._read_head(conn)
             except HeadProblem as problem:
                 if problem.status:
-                    await _send(conn, refusal_bytes(self.gate.refuse(client, None, None, problem.status,
-                                                                     _stage(problem.rule), problem.rule,
-                                                                     problem.reason)))
+                    await answer_then_drain(conn, refusal_bytes(self.gate.refuse(client, None, None, problem.status,
+                                                                                 _stage(problem.rule), problem.rule,
+                                                                                 problem.reason)))
                 else:
                     self.gate.connection_refused(client, 0, problem.rule, problem.reason)
+                return
+            if self.fast_http is not None and not head.startswith(b"CONNECT "):
+                def hand_over(sock: socket.socket, data: bytes) -> None:
+                    nonlocal handed_off
+                    handed_off = True
+                    self.gate.admission.hand_over(peer)
+                    self.handoff(sock, data)
+
+                await self.fast_http.serve(conn, client, head, rest, hand_over)
                 return
             method, raw_target, event = _parse_head(head)  # parsed once: a tunnel's setup is mostly overhead
             authority = raw_target if method == "CONNECT" else None
@@ -147,50 +155,7 @@ class Front:
     async def _read_head(self, conn: socket.socket, first_byte: float | None = None,
                          header: float | None = None) -> tuple[bytes, bytes]:
         """The first request head and whatever came after it; HeadProblem when a bound is passed."""
-        loop = asyncio.get_running_loop()
-        limits = self.gate.policy.limits
-        first_byte = limits.first_byte_timeout if first_byte is None else first_byte
-        header = limits.header_timeout if header is None else header
-        try:
-            data = await asyncio.wait_for(loop.sock_recv(conn, 65536), first_byte)
-        except TimeoutError:
-            raise HeadProblem(0, "limits.first_byte_timeout", f"the client sent nothing for "
-                                                               f"limits.first_byte_timeout ({first_byte:g}s) after "
-                                                               "connecting") from None
-        if not data:
-            raise OSError("closed before a request")
-        deadline = loop.time() + header
-        if data[:1] == b"\x16":
-            raise HeadProblem(0, "http:tls-to-proxy", "the client started TLS with the proxy itself; egresswall's "
-                                                      "port speaks HTTP/1.1 (send CONNECT)")
-        while True:
-            found = _HEAD_END.search(data)
-            end = found.end() if found else -1
-            if 0 <= end <= limits.max_header_bytes:
-                return data[:end], data[end:]
-            if (end < 0 and len(data) > limits.max_header_bytes) or end >= 0:
-                raise HeadProblem(431, "limits.max_header_bytes", f"the request head is over "
-                                                                  f"{limits.max_header_bytes} bytes "
-                                                                  "(limits.max_header_bytes)")
-            # Silence is bounded by limits.idle_timeout (closed unanswered, as mitmproxy would); a head that
-            # keeps dripping, or stops, is bounded by limits.header_timeout from its first byte (408).
-            remaining = deadline - loop.time()
-            try:
-                chunk = await asyncio.wait_for(loop.sock_recv(conn, 65536),
-                                               max(0.0, min(remaining, limits.idle_timeout)))
-            except TimeoutError:
-                if remaining > limits.idle_timeout:
-                    raise HeadProblem(0, "limits.idle_timeout", f"the connection was closed by egresswall after "
-                                                                f"limits.idle_timeout ({limits.idle_timeout:g}s) of "
-                                                                f"silence into a request head that never ended "
-                                                                f"({len(data)} bytes)") from None
-                raise HeadProblem(408, "limits.header_timeout", f"the request head was not complete {header:g}s "
-                                                                f"after its first byte ({len(data)} bytes; "
-                                                                "limits.header_timeout)") from None
-            if not chunk:
-                raise HeadProblem(0, "http:incomplete-head", f"the connection was closed by the client into a "
-                                                             f"request head that never ended ({len(data)} bytes)")
-            data += chunk
+        return await read_head(conn, self.gate.policy.limits, first_byte, header)
 
     async def _refuse_over_cap(self, conn: socket.socket, client: str, cap: CapRefusal) -> None:
         """Refused at accept. Given a moment (bounded, and only for a bounded number of such
@@ -235,7 +200,7 @@ class Front:
                 await self._connect_failed(conn, tunnel, refused, accept)
                 return
             if via is None:
-                upstream, error = await _connect(tunnel.verdict.pinned, port, gate.policy.limits.connect_timeout)
+                upstream, error = await connect_pinned(tunnel.verdict.pinned, port, gate.policy.limits.connect_timeout)
             else:  # decided on egresswall's resolution; the upstream connects, resolving the name itself
                 upstream, error = await connect_via_upstream(via, tunnel.target, self.upstream_authorization,
                                                              gate.policy.limits.connect_timeout)
@@ -344,22 +309,6 @@ def _target(authority: str) -> Target | None:
 
 def _stage(rule: str) -> str:
     return "limits" if rule.startswith("limits.") else "form"
-
-
-async def _connect(address: str, port: int, timeout: float) -> tuple[socket.socket | None, str]:
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setblocking(False)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    try:
-        await asyncio.wait_for(asyncio.get_running_loop().sock_connect(sock, (address, port)), timeout)
-    except TimeoutError:
-        sock.close()
-        return None, f"connect to {address}:{port} timed out after {timeout:g}s (limits.connect_timeout)"
-    except OSError as err:
-        sock.close()
-        return None, f"connect to {address}:{port} failed: {err.strerror or err}"
-    return sock, ""
 
 
 async def _send(sock: socket.socket, data: bytes) -> None:

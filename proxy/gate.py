@@ -353,9 +353,7 @@ class Gate:
             plain = {"https": "wss", "http": "ws"} if ask.websocket else {"https": "https", "http": "http"}
             t = tunnel.target
             return Target(plain.get(ask.scheme, ask.scheme), t.host, t.port, ask.path, t.ip)
-        scheme = {"http": "ws", "https": "wss"}.get(ask.scheme, ask.scheme) if ask.websocket else ask.scheme
-        bracketed = f"[{ask.host}]" if ":" in ask.host else ask.host
-        return parse_url(f"{scheme}://{bracketed}:{ask.port}{ask.path}")
+        return plain_target(ask)
 
     def _request_refused(self, ask: HttpAsk, target: Target | None, verdict: Verdict, status: int,
                          url: str | None = None) -> RequestOutcome:
@@ -416,6 +414,14 @@ class Gate:
     async def _probe_audit(self) -> None:
         while not self.audit.probe():
             await asyncio.sleep(1)
+
+
+def plain_target(ask: HttpAsk) -> Target:
+    """The target of a plain-HTTP request (not inside a tunnel) as both transports hand it over: scheme,
+    host, port and path as the transport split them, read again by policy.hosts (HostFormError: refused)."""
+    scheme = {"http": "ws", "https": "wss"}.get(ask.scheme, ask.scheme) if ask.websocket else ask.scheme
+    bracketed = f"[{ask.host}]" if ":" in ask.host else ask.host
+    return parse_url(f"{scheme}://{bracketed}:{ask.port}{ask.path}")
 
 
 def refusal_for(status: int, verdict: Verdict, target: Target | None, accept: Iterable[str] = ()) -> Refusal:

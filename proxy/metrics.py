@@ -52,6 +52,8 @@ class Metrics:
         self._open_tunnels = Gauge("egresswall_open_tunnels", "CONNECT tunnels open now.", registry=r)
         self._fast_tunnels = Counter("egresswall_fast_tunnels", "Tunnels relayed by the fast path, not mitmproxy.",
                                      registry=r)
+        self._fast_http = Counter("egresswall_fast_http_requests", "Plain-HTTP requests relayed by the fast path, "
+                                  "not mitmproxy.", registry=r)
         self._open_connections = Gauge("egresswall_open_connections", "Client connections open now.", registry=r)
         relayed = Counter("egresswall_bytes", "Bytes relayed, by direction.", ["direction"], registry=r)
         self._bytes_up, self._bytes_down = relayed.labels("up"), relayed.labels("down")
@@ -130,6 +132,9 @@ class Metrics:
 
     def fast_tunnel(self) -> None:
         self._fast_tunnels.inc()
+
+    def fast_http(self) -> None:
+        self._fast_http.inc()
 
     def connections_open(self, count: int) -> None:
         self._open_connections.set(count)

@@ -126,7 +126,7 @@ class ProxyRunner:
             if await self._wait_listening(master_task):  # False: asked to stop during start-up
                 authorization = basic_authorization(self.upstream_credentials) if self.upstream_credentials else None
                 self.front = Front(self.gate, self._handoff, relay_tunnels=self.config.fast_tunnels,
-                                   upstream_authorization=authorization)
+                                   upstream_authorization=authorization, relay_http=self.config.fast_http)
                 try:
                     self.listen_address = await self.front.start(host, port, reuse_port=self.config.reuse_port)
                 except OSError as err:

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from dnslab import Behaviour, DnsLab, Record  # noqa: E402
 from labnet import INTERNAL_IP, PUBLIC_IP, StandIn, Upstream, self_signed  # noqa: E402
-from proxyproc import ProxyProcess  # noqa: E402
+from proxyproc import TRANSPORTS, ProxyProcess  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -75,14 +75,22 @@ def lab(tmp_path_factory) -> Iterator[Lab]:
 
 
 @pytest.fixture
-def start_proxy(tmp_path):
+def transport(request) -> str | None:
+    """Which transport ``start_proxy`` starts (a key of proxyproc.TRANSPORTS); None: the defaults. A test
+    runs on both with ``@proxyproc.both_transports``."""
+    return getattr(request, "param", None)
+
+
+@pytest.fixture
+def start_proxy(tmp_path, transport):
     """start_proxy(policy_text, *args) → a running ProxyProcess, stopped after the test."""
     started: list[ProxyProcess] = []
+    chosen = TRANSPORTS[transport] if transport else []
 
     def start(policy_text: str, *args: str, name: str = "policy.yaml") -> ProxyProcess:
         policy = tmp_path / name
         policy.write_text(policy_text)
-        proxy = ProxyProcess(["--policy", str(policy), *args], tmp_path / f"audit-{len(started)}.jsonl")
+        proxy = ProxyProcess(["--policy", str(policy), *chosen, *args], tmp_path / f"audit-{len(started)}.jsonl")
         proxy.policy_path = policy
         started.append(proxy)
         return proxy

@@ -6,6 +6,8 @@ Upstreams (on 127.0.0.2, "the public web" of the lab, each on its own port):
   ``Silent``          reads the request and never answers;
   ``RedirectLoop``    answers every request with a redirect to the next step of a loop;
   ``Blackhole``       a listener whose accept queue is full, so a connect to it hangs (SYNs dropped);
+  ``Scripted``        answers every request on a kept-alive connection with the same raw bytes (a response
+                      an origin frames two ways, or one followed by bytes nobody asked for);
   ``SwitchesProtocols`` answers any request with ``101 Switching Protocols`` and then echoes bytes
                       (what an upstream does to turn a plain request into a raw relay).
 """
@@ -75,6 +77,21 @@ class SwitchesProtocols(_Server):
         while time.monotonic() < deadline and (chunk := conn.recv(65536)):
             self.echoed += len(chunk)
             conn.sendall(chunk)
+
+
+class Scripted(_Server):
+    """Answers each request head on a connection with ``answer``, as it is, and keeps reading heads."""
+
+    def __init__(self, answer: bytes) -> None:
+        self.answer = answer
+        self.heads: list[bytes] = []
+        super().__init__()
+
+    def handle(self, conn: socket.socket, head: bytes) -> None:
+        while head and not self.closed.is_set():
+            self.heads.append(head)
+            conn.sendall(self.answer)
+            head = read_head(conn)
 
 
 def read_head(conn: socket.socket, limit: int = 1 << 20) -> bytes:

@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 # Runs inside the proxy process before egresswall starts. It records every outbound connect and every
 # getaddrinfo call on a name, and refuses (without sending a packet) any connect that is not to loopback:
@@ -58,6 +60,14 @@ _selector_events.BaseSelectorEventLoop.sock_connect = _sc
 _HOST = r"(?:\[(?P<{0}6>[0-9a-fA-F:.]+)\]|(?P<{0}>[^\s:;,\[\]]+))"
 _ADDRESS = re.compile(rf"proxy on {_HOST.format('host')}:(?P<port>\d+)"
                       rf"(?:, admin on http://{_HOST.format('admin')}:(?P<admin_port>\d+))?")
+
+
+# The two transports every enforcement, hardening and smuggling suite runs against: egresswall's own
+# front relaying tunnels and plain HTTP itself (proxy/front.py, proxy/fast_http.py), and mitmproxy's
+# layers for both.
+TRANSPORTS = {"fast": ["--fast-tunnels", "--fast-http"], "mitmproxy": ["--no-fast-tunnels", "--no-fast-http"]}
+# A test that starts its own proxy (conftest's start_proxy) runs on both transports with this mark.
+both_transports = pytest.mark.parametrize("transport", list(TRANSPORTS), indirect=True)
 
 
 class ProxyProcess:

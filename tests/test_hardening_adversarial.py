@@ -13,7 +13,7 @@ import pytest
 from audit_watch import AuditWatch, decisions, rss_kib, rules
 from hostile import Blackhole, EndlessHeaders, RedirectLoop, Silent, slowloris
 from labnet import PUBLIC_IP
-from proxyproc import parse_response, read_response
+from proxyproc import TRANSPORTS, both_transports, parse_response, read_response
 
 pytestmark = pytest.mark.integration
 
@@ -29,8 +29,8 @@ def hostile():
         server.close()
 
 
-@pytest.fixture(scope="module")
-def proxy(lab, hostile, tmp_path_factory):
+@pytest.fixture(scope="module", params=list(TRANSPORTS))
+def proxy(lab, hostile, tmp_path_factory, request):
     from proxyproc import ProxyProcess
 
     folder = tmp_path_factory.mktemp("adversarial")
@@ -40,7 +40,7 @@ def proxy(lab, hostile, tmp_path_factory):
     text = text.replace(f"  http: {sorted({80, lab.public.port})}", f"  http: {ports}")
     policy = folder / "policy.yaml"
     policy.write_text(text)
-    process = ProxyProcess(["--policy", str(policy)], folder / "audit.jsonl")
+    process = ProxyProcess(["--policy", str(policy), *TRANSPORTS[request.param]], folder / "audit.jsonl")
     yield process
     process.stop()
     assert not [e for e in process.outbound() if e["host"] != PUBLIC_IP], process.outbound()
@@ -284,6 +284,7 @@ def test_bytes_pipelined_behind_a_waiting_request_are_bounded(hostile, proxy, au
     assert "after a request that is still waiting" in next(x for x in records if x["event"] == "response")["error"]
 
 
+@both_transports
 def test_slowloris_does_not_starve_other_clients(lab, start_proxy):
     """50 connections send their headers a byte at a time from another client address. While all of
     them are open, a normal client's requests complete promptly (well inside the header timeout that

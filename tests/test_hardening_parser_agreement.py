@@ -8,7 +8,10 @@ Chromium (it is strict by design); it must never accept a URL and mean another h
 
 Hypothesis generates the URLs (tests/url_forms.py: backslashes, '@', %-escapes, dots and full-width
 dots, IDNA edge cases, numeric forms, IPv6 forms, ports, trailing dots, whitespace, control
-characters). EGRESSWALL_PARSER_BATCHES=N runs N batches of 100 instead of the default 30 batches of 50.
+characters). Both transports are held to it: ``parse_url`` of the URL is what the gate decides on, and for a
+URL the plain-HTTP fast path takes as an absolute-form request target (proxy/http_head.py), the target it
+hands the gate (proxy/gate.py ``plain_target``) must read the same host too.
+EGRESSWALL_PARSER_BATCHES=N runs N batches of 100 instead of the default 30 batches of 50.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from hypothesis import strategies as st
 from url_forms import urls
 
 from policy.hosts import HostFormError, parse_url
+from proxy.fast_http import ask_of
+from proxy.gate import plain_target
+from proxy.http_head import PlainRequest, take_head
 
 pytestmark = pytest.mark.integration
 
@@ -55,13 +61,40 @@ def disagreement(url: str, chromium_reads: Where | None) -> str | None:
     return None
 
 
+def fast_path_disagreement(url: str, chromium_reads: Where | None) -> str | None:
+    """None when the fast path is safe on ``url`` sent as an absolute-form request target: it does not take
+    it (mitmproxy's path then decides, held by ``disagreement``), the gate refuses what it hands over, or
+    the host it hands over is the one Chromium connects to."""
+    try:
+        head = b"GET " + url.encode("ascii") + b" HTTP/1.1\r\nHost: h\r\n\r\n"
+    except UnicodeEncodeError:
+        return None  # not an HTTP/1.1 request target at all
+    request = take_head(head)
+    if not isinstance(request, PlainRequest):
+        return None
+    try:
+        target = plain_target(ask_of(request, "client"))
+    except HostFormError:
+        return None
+    if chromium_reads is None:
+        return None
+    ours = Where(target.scheme, target.host, target.port)
+    if ours != chromium_reads:
+        return f"{url!r}: the fast path hands the gate {ours}, Chromium connects to {chromium_reads}"
+    return None
+
+
 def check_batch(chromium: ChromiumUrlParser, batch: list[str]) -> list[str]:
-    problems = [p for url, where in zip(batch, chromium.where(batch), strict=True) if (p := disagreement(url, where))]
+    wheres = chromium.where(batch)
+    problems = [p for url, where in zip(batch, wheres, strict=True) if (p := disagreement(url, where))]
+    problems += [p for url, where in zip(batch, wheres, strict=True) if (p := fast_path_disagreement(url, where))]
     # What the proxy then receives is Chromium's canonical form (absolute-form request or CONNECT
     # authority): egresswall must read that one as the same host too, or refuse it.
     canonical = [f"{r['protocol']}//{_authority(r)}/" for r in chromium.parse(batch) if r is not None]
-    problems += [p for url, where in zip(canonical, chromium.where(canonical), strict=True)
-                 if (p := disagreement(url, where))]
+    canonical_wheres = chromium.where(canonical)
+    problems += [p for url, where in zip(canonical, canonical_wheres, strict=True) if (p := disagreement(url, where))]
+    problems += [p for url, where in zip(canonical, canonical_wheres, strict=True)
+                 if (p := fast_path_disagreement(url, where))]
     return problems
 
 
@@ -177,6 +210,20 @@ def test_agreement_seeds_read_the_same_host(chromium):
         target = parse_url(url)
         assert Where(target.scheme, target.host, target.port) == Where(*expected), url
         assert where == Where(*expected), f"{url!r}: Chromium now reads {where}"
+
+
+def test_the_fast_path_takes_plain_seeds_and_reads_them_as_chromium_does(chromium):
+    """The fast path's check is not vacuous: the ASCII http:// agreement seeds are taken by it (a head of
+    that form goes to the fast path), and what it hands the gate is what Chromium connects to."""
+    seeds = [(url, expected) for url, expected in AGREEMENTS if url.startswith("http://") and url.isascii()]
+    taken = 0
+    for (url, expected), where in zip(seeds, chromium.where([url for url, _ in seeds]), strict=True):
+        request = take_head(b"GET " + url.encode() + b" HTTP/1.1\r\nHost: h\r\n\r\n")
+        if isinstance(request, PlainRequest):
+            taken += 1
+            target = plain_target(ask_of(request, "client"))
+            assert Where(target.scheme, target.host, target.port) == Where(*expected) == where, url
+    assert taken >= len(seeds) // 2, f"the fast path took {taken} of {len(seeds)} plain seeds"
 
 
 def test_seeds_are_safe_together(chromium):

@@ -13,7 +13,7 @@ import time
 import pytest
 from hostile import SwitchesProtocols
 from labnet import PUBLIC_IP
-from proxyproc import ROOT, ProxyProcess, parse_response, read_response
+from proxyproc import ROOT, TRANSPORTS, ProxyProcess, parse_response, read_response
 from tls_build import ECH, client_hello, extension, real_client_hello, server_name_body
 
 pytestmark = pytest.mark.integration
@@ -27,7 +27,7 @@ def switch():
     server.close()
 
 
-@pytest.fixture(scope="module", params=["fast-tunnels", "mitmproxy-tunnels"])
+@pytest.fixture(scope="module", params=list(TRANSPORTS))
 def proxy(lab, switch, tmp_path_factory, request):
     folder = tmp_path_factory.mktemp("security")
     policy = folder / "policy.yaml"
@@ -41,7 +41,7 @@ def proxy(lab, switch, tmp_path_factory, request):
         f"resolver:\n  nameservers: ['{lab.dns.address}']\n  timeout: 1\n"
         f"limits:\n  header_timeout: {HEADER_TIMEOUT}\n  first_byte_timeout: {FIRST_BYTE_TIMEOUT}\n"
         f"  idle_timeout: {IDLE_TIMEOUT}\n  max_request_body: {BODY_LIMIT}\n  max_connections_per_client: 40\n")
-    mode = [] if request.param == "fast-tunnels" else ["--no-fast-tunnels"]
+    mode = TRANSPORTS[request.param]
     process = ProxyProcess(["--policy", str(policy), *mode], folder / "audit.jsonl")
     yield process
     process.stop()
@@ -448,7 +448,7 @@ def test_an_upstream_101_crashes_nothing(lab, proxy, switch):
 
 # ---- an intercepted host: its first byte alone, odd first lines, absolute form -------------------------
 
-@pytest.fixture(scope="module", params=["fast-tunnels", "mitmproxy-tunnels"])
+@pytest.fixture(scope="module", params=list(TRANSPORTS))
 def intercepting(lab, tmp_path_factory, request):
     folder = tmp_path_factory.mktemp("intercept")
     policy = folder / "policy.yaml"
@@ -458,7 +458,7 @@ def intercepting(lab, tmp_path_factory, request):
         f"ports:\n  http: [80]\n  connect: [443, {lab.public_tls.port}]\n"
         f"addresses:\n  allow: [{PUBLIC_IP}/32]\n"
         f"resolver:\n  nameservers: ['{lab.dns.address}']\n  timeout: 1\n")
-    mode = [] if request.param == "fast-tunnels" else ["--no-fast-tunnels"]
+    mode = TRANSPORTS[request.param]
     process = ProxyProcess(["--policy", str(policy), "--confdir", str(folder / "ca"), "--upstream-ca",
                             str(lab.cert_file), *mode], folder / "audit.jsonl")
     yield process

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from metrics_page import families, value
+from proxyproc import both_transports
 
 from proxy.build import versions
 from proxy.metrics import DNS_BUCKETS
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@both_transports
 def test_one_decision_line_per_request_under_1000_requests(lab, start_proxy):
     proxy = start_proxy(lab.policy_text("hosts:\n  deny:\n    - denied.lab.example\n"))
     hosts = ["public.lab.example", "denied.lab.example", "internal.lab.example"]
@@ -69,6 +71,7 @@ def test_one_decision_line_per_request_under_1000_requests(lab, start_proxy):
     assert all(required <= set(r) for r in decisions)
 
 
+@both_transports
 def test_audit_log_hides_query_strings_and_credentials(lab, start_proxy):
     proxy = start_proxy(lab.policy_text())
     proxy.get(f"http://public.lab.example:{lab.public.port}/p?token=SECRET",
@@ -95,6 +98,7 @@ def test_passthrough_tunnel_bytes_are_counted(lab, start_proxy):
     assert tunnels[0]["pinned"] == "127.0.0.2"
 
 
+@both_transports
 def test_metrics_count_decisions_by_rule_id_and_show_dns_buckets_build_and_reload_time(lab, start_proxy):
     """Issue 14 item 7 through the real proxy: the page parses with prometheus_client's parser; a decision
     is counted by its rule's stable id (the YAML ``id:``, a derived id, a fixed refusal name), never by
@@ -137,6 +141,7 @@ def test_metrics_count_decisions_by_rule_id_and_show_dns_buckets_build_and_reloa
     assert proxy.admin("/readyz")[0] == 200
 
 
+@both_transports
 def test_sigusr1_reopens_the_log_for_logrotate(lab, start_proxy):
     proxy = start_proxy(lab.policy_text())
     proxy.get(f"http://public.lab.example:{lab.public.port}/before")

@@ -9,11 +9,12 @@ import uuid
 
 import pytest
 from labnet import PUBLIC_IP
+from proxyproc import TRANSPORTS, both_transports
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module", params=["fast-tunnels", "mitmproxy-tunnels"])
+@pytest.fixture(scope="module", params=list(TRANSPORTS))
 def proxy(lab, tmp_path_factory, request):
     """Every test here runs against both tunnel paths: egresswall's fast relay and mitmproxy's layers."""
     from proxyproc import ProxyProcess
@@ -21,9 +22,9 @@ def proxy(lab, tmp_path_factory, request):
     folder = tmp_path_factory.mktemp("enforce")
     policy = folder / "policy.yaml"
     policy.write_text(lab.policy_text("hosts:\n  deny:\n    - denied.lab.example\n"))
-    mode = [] if request.param == "fast-tunnels" else ["--no-fast-tunnels"]
+    mode = TRANSPORTS[request.param]
     process = ProxyProcess(["--policy", str(policy), *mode], folder / "audit.jsonl")
-    process.tunnel_path = request.param
+    process.transport = request.param
     yield process
     process.stop()
     assert not [e for e in process.outbound() if e["host"] not in (PUBLIC_IP,)], process.outbound()
@@ -188,6 +189,7 @@ def test_expect_continue_to_refused_target_is_refused_before_the_body(lab, proxy
     assert head.startswith(b"HTTP/1.1 403")
 
 
+@both_transports
 def test_request_body_over_the_limit_is_refused(lab, start_proxy):
     proxy = start_proxy(lab.policy_text(limits="limits:\n  max_request_body: 100\n"))
     status, headers, _ = proxy.get(f"http://public.lab.example:{lab.public.port}/up", method="POST", body=b"x" * 101)
@@ -196,6 +198,7 @@ def test_request_body_over_the_limit_is_refused(lab, start_proxy):
     assert status == 200 and body == b"got 100 bytes"
 
 
+@both_transports
 def test_requests_to_the_proxy_itself_are_refused(lab, start_proxy):
     # Even a policy that re-admits all of loopback and the proxy's own ports cannot make it talk to itself.
     with socket.socket() as probe:
@@ -212,6 +215,7 @@ def test_requests_to_the_proxy_itself_are_refused(lab, start_proxy):
     assert status == 403 and headers["x-egresswall-rule"] == "self"
 
 
+@both_transports
 def test_per_client_connection_cap(lab, start_proxy):
     proxy = start_proxy(lab.policy_text(limits="limits:\n  max_connections_per_client: 2\n"))
     held = [socket.create_connection((proxy.host, proxy.port), timeout=10) for _ in range(2)]
@@ -226,6 +230,7 @@ def test_per_client_connection_cap(lab, start_proxy):
             sock.close()
 
 
+@both_transports
 def test_report_mode_lets_host_refusals_through_but_never_address_refusals(lab, start_proxy):
     proxy = start_proxy(lab.policy_text("hosts:\n  deny:\n    - public.lab.example\n", mode="report"))
     status, _, body = proxy.get(f"http://public.lab.example:{lab.public.port}/reported")
@@ -237,12 +242,14 @@ def test_report_mode_lets_host_refusals_through_but_never_address_refusals(lab, 
     assert ("internal.lab.example", "refuse") in verdicts
 
 
+@both_transports
 def test_internal_address_literal_refused_even_when_host_allowed(lab, start_proxy):
     proxy = start_proxy(lab.policy_text("hosts:\n  allow:\n    - internal.lab.example\n", default="deny"))
     status, headers, _ = proxy.get(f"http://internal.lab.example:{lab.public.port}/")
     assert status == 403 and "127.0.0.0/8" in headers["x-egresswall-rule"]
 
 
+@both_transports
 def test_allowlist_mode_refuses_unlisted_host_without_resolving(lab, start_proxy):
     proxy = start_proxy(lab.policy_text("hosts:\n  allow:\n    - public.lab.example\n", default="deny"))
     assert proxy.get(f"http://public.lab.example:{lab.public.port}/")[0] == 200
@@ -260,7 +267,7 @@ def test_tunnels_take_the_path_the_proxy_was_started_with(lab, proxy):
     _, body = proxy.admin("/metrics")
     fast = [line for line in body.splitlines() if line.startswith("egresswall_fast_tunnels_total")]
     count = float(fast[0].split()[-1])
-    assert (count > 0) == (proxy.tunnel_path == "fast-tunnels")
+    assert (count > 0) == (proxy.transport == "fast")
 
 
 def test_client_hello_split_across_reads_still_passes_through(lab, proxy):
@@ -290,3 +297,14 @@ def test_client_hello_split_across_reads_still_passes_through(lab, proxy):
             incoming.write(chunk)
     sock.sendall(outgoing.read())
     sock.close()
+
+
+def test_plain_http_takes_the_path_the_proxy_was_started_with(lab, proxy):
+    def relayed_by_the_front() -> float:
+        _, body = proxy.admin("/metrics")
+        return float(next(line for line in body.splitlines()
+                          if line.startswith("egresswall_fast_http_requests_total")).split()[-1])
+
+    before = relayed_by_the_front()
+    assert proxy.get(f"http://public.lab.example:{lab.public.port}/which-path")[0] == 200
+    assert (relayed_by_the_front() > before) == (proxy.transport == "fast")

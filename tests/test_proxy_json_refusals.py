@@ -11,7 +11,7 @@ import time
 
 import pytest
 from hostile import _Server
-from proxyproc import parse_response, read_response
+from proxyproc import TRANSPORTS, parse_response, read_response
 
 pytestmark = pytest.mark.integration
 
@@ -38,7 +38,7 @@ def switch():
     server.close()
 
 
-@pytest.fixture(scope="module", params=["fast-tunnels", "mitmproxy-tunnels"])
+@pytest.fixture(scope="module", params=list(TRANSPORTS))
 def proxy(lab, tmp_path_factory, request, switch):
     from proxyproc import ProxyProcess
 
@@ -50,7 +50,7 @@ def proxy(lab, tmp_path_factory, request, switch):
     text = text.replace(f"http: [80, {lab.public.port}]", f"http: [80, {lab.public.port}, {switch.port}]")
     assert str(switch.port) in text
     policy.write_text(text)
-    mode = [] if request.param == "fast-tunnels" else ["--no-fast-tunnels"]
+    mode = TRANSPORTS[request.param]
     process = ProxyProcess(["--policy", str(policy), *mode], folder / "audit.jsonl")
     yield process
     process.stop()
@@ -197,7 +197,7 @@ def test_an_upstream_cannot_put_words_in_a_refusal(lab, proxy, switch):
                       "hint": "egresswall does not relay this (http:unrequested-upgrade); no policy change admits it"}
 
 
-@pytest.mark.parametrize("mode", [[], ["--no-fast-tunnels"]], ids=["fast-tunnels", "mitmproxy-tunnels"])
+@pytest.mark.parametrize("mode", list(TRANSPORTS.values()), ids=list(TRANSPORTS))
 def test_a_cap_refusal_says_retry_later(lab, start_proxy, mode):
     proxy = start_proxy(lab.policy_text(limits="limits:\n  max_connections_per_client: 1\n"), *mode)
     holder = socket.socket()

@@ -12,13 +12,13 @@ import pytest
 from dnslab import Record
 from labnet import PUBLIC_IP
 from metrics_page import value as metric_value
-from proxyproc import ProxyProcess, read_response
+from proxyproc import TRANSPORTS, ProxyProcess, both_transports, read_response
 from session_client import TOKEN, api, connect, create, get, token_file
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module", params=["fast-tunnels", "mitmproxy-tunnels"])
+@pytest.fixture(scope="module", params=list(TRANSPORTS))
 def proxy(lab, tmp_path_factory, request):
     folder = tmp_path_factory.mktemp("sessions")
     policy = folder / "policy.yaml"
@@ -28,7 +28,7 @@ def proxy(lab, tmp_path_factory, request):
         "roles:\n  - name: agents\n    clients: [127.0.0.1/32]\n    session: required\n").replace(
         f"connect: [{', '.join(map(str, sorted({443, lab.public_tls.port})))}]",
         f"connect: [{', '.join(map(str, sorted({443, lab.public_tls.port, lab.public.port})))}]"))
-    mode = [] if request.param == "fast-tunnels" else ["--no-fast-tunnels"]
+    mode = TRANSPORTS[request.param]
     process = ProxyProcess(["--policy", str(policy), "--admin-token-file", str(token_file(folder)), *mode],
                            folder / "audit.jsonl")
     yield process
@@ -365,6 +365,7 @@ def test_inside_an_intercepted_tunnel_the_connects_session_holds_each_request_to
     assert api(intercepting.admin_port, "GET", f"/v1/sessions/{session['id']}")[2]["usage"]["requests"] == 3
 
 
+@both_transports
 def test_where_sessions_are_optional_a_presented_session_still_narrows(lab, start_proxy, tmp_path):
     proxy = start_proxy(lab.policy_text(), "--admin-token-file", str(token_file(tmp_path)))
     session = create(proxy.admin_port, {"hosts": ["public.lab.example"]})

@@ -229,7 +229,10 @@ def squid_refused(status: int, headers: dict[str, str]) -> bool:
 
 
 def egresswall_refused(status: int, headers: dict[str, str]) -> bool:
-    return "x-egresswall-rule" in headers
+    """A refusal carries egresswall's rule header. Rule ``connect`` is not one: the request was allowed and
+    the connect to the checked address failed (the front's own 502 says so; mitmproxy's 502 page has no
+    header at all)."""
+    return headers.get("x-egresswall-rule", "connect") != "connect"
 
 
 class Squid:

@@ -50,6 +50,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--fast-tunnels", action=argparse.BooleanOptionalAction, default=True,
                      help="relay passed-through TLS tunnels in egresswall's own front rather than through "
                           "mitmproxy (default: on; --no-fast-tunnels hands them to mitmproxy)")
+    run.add_argument("--fast-http", action=argparse.BooleanOptionalAction, default=True,
+                     help="relay plain-HTTP requests (absolute-form http://, not intercepted, no upgrade) in "
+                          "egresswall's own front, parsed with h11, rather than through mitmproxy (default: on; "
+                          "--no-fast-http hands them to mitmproxy)")
     run.add_argument("--admin-token-file", metavar="FILE",
                      help="turn on the session API (/v1/sessions on the admin listener): clients of it send "
                           "Authorization: Bearer <the file's content>; the file must be mode 600. Without it the "
@@ -71,6 +75,7 @@ def run_config_from(args: argparse.Namespace) -> RunConfig:
     return RunConfig(policy_path=args.policy, overrides=overrides_from(args), listen=args.listen,
                      admin=None if args.no_admin else args.admin, log_path=args.log, log_format=args.log_format,
                      confdir=args.confdir, upstream_ca=args.upstream_ca, fast_tunnels=args.fast_tunnels,
+                     fast_http=args.fast_http,
                      admin_token_file=args.admin_token_file, session_store=args.session_store)
 
 

@@ -69,12 +69,16 @@ def rss_kib(pid: int) -> int:
 class Stack:
     """nginx upstream, squid, egresswall and a DNS server, started once for the whole run."""
 
-    def __init__(self, work: Path, ew_workers: int) -> None:
+    def __init__(self, work: Path, ew_workers: int, variants: dict[str, list[str]] | None = None) -> None:
         self.work = work
         self.ew_workers = ew_workers
         self.processes = Processes(work)
         self.http_port, self.tls_port = free_port(UPSTREAM_IP), free_port(UPSTREAM_IP)
         self.squid_port, self.ew_port, self.ew_admin = free_port(), free_port(), free_port()
+        # More egresswall instances, each with extra command-line options (e.g. --no-fast-http), benched
+        # beside the default one in the same run: name -> (port, options).
+        self.variants = {name: (free_port(), options) for name, options in (variants or {}).items()}
+        self.variant_procs: dict[str, subprocess.Popen] = {}
         self.dns = DnsLab({NAME: [Record("A", UPSTREAM_IP, ttl=300)]})
 
     def start(self) -> None:
@@ -86,6 +90,9 @@ class Stack:
         policy = egresswall_policy(allow, [f"{UPSTREAM_IP}/32"], [80, self.http_port], [443, self.tls_port],
                                    self.dns.address, deny=["*.ads.example.com"])
         self.egresswall = start_egresswall(self.processes, self.ew_port, self.ew_admin, policy, self.ew_workers)
+        for name, (port, options) in self.variants.items():
+            self.variant_procs[name] = start_egresswall(self.processes, port, None, policy, self.ew_workers,
+                                                        name=name, options=options)
 
     def _nginx(self) -> None:
         (self.work / "www").mkdir()
@@ -105,7 +112,8 @@ class Stack:
         self.dns.__exit__()
 
     def proxies(self) -> dict[str, tuple[str, int] | None]:
-        return {"direct": None, "squid": ("127.0.0.1", self.squid_port), "egresswall": ("127.0.0.1", self.ew_port)}
+        return {"direct": None, "squid": ("127.0.0.1", self.squid_port), "egresswall": ("127.0.0.1", self.ew_port),
+                **{name: ("127.0.0.1", port) for name, (port, _) in self.variants.items()}}
 
     def pid(self, target: str) -> int:
         return {"squid": self.squid.pid, "egresswall": self.egresswall.pid}[target]
@@ -254,7 +262,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                         help="egresswall worker processes (default: one per CPU)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=OPTIONS",
+                        help="also bench an egresswall started with these extra options, in the same run, e.g. "
+                             "--variant 'ew-mitm-http=--no-fast-http' (plain HTTP and tunnel figures only)")
     args = parser.parse_args()
+    variants = {name: options.split() for name, _, options in (v.partition("=") for v in args.variant)}
     for tool in ("nginx", "squid", "wrk", "curl"):
         if not shutil.which(tool):
             print(f"bench: {tool} is not installed (ci/install.sh --bench installs it)", file=sys.stderr)
@@ -264,15 +276,16 @@ def main() -> int:
     seconds = 2.0 if args.quick else 5.0
     tunnel_count = 300 if args.quick else 1000
     sizes = [10, 10_000] + ([] if args.quick else [1_000_000])
-    targets = ["direct", "squid", "egresswall"]
+    targets = ["direct", "squid", "egresswall", *variants]
     results: dict[tuple[str, str], list[float]] = {}
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ew-bench-", delete=not os.environ.get("BENCH_KEEP")) as tmp:
-        stack = Stack(Path(tmp), args.workers)
+        stack = Stack(Path(tmp), args.workers, variants)
         try:
             stack.start()
             for round_no in range(rounds):
-                order = targets[round_no % 3:] + targets[:round_no % 3]  # alternate who goes first
+                shift = round_no % len(targets)
+                order = targets[shift:] + targets[:shift]  # alternate who goes first
                 for target in order:
                     proxy = stack.proxies()[target]
                     for conns in (1, 32):
@@ -299,7 +312,18 @@ def main() -> int:
 
 def print_table(results: dict[tuple[str, str], list[float]], targets: list[str]) -> None:
     metrics = list(dict.fromkeys(metric for metric, _ in results))
-    print(f"\n{'figure':<30}" + "".join(f"{t:>13}" for t in targets) + f"{'ew/squid':>10}{'ew/direct':>11}")
+    added = {}  # the latency a proxy adds over direct, per target: the figure the goal is set in
+    for target in targets[1:]:
+        for conns in (1, 32):
+            mine, direct = results.get((f"http c={conns} p50_ms", target)), results.get((f"http c={conns} p50_ms",
+                                                                                          "direct"))
+            if mine and direct:
+                added[(f"http c={conns} added p50_ms", target)] = [statistics.median(mine) - statistics.median(direct)]
+    results = {**results, **added}
+    metrics += list(dict.fromkeys(metric for metric, _ in added))
+    ours = [t for t in targets if t not in ("direct", "squid")]
+    print(f"\n{'figure':<30}" + "".join(f"{t:>13}" for t in targets)
+          + "".join(f"{t[:9] + '/squid':>16}" for t in ours) + f"{'ew/direct':>11}")
     for metric in metrics:
         cells, medians = "", {}
         for target in targets:
@@ -309,8 +333,8 @@ def print_table(results: dict[tuple[str, str], list[float]], targets: list[str])
                 cells += f"{medians[target]:>13.2f}"
             else:
                 cells += f"{'-':>13}"
-        print(f"{metric:<30}{cells}{_ratio(medians, 'egresswall', 'squid'):>10}"
-              f"{_ratio(medians, 'egresswall', 'direct'):>11}")
+        print(f"{metric:<30}{cells}" + "".join(f"{_ratio(medians, t, 'squid'):>16}" for t in ours)
+              + f"{_ratio(medians, 'egresswall', 'direct'):>11}")
 
 
 def _ratio(medians: dict[str, float], a: str, b: str) -> str:

@@ -135,16 +135,20 @@ def egresswall_policy(allow: Sequence[str], addresses: Sequence[str], http_ports
     return "\n".join(lines)
 
 
-def start_egresswall(procs: Processes, port: int, admin: int, policy_text: str, workers: int = 1) -> subprocess.Popen:
-    """``egresswall run`` with default settings (the fast front relays passed-through tunnels) and an audit
-    log at WORK/audit.jsonl; ``workers`` > 1 adds ``--workers``."""
+def start_egresswall(procs: Processes, port: int, admin: int | None, policy_text: str, workers: int = 1,
+                     name: str = "egresswall", options: tuple[str, ...] | list[str] = ()) -> subprocess.Popen:
+    """``egresswall run`` with default settings (the fast front relays passed-through tunnels and plain HTTP)
+    plus ``options``, and an audit log at WORK/audit.jsonl (WORK/audit-NAME.jsonl for another ``name``);
+    ``admin`` None: no admin listener; ``workers`` > 1 adds ``--workers``."""
     policy = procs.work / "policy.yaml"
     policy.write_text(policy_text)
+    log = procs.work / ("audit.jsonl" if name == "egresswall" else f"audit-{name}.jsonl")
     args = [sys.executable, "-m", "proxy.cli", "run", "--policy", str(policy), "--listen", f"127.0.0.1:{port}",
-            "--admin", f"127.0.0.1:{admin}", "--log", str(procs.work / "audit.jsonl")]
+            *(["--admin", f"127.0.0.1:{admin}"] if admin is not None else ["--no-admin"]), "--log", str(log),
+            *options]
     if workers > 1:
         args += ["--workers", str(workers)]
-    proc = procs.spawn(args, "egresswall", cwd=ROOT)
+    proc = procs.spawn(args, name, cwd=ROOT)
     wait_port("127.0.0.1", port, 60)
     time.sleep(1.0 if workers > 1 else 0)  # let every worker bind, not just the first
     return proc

@@ -1,0 +1,522 @@
+"""The fast path for plain HTTP: absolute-form ``http://`` requests decided by the gate and relayed by the
+front, parsed with h11 on both sides, without mitmproxy's layer stack.
+
+The front hands a connection here when its first head is one ``proxy/http_head.py`` takes (strict
+framing, no upgrade, no Expect, a host that is not intercepted) and the policy names no upstream proxy.
+Then, request by request on the kept-alive connection:
+
+1. the head is classified again (``take_head``) and parsed by an h11 server-side connection; one that is
+   not taken, or that h11 refuses, goes to mitmproxy with every byte read so far put back (nothing of it
+   consumed): at a request boundary the connection is handed over as if mitmproxy had accepted it;
+2. the gate decides it (``Gate.decide_request``: the same call the mitmproxy addons make, so the same
+   checks, refusals and decision record);
+3. a chunked body is read whole, bounded by ``limits.max_request_body``, before anything is sent
+   upstream; a Content-Length body (already checked against the limit) is streamed;
+4. the connect goes to the pinned address only, re-checked by ``Gate.guard``; an upstream connection is
+   reused by the next request only if that one is pinned to the same address and port, the previous
+   exchange ended cleanly on both sides and the upstream sent nothing beyond its response;
+5. the hop-by-hop headers are removed both ways (``proxy/http_hygiene.py``) and headers only egresswall may
+   set are removed from the response; framing is h11's own, both ways, so neither side's framing is
+   ever passed on as bytes: the origin's response is parsed strictly by an h11 client-side connection
+   and re-framed for the client, and a 101 the request did not ask for is refused;
+6. the response record (``Gate.response_closed``) gets the bytes each way, the status and how it ended.
+
+Bytes a client sends while its request waits for the response are read (bounded by
+``limits.max_header_bytes``, as mitmproxy's patched path bounds them) and become the next head.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import h11
+
+from policy.decision import Verdict
+from policy.hosts import HostFormError, Target
+from policy.model import Policy
+
+from .dial import connect_pinned
+from .gate import Gate, HttpAsk, plain_target, refusal_for
+from .head_reader import HeadProblem, answer_then_drain, read_head
+from .http_head import PlainRequest, take_head
+from .http_hygiene import ALWAYS_HOP_BY_HOP, hop_by_hop_names, tokens
+from .refusals import OWN_HEADER_PREFIX, Refusal, refusal_bytes
+
+Handoff = Callable[[socket.socket, bytes], None]
+READ = 65536
+DRAIN_AFTER_REFUSAL = 2.0  # how long a refused request's unread body is read and dropped before the close
+DRAIN_BYTES = 1 << 20
+_SWITCHING = re.compile(rb"HTTP/1\.[01] 101[ \r]")
+_RESPONSE_DROPPED = ALWAYS_HOP_BY_HOP | {"transfer-encoding"}  # re-framed by h11 for the client
+
+
+class Ended(Exception):
+    """The exchange ended without a response to relay: ``error`` for the record; ``answer`` (a
+    refusal, already recorded or to be recorded as the response line) is sent if nothing was yet."""
+
+    def __init__(self, error: str, answer: Refusal | None = None) -> None:
+        super().__init__(error)
+        self.error, self.answer = error, answer
+
+
+@dataclass
+class Upstream:
+    """A connection to one pinned address and port, with the h11 client-side state of its exchanges."""
+
+    sock: socket.socket
+    key: tuple[str, int]
+    parser: h11.Connection
+
+    def reusable_for(self, key: tuple[str, int]) -> bool:
+        if key != self.key or self.parser.states != {h11.CLIENT: h11.DONE, h11.SERVER: h11.DONE}:
+            return False
+        if self.parser.trailing_data[0]:
+            return False  # bytes after the response: never read as the next one's
+        try:
+            peeked = self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            peeked = None  # open and quiet: reusable
+        except OSError:
+            return False
+        if peeked is not None:
+            return False  # closed (b"") or it sent something unasked
+        self.parser.start_next_cycle()
+        return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class ClientWatch:
+    """Reads what a client sends while its request waits for the response, bounded; ``over`` once the
+    bound is passed (the upstream socket is then shut down, which ends the wait at once)."""
+
+    def __init__(self, conn: socket.socket, data: bytes, limit: int, upstream: socket.socket) -> None:
+        self.conn, self.data, self.limit, self.upstream = conn, bytearray(data), limit, upstream
+        self.closed = self.over = False
+        self._loop = asyncio.get_running_loop()
+        self._watching = len(self.data) <= limit
+        if self._watching:
+            self._loop.add_reader(conn.fileno(), self._readable)
+        else:
+            self.over = True
+
+    def _readable(self) -> None:
+        try:
+            chunk = self.conn.recv(READ)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self.closed = True
+            self.stop()
+            return
+        self.data += chunk
+        if len(self.data) > self.limit:
+            self.over = True
+            self.stop()
+            with contextlib.suppress(OSError):
+                self.upstream.shutdown(socket.SHUT_RDWR)
+
+    def stop(self) -> None:
+        if self._watching:
+            self._watching = False
+            self._loop.remove_reader(self.conn.fileno())
+
+
+class FastHttp:
+    def __init__(self, gate: Gate) -> None:
+        self.gate = gate
+        self._intercepts_for: Policy | None = None
+        self._intercepts = False
+
+    # ---- which requests -------------------------------------------------------------------------------
+
+    def take(self, head: bytes) -> tuple[PlainRequest, h11.Connection] | None:
+        """The request and its h11 server-side connection when the fast path relays it; None: mitmproxy's."""
+        policy = self.gate.policy
+        if policy.upstream is not None:
+            return None
+        request = take_head(head)
+        if not isinstance(request, PlainRequest):
+            return None
+        if self._intercepting(policy):
+            try:
+                target = plain_target(ask_of(request, ""))
+            except HostFormError:
+                return None  # refused with its reason on mitmproxy's path, which reads the target itself
+            if policy.intercepts(target.host):
+                return None
+        parser = h11.Connection(h11.SERVER, max_incomplete_event_size=policy.limits.max_header_bytes)
+        try:
+            parser.receive_data(head)
+            event = parser.next_event()
+        except h11.RemoteProtocolError:
+            return None
+        if not isinstance(event, h11.Request):
+            return None
+        return request, parser
+
+    def _intercepting(self, policy: Policy) -> bool:
+        """Whether any allow rule of ``policy`` intercepts (asked once per policy object: a reload makes
+        a new one). Without such a rule no host is intercepted, and the target need not be read here."""
+        if self._intercepts_for is not policy:
+            tables = [policy.allow] + [role.allow for role in policy.roles]
+            self._intercepts_for, self._intercepts = policy, any(r.intercept for t in tables for r in t.rules)
+        return self._intercepts
+
+    # ---- one connection -------------------------------------------------------------------------------
+
+    async def serve(self, conn: socket.socket, client: str, head: bytes, rest: bytes, handoff: Handoff) -> bool:
+        """Relay requests on ``conn`` until it ends (False) or one is not the fast path's: then the
+        connection is given to ``handoff`` (mitmproxy) with the bytes read so far (True)."""
+        upstream: Upstream | None = None
+        try:
+            while True:
+                taken = self.take(head)
+                if taken is None:
+                    if upstream is not None:
+                        upstream.close()
+                        upstream = None
+                    handoff(conn, head + rest)
+                    return True
+                self.gate.metrics.fast_http()
+                going_on, rest, upstream = await self._exchange(conn, client, *taken, rest, upstream)
+                if not going_on:
+                    return False
+                await asyncio.sleep(0)  # a client and origin that are always ready do not keep the others waiting
+                following = await self._next_head(conn, client, rest)
+                if following is None:
+                    return False
+                head, rest = following
+        finally:
+            if upstream is not None:
+                upstream.close()
+
+    async def _next_head(self, conn: socket.socket, client: str, data: bytes) -> tuple[bytes, bytes] | None:
+        """A kept-alive connection's next head: silence up to limits.idle_timeout ends it without a word
+        (as mitmproxy's idle watchdog would); a head that starts is bounded as the first one was."""
+        limits = self.gate.policy.limits
+        loop = asyncio.get_running_loop()
+        if not data:
+            try:
+                data = await asyncio.wait_for(loop.sock_recv(conn, READ), limits.idle_timeout)
+            except (TimeoutError, OSError):
+                return None
+            if not data:
+                return None
+        try:
+            return await read_head(conn, limits, data=data, first=False)
+        except HeadProblem as problem:
+            if problem.status:
+                refusal = self.gate.refuse(client, None, None, problem.status,
+                                           "limits" if problem.rule.startswith("limits.") else "form",
+                                           problem.rule, problem.reason)
+                await answer_then_drain(conn, refusal_bytes(refusal))
+            else:
+                self.gate.connection_refused(client, 0, problem.rule, problem.reason)
+            return None
+        except OSError:
+            return None
+
+    # ---- one exchange ---------------------------------------------------------------------------------
+
+    async def _exchange(self, conn: socket.socket, client: str, request: PlainRequest, server: h11.Connection,
+                        rest: bytes, upstream: Upstream | None
+                        ) -> tuple[bool, bytes, Upstream | None]:
+        """(keep the connection, bytes already read of the next request, the upstream connection kept)."""
+        gate, loop = self.gate, asyncio.get_running_loop()
+        accept = request.values("accept")
+        ask = ask_of(request, client)
+        started = time.monotonic()
+        body_pending = bool(request.chunked or request.content_length)
+        outcome = await gate.decide_request(ask, None)
+        if outcome.refusal is not None:
+            await self._refuse(conn, outcome.refusal, body_pending)
+            return False, b"", upstream
+        target, verdict = outcome.target, outcome.verdict
+        assert target is not None  # an allowed request has its target
+        up = down = 0
+        status: int | None = None
+        answered = False
+        watch: ClientWatch | None = None
+        try:
+            server.receive_data(rest)
+            body: list[bytes] = []
+            if request.chunked:  # read whole and bounded before the upstream sees anything
+                up = await self._read_chunked(conn, client, server, request, target, accept, body, ask.flow_id)
+            pinned = verdict.pinned
+            if pinned is None:
+                raise Ended("no checked address to connect to")
+            key = (pinned, target.port)
+            if upstream is not None and not upstream.reusable_for(key):
+                upstream.close()
+                upstream = None
+            refused = gate.guard(pinned, target.port)
+            if refused:
+                raise Ended(refused, self._connect_refusal(refused, verdict, target, accept))
+            if upstream is None:
+                sock, error = await connect_pinned(pinned, target.port, gate.policy.limits.connect_timeout)
+                if sock is None:
+                    raise Ended(error, self._connect_refusal(error, verdict, target, accept))
+                upstream = Upstream(sock, key, h11.Connection(
+                    h11.CLIENT, max_incomplete_event_size=gate.policy.limits.max_header_bytes))
+            up = await self._send_request(conn, server, request, upstream, body, up)
+            watch = ClientWatch(conn, server.trailing_data[0], gate.policy.limits.max_header_bytes, upstream.sock)
+            try:
+                status, down, tail = await self._relay_response(conn, client, server, request, target, accept,
+                                                                upstream, watch)
+                answered = True
+            finally:
+                watch.stop()
+            if watch.over:
+                raise Ended(f"egresswall: {_pipelined_reason(gate.policy.limits.max_header_bytes)}")
+        except (Ended, h11.LocalProtocolError) as failure:
+            ended = failure if isinstance(failure, Ended) else Ended(f"egresswall cannot relay the response: "
+                                                                     f"{failure}"[:300])
+            if watch is not None and watch.over:  # the bound's own line, as on mitmproxy's path
+                gate.connection_refused(client, 0, "limits.max_header_bytes",
+                                        _pipelined_reason(gate.policy.limits.max_header_bytes))
+            if upstream is not None:
+                upstream.close()
+                upstream = None
+            if ended.answer is not None and not answered:
+                with contextlib.suppress(OSError):
+                    await loop.sock_sendall(conn, refusal_bytes(ended.answer))
+            if ended.error:  # "" : the refusal that ended it is the flow's closing record already
+                gate.response_closed(ask.flow_id, client, request.method, target, verdict, started, up, down,
+                                     status, ended.error)
+            return False, b"", upstream
+        except (OSError, TimeoutError) as err:
+            if upstream is not None:
+                upstream.close()
+                upstream = None
+            gate.response_closed(ask.flow_id, client, request.method, target, verdict, started, up, down, status,
+                                 f"the exchange failed: {getattr(err, 'strerror', None) or err}")
+            return False, b"", upstream
+        gate.response_closed(ask.flow_id, client, request.method, target, verdict, started, up, down, status, None)
+        assert watch is not None
+        try:
+            await loop.sock_sendall(conn, tail)
+        except OSError:
+            watch.closed = True
+        keep = server.states == {h11.CLIENT: h11.DONE, h11.SERVER: h11.DONE} and not watch.closed
+        if upstream is not None and upstream.parser.states != {h11.CLIENT: h11.DONE, h11.SERVER: h11.DONE}:
+            upstream.close()
+            upstream = None
+        return keep, bytes(watch.data), upstream
+
+    def _connect_refusal(self, reason: str, verdict: Verdict, target: Target, accept: tuple[str, ...]) -> Refusal:
+        return refusal_for(502, Verdict(False, "connect", "connect", reason, role=verdict.role), target, accept)
+
+    async def _read_chunked(self, conn: socket.socket, client: str, server: h11.Connection, request: PlainRequest,
+                            target: Target, accept: tuple[str, ...], body: list[bytes], flow_id: str) -> int:
+        limit = self.gate.policy.limits.max_request_body
+        size = 0
+        while True:
+            event = await self._client_event(conn, server)
+            if isinstance(event, h11.Data):
+                size += len(event.data)
+                if size > limit:
+                    refusal = self.gate.refuse(client, request.method, target, 413, "limits", "limits.max_request_body",
+                                               f"the request body is over the limit of {limit} bytes "
+                                               "(limits.max_request_body)", flow_id=flow_id, event="response",
+                                               accept=accept)
+                    await self._refuse(conn, refusal, True)
+                    raise Ended("")  # the 413 is sent and recorded: nothing more for this flow
+                body.append(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                if event.headers:
+                    refusal = self.gate.refuse(client, request.method, target, 400, "form", "http:trailers",
+                                               "the chunked request body ends with trailer fields; egresswall's "
+                                               "fast path does not forward trailers", flow_id=flow_id,
+                                               event="response", accept=accept)
+                    await self._refuse(conn, refusal, False)
+                    raise Ended("")
+                return size
+
+    async def _client_event(self, conn: socket.socket, server: h11.Connection, flush: Upstream | None = None,
+                            out: bytearray | None = None):
+        """The next event of the client's request body; reading is bounded by limits.idle_timeout. Before
+        waiting for more, what is in ``out`` is sent to ``flush`` (a streamed body's bytes so far)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                event = server.next_event()
+            except h11.RemoteProtocolError as err:
+                raise Ended(f"the request body cannot be parsed: {err}"[:300]) from None
+            if event is not h11.NEED_DATA:
+                return event
+            if flush is not None and out:
+                await loop.sock_sendall(flush.sock, bytes(out))
+                out.clear()
+            idle = self.gate.policy.limits.idle_timeout
+            try:
+                chunk = await asyncio.wait_for(loop.sock_recv(conn, READ), idle)
+            except TimeoutError:
+                raise Ended(f"nothing moved for limits.idle_timeout ({idle:g}s) into the request body, and "
+                            "egresswall closed the connection") from None
+            if not chunk:
+                raise Ended("the client closed the connection before its request body was complete")
+            server.receive_data(chunk)
+
+    async def _send_request(self, conn: socket.socket, server: h11.Connection, request: PlainRequest,
+                            upstream: Upstream, body: list[bytes], up: int) -> int:
+        """The head, then the body: a chunked one read already, a Content-Length one as it arrives (each
+        piece sent before waiting for the next). Returns the body's bytes."""
+        loop = asyncio.get_running_loop()
+        out = bytearray(upstream.parser.send(h11.Request(method=request.method, target=request.path,
+                                                         headers=_forwarded_request_headers(request))))
+        if request.chunked:
+            for piece in body:
+                out += upstream.parser.send(h11.Data(data=piece))
+        else:
+            while True:
+                event = await self._client_event(conn, server, upstream, out)
+                if isinstance(event, h11.EndOfMessage):
+                    break
+                if isinstance(event, h11.Data):
+                    up += len(event.data)
+                    out += upstream.parser.send(h11.Data(data=event.data))
+        out += upstream.parser.send(h11.EndOfMessage())
+        await loop.sock_sendall(upstream.sock, bytes(out))
+        return up
+
+    async def _relay_response(self, conn: socket.socket, client: str, server: h11.Connection,
+                              request: PlainRequest, target: Target, accept: tuple[str, ...], upstream: Upstream,
+                              watch: ClientWatch) -> tuple[int | None, int, bytes]:
+        """The origin's response, parsed by h11 and re-framed for the client: (status, body bytes, the
+        response's last bytes, not yet sent)."""
+        loop = asyncio.get_running_loop()
+        limits = self.gate.policy.limits
+        parser = upstream.parser
+        status: int | None = None
+        down = 0
+        head_started: float | None = None
+        seen = b""  # the response's first bytes, to name a 101 h11 refuses
+        out = b""
+        while True:
+            try:
+                event = parser.next_event()
+            except h11.RemoteProtocolError as err:
+                if status is None and _SWITCHING.match(seen):
+                    refusal = self.gate.refuse(client, request.method, target, 502, "http",
+                                               "http:unrequested-upgrade", "the upstream answered 101 Switching "
+                                               "Protocols to a request that was not an allowed WebSocket upgrade",
+                                               accept=accept)
+                    raise Ended("", refusal) from None
+                if status is None:
+                    if "too long" in str(err).lower() or len(seen) > limits.max_header_bytes:
+                        reason = (f"egresswall: the upstream response head is over {limits.max_header_bytes} bytes "
+                                  "(limits.max_header_bytes)")
+                    else:
+                        reason = f"egresswall: the upstream response cannot be parsed: {err}"[:300]
+                    raise Ended(reason, self._connect_refusal(reason, Verdict(False, "connect", "connect", reason),
+                                                              target, accept)) from None
+                raise Ended(f"the upstream response broke off: {err}"[:300]) from None
+            if event is h11.NEED_DATA:
+                if out:
+                    await loop.sock_sendall(conn, out)
+                    out = b""
+                timeout = limits.idle_timeout
+                if head_started is not None and status is None:
+                    timeout = min(timeout, head_started + limits.header_timeout - time.monotonic())
+                try:
+                    chunk = await asyncio.wait_for(loop.sock_recv(upstream.sock, READ), max(0.0, timeout))
+                except TimeoutError:
+                    if head_started is not None and status is None:
+                        reason = (f"egresswall: the upstream response head took more than {limits.header_timeout:g}s "
+                                  "(limits.header_timeout)")
+                        raise Ended(reason, self._connect_refusal(reason, Verdict(False, "connect", "connect",
+                                                                                  reason), target, accept)) from None
+                    what = "sent no response" if status is None else "stopped sending its response"
+                    raise Ended(f"nothing moved for limits.idle_timeout ({limits.idle_timeout:g}s): the upstream "
+                                f"{what}, and egresswall closed the connection") from None
+                if watch.over:
+                    raise Ended(f"egresswall: {_pipelined_reason(limits.max_header_bytes)}")
+                if status is None:
+                    if head_started is None and chunk:
+                        head_started = time.monotonic()
+                    if len(seen) < 64:
+                        seen += chunk[:64]
+                if not chunk and status is None:
+                    reason = "the upstream closed the connection without a response"
+                    raise Ended(reason, self._connect_refusal(reason, Verdict(False, "connect", "connect", reason),
+                                                              target, accept))
+                parser.receive_data(chunk)
+                continue
+            if isinstance(event, h11.InformationalResponse):
+                continue  # a 1xx other than 101 (h11 refuses an unasked 101): not passed on, the final one follows
+            if isinstance(event, h11.Response):
+                names = {k.lower() for k, _ in event.headers.raw_items()}
+                if {b"transfer-encoding", b"content-length"} <= names:
+                    # RFC 9112 6.3: a sender must not send both; one reading is as good as the other for a
+                    # smuggler, so neither is relayed (mitmproxy's path refuses it the same way).
+                    reason = ("egresswall: the upstream response has both Transfer-Encoding and Content-Length; "
+                              "egresswall does not relay a response it could read two ways")
+                    raise Ended(reason, self._connect_refusal(reason, Verdict(False, "connect", "connect", reason),
+                                                              target, accept))
+                status = event.status_code
+                out += server.send(h11.Response(status_code=status, reason=event.reason,
+                                                headers=_forwarded_response_headers(event.headers.raw_items())))
+            elif isinstance(event, h11.Data):
+                down += len(event.data)
+                out += server.send(h11.Data(data=event.data))
+            elif isinstance(event, h11.EndOfMessage):
+                # The last bytes are the caller's to send, after the response record is written: a client
+                # that has its whole answer may look at the audit log at once.
+                return status, down, out + server.send(h11.EndOfMessage())
+            elif isinstance(event, h11.ConnectionClosed):
+                raise Ended("the upstream closed the connection mid-response")
+
+    async def _refuse(self, conn: socket.socket, refusal: Refusal, body_pending: bool) -> None:
+        """Send a refusal (its record is written) before the connection is closed; a body still coming is
+        read and dropped for a moment first (``answer_then_drain``)."""
+        if body_pending:
+            await answer_then_drain(conn, refusal_bytes(refusal), DRAIN_AFTER_REFUSAL, DRAIN_BYTES)
+            return
+        with contextlib.suppress(OSError):
+            await asyncio.get_running_loop().sock_sendall(conn, refusal_bytes(refusal))
+
+
+def ask_of(request: PlainRequest, client: str) -> HttpAsk:
+    """What the gate decides on: the fields the mitmproxy addon (proxy/addons/decision.py) fills from
+    mitmproxy's parse, filled here from the fast path's."""
+    return HttpAsk(client=client, method=request.method, scheme="http", host=request.host, port=request.port,
+                   path=request.path, host_header=request.values("host")[0], content_length=request.content_length,
+                   accept=request.values("accept"), authority=request.authority,
+                   credentials=request.values("proxy-authorization"))
+
+
+def _forwarded_request_headers(request: PlainRequest) -> list[tuple[str, str]]:
+    """The client's headers minus the hop-by-hop ones and Proxy-Authorization (RFC 9110 7.6.1); the
+    framing header stays (h11 frames the body by it). A client that asked to close says so upstream."""
+    dropped = hop_by_hop_names(request.values("connection"))
+    headers = [(k, v) for k, v in request.headers if k.lower() not in dropped]
+    connection = tokens(request.values("connection"))
+    if "close" in connection or (request.version == "1.0" and "keep-alive" not in connection):
+        headers.append(("Connection", "close"))
+    return headers
+
+
+def _forwarded_response_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The origin's headers minus hop-by-hop ones, framing (h11 re-frames the body) when it was chunked,
+    and every header only egresswall may set. (A response with both framings never gets here.)"""
+    connection = [v.decode("latin-1") for k, v in raw if k.lower() == b"connection"]
+    dropped = {n.encode("latin-1") for n in _RESPONSE_DROPPED | set(tokens(connection))} - {b"content-length"}
+    chunked = any(k.lower() == b"transfer-encoding" for k, _ in raw)
+    own = OWN_HEADER_PREFIX.encode()
+    return [(k, v) for k, v in raw if (name := k.lower()) not in dropped and not name.startswith(own)
+            and not (chunked and name == b"content-length")]
+
+
+def _pipelined_reason(limit: int) -> str:
+    return (f"the client sent more than {limit} bytes (limits.max_header_bytes) after a request that is still "
+            "waiting for its response; they would only be buffered")
