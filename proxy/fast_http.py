@@ -304,8 +304,8 @@ class FastHttp:
         gate.response_closed(ask.flow_id, client, request.method, target, verdict, started, up, down, status, None)
         assert watch is not None
         try:
-            await loop.sock_sendall(conn, tail)
-        except OSError:
+            await send_while_moving(conn, tail, gate.policy.limits.idle_timeout, "")
+        except (OSError, Ended):  # recorded already; the connection just ends
             watch.closed = True
         keep = server.states == {h11.CLIENT: h11.DONE, h11.SERVER: h11.DONE} and not watch.closed
         if upstream is not None and upstream.parser.states != {h11.CLIENT: h11.DONE, h11.SERVER: h11.DONE}:
@@ -354,10 +354,10 @@ class FastHttp:
                 raise Ended(f"the request body cannot be parsed: {err}"[:300]) from None
             if event is not h11.NEED_DATA:
                 return event
-            if flush is not None and out:
-                await loop.sock_sendall(flush.sock, bytes(out))
-                out.clear()
             idle = self.gate.policy.limits.idle_timeout
+            if flush is not None and out:
+                await send_while_moving(flush.sock, bytes(out), idle, _upstream_stalled(idle))
+                out.clear()
             try:
                 chunk = await asyncio.wait_for(loop.sock_recv(conn, READ), idle)
             except TimeoutError:
@@ -371,7 +371,6 @@ class FastHttp:
                             upstream: Upstream, body: list[bytes], up: int) -> int:
         """The head, then the body: a chunked one read already, a Content-Length one as it arrives (each
         piece sent before waiting for the next). Returns the body's bytes."""
-        loop = asyncio.get_running_loop()
         out = bytearray(upstream.parser.send(h11.Request(method=request.method, target=request.path,
                                                          headers=_forwarded_request_headers(request))))
         if request.chunked:
@@ -386,7 +385,8 @@ class FastHttp:
                     up += len(event.data)
                     out += upstream.parser.send(h11.Data(data=event.data))
         out += upstream.parser.send(h11.EndOfMessage())
-        await loop.sock_sendall(upstream.sock, bytes(out))
+        idle = self.gate.policy.limits.idle_timeout
+        await send_while_moving(upstream.sock, bytes(out), idle, _upstream_stalled(idle))
         return up
 
     async def _relay_response(self, conn: socket.socket, client: str, server: h11.Connection,
@@ -423,7 +423,7 @@ class FastHttp:
                 raise Ended(f"the upstream response broke off: {err}"[:300]) from None
             if event is h11.NEED_DATA:
                 if out:
-                    await loop.sock_sendall(conn, out)
+                    await send_while_moving(conn, out, limits.idle_timeout, _client_stalled(limits.idle_timeout))
                     out = b""
                 timeout = limits.idle_timeout
                 if head_started is not None and status is None:
@@ -486,6 +486,31 @@ class FastHttp:
             await asyncio.get_running_loop().sock_sendall(conn, refusal_bytes(refusal))
 
 
+async def send_while_moving(sock: socket.socket, data: bytes, idle: float, stalled: str) -> None:
+    """``sock.sendall(data)``, but a peer that takes nothing for ``idle`` seconds ends the exchange
+    (``Ended(stalled)``): ``loop.sock_sendall`` waits forever for a reader that never reads, which would
+    hold the client's connection and the upstream one past limits.idle_timeout (mitmproxy's watchdog
+    closes such a connection). A slow reader that keeps taking bytes is not cut off."""
+    loop = asyncio.get_running_loop()
+    view = memoryview(data)
+    while view:
+        try:
+            sent = sock.send(view)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        if sent:
+            view = view[sent:]
+            continue
+        writable = loop.create_future()
+        loop.add_writer(sock.fileno(), lambda ready=writable: ready.done() or ready.set_result(None))
+        try:
+            await asyncio.wait_for(writable, idle)
+        except TimeoutError:
+            raise Ended(stalled) from None
+        finally:
+            loop.remove_writer(sock.fileno())
+
+
 def ask_of(request: PlainRequest, client: str) -> HttpAsk:
     """What the gate decides on: the fields the mitmproxy addon (proxy/addons/decision.py) fills from
     mitmproxy's parse, filled here from the fast path's."""
@@ -515,6 +540,16 @@ def _forwarded_response_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[by
     own = OWN_HEADER_PREFIX.encode()
     return [(k, v) for k, v in raw if (name := k.lower()) not in dropped and not name.startswith(own)
             and not (chunked and name == b"content-length")]
+
+
+def _client_stalled(idle: float) -> str:
+    return (f"nothing moved for limits.idle_timeout ({idle:g}s): the client stopped reading its response, and "
+            "egresswall closed the connection")
+
+
+def _upstream_stalled(idle: float) -> str:
+    return (f"nothing moved for limits.idle_timeout ({idle:g}s): the upstream stopped reading the request, and "
+            "egresswall closed the connection")
 
 
 def _pipelined_reason(limit: int) -> str:

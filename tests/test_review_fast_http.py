@@ -267,4 +267,9 @@ def test_a_client_that_never_reads_its_response_is_closed_after_the_idle_timeout
         assert len(flood.ended) > ended_before, "the upstream of a client that never reads was held open"
     finally:
         sock.close()
+    time.sleep(0.5)
+    closing = [r for r in proxy.audit() if r["event"] == "response" and r.get("path") == "/flood"]
+    assert len(closing) == 1 and closing[0]["error"], closing  # one record, saying how it ended
+    if proxy.transport == "fast":
+        assert "stopped reading its response" in closing[0]["error"], closing
 
