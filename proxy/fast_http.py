@@ -465,7 +465,7 @@ class FastHttp:
                                                               target, accept))
                 status = event.status_code
                 out += server.send(h11.Response(status_code=status, reason=event.reason,
-                                                headers=_forwarded_response_headers(event.headers.raw_items())))
+                                                headers=_forwarded_response_headers(event.headers.raw_items(), status)))
             elif isinstance(event, h11.Data):
                 down += len(event.data)
                 out += server.send(h11.Data(data=event.data))
@@ -531,15 +531,17 @@ def _forwarded_request_headers(request: PlainRequest) -> list[tuple[str, str]]:
     return headers
 
 
-def _forwarded_response_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """The origin's headers minus hop-by-hop ones, framing (h11 re-frames the body) when it was chunked,
-    and every header only egresswall may set. (A response with both framings never gets here.)"""
+def _forwarded_response_headers(raw: list[tuple[bytes, bytes]], status: int) -> list[tuple[bytes, bytes]]:
+    """The origin's headers minus hop-by-hop ones, framing (h11 re-frames the body) when it was chunked
+    or the status is 204, and every header only egresswall may set. (A response with both framings never
+    gets here.) A 204 has no body whatever its headers say (RFC 9110 8.6: it must not carry a
+    Content-Length), and a client that believed one would read the next response's first bytes as its body."""
     connection = [v.decode("latin-1") for k, v in raw if k.lower() == b"connection"]
     dropped = {n.encode("latin-1") for n in _RESPONSE_DROPPED | set(tokens(connection))} - {b"content-length"}
     chunked = any(k.lower() == b"transfer-encoding" for k, _ in raw)
     own = OWN_HEADER_PREFIX.encode()
     return [(k, v) for k, v in raw if (name := k.lower()) not in dropped and not name.startswith(own)
-            and not (chunked and name == b"content-length")]
+            and not ((chunked or status == 204) and name == b"content-length")]
 
 
 def _client_stalled(idle: float) -> str:
