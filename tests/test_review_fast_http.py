@@ -16,6 +16,7 @@ from dnslab import Record
 from hostile import Scripted, _Server
 from labnet import INTERNAL_IP, PUBLIC_IP
 from proxyproc import TRANSPORTS, ProxyProcess, parse_response, read_response
+from session_client import create, token_file
 
 pytestmark = pytest.mark.integration
 
@@ -323,3 +324,41 @@ def test_a_client_that_never_reads_its_response_is_closed_after_the_idle_timeout
     if proxy.transport == "fast":
         assert "stopped reading its response" in closing[0]["error"], closing
 
+
+
+# ---- sessions: every request of a kept-alive connection is checked against its grant -----------------------
+
+@pytest.fixture(scope="module", params=list(TRANSPORTS))
+def session_proxy(lab, tmp_path_factory, request):
+    folder = tmp_path_factory.mktemp("review-sessions")
+    policy = folder / "policy.yaml"
+    policy.write_text(lab.policy_text("roles:\n  - name: agents\n    clients: [127.0.0.1/32]\n    session: required\n"))
+    process = ProxyProcess(["--policy", str(policy), "--admin-token-file", str(token_file(folder)),
+                            *TRANSPORTS[request.param]], folder / "audit.jsonl")
+    yield process
+    process.stop()
+
+
+def test_a_kept_alive_connection_cannot_ride_an_exact_url_grant_to_a_sibling(lab, session_proxy):
+    """The granted URL first, then its siblings on the SAME client connection (and so the same upstream
+    connection, were it reused): each is checked against the grant, and the siblings never reach the origin."""
+    base = f"public.lab.example:{lab.public.port}"
+    session = create(session_proxy.admin_port, {"urls": [f"http://{base}/kept/page?id=1"]})
+    auth = session["proxy_authorization"]
+    before = len(lab.public.requests)
+    answers = []
+    with socket.create_connection((session_proxy.host, session_proxy.port), timeout=8) as sock:
+        for path in ("/kept/page?id=1", "/kept/page?id=2"):
+            sock.sendall(f"GET http://{base}{path} HTTP/1.1\r\nHost: {base}\r\nProxy-Authorization: {auth}\r\n\r\n"
+                         .encode())
+            answers.append(parse_response(read_response(sock))[0])
+    with socket.create_connection((session_proxy.host, session_proxy.port), timeout=8) as sock:
+        # Credentials on the first request only: the second, without any, must not inherit them.
+        sock.sendall(f"GET http://{base}/kept/page?id=1 HTTP/1.1\r\nHost: {base}\r\nProxy-Authorization: {auth}"
+                     f"\r\n\r\n".encode())
+        answers.append(parse_response(read_response(sock))[0])
+        sock.sendall(f"GET http://{base}/kept/bare HTTP/1.1\r\nHost: {base}\r\n\r\n".encode())
+        answers.append(parse_response(read_response(sock))[0])
+    assert answers[0] == 200 and answers[2] == 200, answers
+    assert answers[1] in (403, 0) and answers[3] in (403, 407, 0), answers
+    assert [p for _, p, _ in lab.public.requests[before:]] == ["/kept/page?id=1", "/kept/page?id=1"]
