@@ -65,6 +65,11 @@ class Ended(Exception):
         self.error, self.answer = error, answer
 
 
+class UnreadableBody(Ended):
+    """The client's request body is not valid framing (a chunk size h11 will not read, no CRLF after a
+    chunk's data): a chunked body, read before anything goes upstream, is answered 400 with this reason."""
+
+
 @dataclass
 class Upstream:
     """A connection to one pinned address and port, with the h11 client-side state of its exchanges."""
@@ -321,7 +326,14 @@ class FastHttp:
         limit = self.gate.policy.limits.max_request_body
         size = 0
         while True:
-            event = await self._client_event(conn, server)
+            try:
+                event = await self._client_event(conn, server)
+            except UnreadableBody as unreadable:  # nothing went upstream yet: the client is told why
+                refusal = self.gate.refuse(client, request.method, target, 400, "form", "http:bad-chunked",
+                                           f"egresswall: {unreadable.error}", flow_id=flow_id, event="response",
+                                           accept=accept)
+                await self._refuse(conn, refusal, True)
+                raise Ended("") from None
             if isinstance(event, h11.Data):
                 size += len(event.data)
                 if size > limit:
@@ -351,7 +363,7 @@ class FastHttp:
             try:
                 event = server.next_event()
             except h11.RemoteProtocolError as err:
-                raise Ended(f"the request body cannot be parsed: {err}"[:300]) from None
+                raise UnreadableBody(f"the request body cannot be parsed: {err}"[:300]) from None
             if event is not h11.NEED_DATA:
                 return event
             idle = self.gate.policy.limits.idle_timeout
