@@ -7,6 +7,7 @@ allowed exactly that path), and nothing reaches the internal stand-in (127.0.0.3
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import time
@@ -17,6 +18,8 @@ from hostile import Scripted, _Server
 from labnet import INTERNAL_IP, PUBLIC_IP
 from proxyproc import TRANSPORTS, ProxyProcess, parse_response, read_response
 from session_client import create, token_file
+
+from proxy.fast_http import Ended, send_while_moving
 
 pytestmark = pytest.mark.integration
 
@@ -376,3 +379,49 @@ def test_a_malformed_chunked_body_is_answered_400_with_a_reason_and_recorded(lab
     time.sleep(0.3)
     mine = [r for r in proxy.audit() if r.get("path") == f"/bad-{shape}" and r["event"] == "response"]
     assert len(mine) == 1 and mine[0]["rule"] == "http:bad-chunked" and "cannot be parsed" in mine[0]["reason"], mine
+
+
+# ---- the bounded write itself (real sockets, no proxy) -------------------------------------------------------
+
+def test_a_write_to_a_peer_that_never_reads_ends_after_the_idle_bound():
+    async def run() -> float:
+        mine, theirs = socket.socketpair()
+        mine.setblocking(False)
+        try:
+            started = time.monotonic()
+            with pytest.raises(Ended) as ended:
+                await send_while_moving(mine, b"x" * (64 << 20), 0.5, "stalled")
+            assert ended.value.error == "stalled"
+            return time.monotonic() - started
+        finally:
+            mine.close()
+            theirs.close()
+
+    assert asyncio.run(run()) < 5
+
+
+def test_a_write_to_a_slow_but_steady_reader_is_not_cut_off():
+    async def run() -> int:
+        mine, theirs = socket.socketpair()
+        mine.setblocking(False)
+        theirs.setblocking(False)
+        data = b"y" * (8 << 20)
+        got = 0
+
+        async def read_slowly() -> None:
+            nonlocal got
+            while got < len(data):
+                await asyncio.sleep(0.05)  # far less than the bound between reads, but steady
+                with contextlib.suppress(BlockingIOError):
+                    got += len(theirs.recv(1 << 20))
+
+        try:
+            reader = asyncio.create_task(read_slowly())
+            await send_while_moving(mine, data, 0.5, "stalled")
+            await asyncio.wait_for(reader, 10)
+            return got
+        finally:
+            mine.close()
+            theirs.close()
+
+    assert asyncio.run(run()) == 8 << 20
