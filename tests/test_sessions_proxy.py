@@ -376,3 +376,20 @@ def test_where_sessions_are_optional_a_presented_session_still_narrows(lab, star
     status, headers, _ = get(proxy, f"http://public.lab.example:{lab.public.port}/optional",
                              authorization="Basic " + "czE6eA==")
     assert status == 407  # sessions are on: a header that names no session is refused, never ignored
+
+
+def test_session_refusals_are_json_an_agent_can_read(lab, proxy):
+    """Issue #17's refusal body for the session kinds: every field, the rule and a hint for the operator."""
+    session = create(proxy.admin_port, {"hosts": ["public.lab.example"]})
+    answers = {
+        "session:not-granted": get(proxy, f"http://other.lab.example:{lab.public.port}/json", session),
+        "session:required": get(proxy, f"http://public.lab.example:{lab.public.port}/json"),
+    }
+    for rule, (status, headers, body) in answers.items():
+        assert status == (403 if rule == "session:not-granted" else 407), body
+        assert headers["content-type"] == "application/json", (headers, body)
+        answer = json.loads(body)
+        assert {"error", "rule", "rule_id", "reason", "host", "port", "hint"} <= set(answer), answer
+        assert answer["rule"] == rule == headers["x-egresswall-rule"], answer
+        assert answer["reason"] and answer["hint"] and answer["port"] == lab.public.port
+        assert session["secret"] not in body.decode()
