@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -198,3 +199,15 @@ def parse_response(data: bytes) -> tuple[int, dict[str, str], bytes]:
         key, _, value = line.partition(":")
         headers[key.strip().lower()] = value.strip()
     return status, headers, body
+
+
+def proxy_with_origins(lab, folder: Path, origin_ports: Iterable[int], transport: str, limits: str) -> ProxyProcess:
+    """The lab policy with the scripted origins' ports added to ports.http and ``limits`` (YAML), on
+    ``transport`` (a TRANSPORTS key); the caller stops it and checks its outbound connections."""
+    ports = sorted({80, lab.public.port, *origin_ports})
+    text = lab.policy_text(limits=limits).replace(f"  http: {sorted({80, lab.public.port})}", f"  http: {ports}")
+    policy = folder / "policy.yaml"
+    policy.write_text(text)
+    process = ProxyProcess(["--policy", str(policy), *TRANSPORTS[transport]], folder / "audit.jsonl")
+    process.transport = transport
+    return process

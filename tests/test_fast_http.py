@@ -12,7 +12,7 @@ import h11
 import pytest
 from hostile import Scripted
 from labnet import PUBLIC_IP
-from proxyproc import TRANSPORTS, ProxyProcess, read_response
+from proxyproc import TRANSPORTS, ProxyProcess, proxy_with_origins, read_response
 
 pytestmark = pytest.mark.integration
 
@@ -35,13 +35,8 @@ def origins():
 @pytest.fixture(scope="module", params=list(TRANSPORTS))
 def proxy(lab, origins, tmp_path_factory, request):
     folder = tmp_path_factory.mktemp("fast-http")
-    ports = sorted({80, lab.public.port, *(s.port for s in origins.values())})
-    text = lab.policy_text(limits="limits:\n  max_request_body: 1000\n")
-    text = text.replace(f"  http: {sorted({80, lab.public.port})}", f"  http: {ports}")
-    policy = folder / "policy.yaml"
-    policy.write_text(text)
-    process = ProxyProcess(["--policy", str(policy), *TRANSPORTS[request.param]], folder / "audit.jsonl")
-    process.transport = request.param
+    process = proxy_with_origins(lab, folder, (s.port for s in origins.values()), request.param,
+                                 "limits:\n  max_request_body: 1000\n")
     yield process
     process.stop()
     assert not [e for e in process.outbound() if e["host"] != PUBLIC_IP], process.outbound()

@@ -16,7 +16,7 @@ import pytest
 from dnslab import Record
 from hostile import Scripted, _Server
 from labnet import INTERNAL_IP, PUBLIC_IP
-from proxyproc import TRANSPORTS, ProxyProcess, parse_response, read_response
+from proxyproc import TRANSPORTS, ProxyProcess, parse_response, proxy_with_origins, read_response
 from session_client import create, token_file
 
 from proxy.fast_http import Ended, send_while_moving
@@ -65,13 +65,8 @@ def origins():
 @pytest.fixture(scope="module", params=list(TRANSPORTS))
 def proxy(lab, origins, tmp_path_factory, request):
     folder = tmp_path_factory.mktemp("review-fast-http")
-    ports = sorted({80, lab.public.port, *(s.port for s in origins.values())})
-    text = lab.policy_text(limits=f"limits:\n  max_request_body: 1000\n  idle_timeout: {IDLE}\n")
-    text = text.replace(f"  http: {sorted({80, lab.public.port})}", f"  http: {ports}")
-    policy = folder / "policy.yaml"
-    policy.write_text(text)
-    process = ProxyProcess(["--policy", str(policy), *TRANSPORTS[request.param]], folder / "audit.jsonl")
-    process.transport = request.param
+    process = proxy_with_origins(lab, folder, (s.port for s in origins.values()), request.param,
+                                 f"limits:\n  max_request_body: 1000\n  idle_timeout: {IDLE}\n")
     yield process
     process.stop()
     assert not [e for e in process.outbound() if e["host"] != PUBLIC_IP], process.outbound()
