@@ -25,6 +25,7 @@ class RunConfig:
     reuse_port: bool = False  # a worker of several sharing the listen port (proxy/workers.py)
     fast_tunnels: bool = True  # passed-through TLS tunnels relayed by the front (proxy/front.py), not mitmproxy
     fast_http: bool = True  # plain-HTTP requests relayed by the front (proxy/fast_http.py), not mitmproxy
+    uvloop: bool = True  # the event loop is uvloop's (proxy/event_loop.py), not the standard library's
     worker_count: int = 1  # connection caps are shared out between this many workers
     extra_self_endpoints: tuple[tuple[str, int], ...] = ()  # e.g. the supervisor's admin listener
     admin_token_file: str | None = None  # the session API's bearer token; None: the API is off

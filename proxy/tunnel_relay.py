@@ -41,8 +41,8 @@ class _Tunnel:
     finished: set[str] = field(default_factory=set)
     cut: str | None = None  # why the relay itself ended the tunnel
     sides: list[_Side] = field(default_factory=list)
-    over: asyncio.Event = field(default_factory=asyncio.Event)
-    changed: asyncio.Event = field(default_factory=asyncio.Event)  # a side finished: the watcher looks again
+    over: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    watch: _IdleWatch | None = None
 
     def end(self, abort: bool = False, cut: str | None = None) -> None:
         """Over both ways: closed (what is buffered is still sent), or aborted (a side failed, or the
@@ -55,8 +55,10 @@ class _Tunnel:
                     side.transport.abort()
                 else:
                     side.transport.close()
-        self.over.set()
-        self.changed.set()
+        if not self.over.done():
+            self.over.set_result(None)
+        if self.watch is not None:
+            self.watch.stop()
 
 
 class _Side(asyncio.Protocol):
@@ -67,31 +69,46 @@ class _Side(asyncio.Protocol):
         self.key = key
         self.transport: asyncio.Transport | None = None
         self.peer: _Side | None = None
+        self.pending = b""  # read before the peer's transport existed (at most one read: reading then pauses)
         self.closed = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-        # The two transports are made one after the other: the first reads nothing until its peer
-        # exists to take the bytes.
-        if self.peer is None or self.peer.transport is None:
-            transport.pause_reading()
-        else:
-            self.peer.transport.resume_reading()
+        self.transport = transport  # type: ignore[assignment]  # uvloop's transports do not subclass asyncio's
+        # The two transports are made one after the other: the first should read nothing until its peer
+        # exists to take the bytes. It is paused; a loop that reads anyway (uvloop starts reading after
+        # connection_made) has what it read kept in ``pending`` until the peer is made.
+        peer = self.peer
+        assert peer is not None
+        if peer.transport is None:
+            transport.pause_reading()  # type: ignore[attr-defined]
+            return
+        if peer.pending:
+            self.transport.write(peer.pending)
+            peer.pending = b""
+        if peer.key in self.tunnel.finished and self.transport.can_write_eof():
+            self.transport.write_eof()
+        if not peer.transport.is_closing():
+            peer.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
         self.tunnel.counts[self.key] += len(data)
         self.tunnel.last_moved = time.monotonic()
-        assert self.peer is not None and self.peer.transport is not None
+        assert self.peer is not None and self.transport is not None
+        if self.peer.transport is None:  # read before the peer was made (see connection_made): held, bounded
+            self.pending += data
+            self.transport.pause_reading()
+            return
         self.peer.transport.write(data)
 
     def eof_received(self) -> bool:
         # This side is done sending: pass the half-close on and keep the other direction open.
         self.tunnel.finished.add(self.key)
-        self.tunnel.changed.set()
-        assert self.peer is not None and self.peer.transport is not None
-        if self.peer.transport.can_write_eof() and not self.peer.transport.is_closing():
-            self.peer.transport.write_eof()
+        if self.tunnel.watch is not None:
+            self.tunnel.watch.arm()  # the shorter silence applies from now
+        assert self.peer is not None
+        peer_transport = self.peer.transport
+        if peer_transport is not None and peer_transport.can_write_eof() and not peer_transport.is_closing():
+            peer_transport.write_eof()  # (a peer not made yet passes it on when it is: connection_made)
         if len(self.tunnel.finished) == 2:
             self.tunnel.end()
         return True
@@ -126,40 +143,72 @@ async def relay(client: socket.socket, server: socket.socket, idle: float, half_
     except OSError:
         tunnel.end(abort=True)
     else:
-        await _watch(tunnel, idle, half_closed_idle)
+        if not tunnel.over.done():
+            tunnel.watch = _IdleWatch(tunnel, idle, half_closed_idle)
+            await tunnel.over
     finally:
-        for side in tunnel.sides:
-            if side.transport is None:
-                continue
-            if not side.transport.is_closing():
-                side.transport.abort()
-            try:  # a closed transport sends what it still holds first; a reader that takes none of it is cut
-                await asyncio.wait_for(asyncio.shield(side.closed), half_closed_idle)
-            except TimeoutError:
-                side.transport.abort()
-                await side.closed  # the transport closes its socket on the next loop turn: wait for it
+        if tunnel.watch is not None:
+            tunnel.watch.stop()
+        await _closed(tunnel, half_closed_idle)
     return RelayResult(tunnel.counts[UP], tunnel.counts[DOWN], tunnel.cut)
 
 
-async def _watch(tunnel: _Tunnel, idle: float, half_closed_idle: float) -> None:
-    """Wait for the end; cut the tunnel when nothing has moved for too long."""
-    queued = _queued(tunnel)
-    while not tunnel.over.is_set():
-        allowed = min(idle, half_closed_idle) if tunnel.finished else idle
-        tunnel.changed.clear()
-        try:
-            await asyncio.wait_for(tunnel.changed.wait(),
-                                   min(allowed, CHECK_HALF_CLOSED if tunnel.finished else CHECK_OPEN))
-            continue
-        except TimeoutError:
-            pass
+async def _closed(tunnel: _Tunnel, grace: float) -> None:
+    """Close both transports; a closed transport sends what it still holds first, and a reader that takes
+    none of it for ``grace`` seconds is cut."""
+    sides = [side for side in tunnel.sides if side.transport is not None]
+    for side in sides:
+        if not side.transport.is_closing():  # type: ignore[union-attr]
+            side.transport.abort()  # type: ignore[union-attr]
+    waiting = [side.closed for side in sides if not side.closed.done()]
+    if not waiting:
+        return
+    await asyncio.wait(waiting, timeout=grace)
+    for side in sides:
+        if not side.closed.done():
+            side.transport.abort()  # type: ignore[union-attr]
+            await side.closed  # the transport closes its socket on the next loop turn: wait for it
+
+
+class _IdleWatch:
+    """Cuts the tunnel when nothing has moved for too long. A timer, not a task: it looks every few
+    seconds (every second once a side has finished) and costs nothing in between."""
+
+    def __init__(self, tunnel: _Tunnel, idle: float, half_closed_idle: float) -> None:
+        self.tunnel, self.idle, self.half_closed_idle = tunnel, idle, half_closed_idle
+        self.queued = _queued(tunnel)
+        self.timer: asyncio.TimerHandle | None = None
+        self.arm()
+
+    def allowed(self) -> float:
+        return min(self.idle, self.half_closed_idle) if self.tunnel.finished else self.idle
+
+    def arm(self) -> None:
+        self.stop()
+        if self.tunnel.over.done():
+            return
+        period = CHECK_HALF_CLOSED if self.tunnel.finished else CHECK_OPEN
+        self.timer = asyncio.get_running_loop().call_later(min(self.allowed(), period), self.look)
+
+    def stop(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def look(self) -> None:
+        self.timer = None
+        tunnel = self.tunnel
+        if tunnel.over.done():
+            return
         now_queued = _queued(tunnel)
-        if now_queued != queued:  # a peer is still taking what was written to it
-            tunnel.last_moved, queued = time.monotonic(), now_queued
+        if now_queued != self.queued:  # a peer is still taking what was written to it
+            tunnel.last_moved, self.queued = time.monotonic(), now_queued
+        allowed = self.allowed()
         if time.monotonic() - tunnel.last_moved > allowed:
             tunnel.end(abort=True, cut=f"nothing moved for {allowed:g}s after one side finished" if tunnel.finished
-                       else f"nothing moved for limits.idle_timeout ({idle:g}s)")
+                       else f"nothing moved for limits.idle_timeout ({self.idle:g}s)")
             return
+        self.arm()
 
 
 def _queued(tunnel: _Tunnel) -> tuple[int, ...]:

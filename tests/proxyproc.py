@@ -21,41 +21,63 @@ ROOT = Path(__file__).resolve().parent.parent
 # a bug that tried to reach a real address shows up as a failed test, never as traffic.
 GUARD_PRELUDE = """
 import asyncio, ipaddress, json, os, socket
+import asyncio.selector_events as _selector_events
+import uvloop as _uvloop
 _guard_path = GUARD_PATH
+def _loop_name():
+    try:
+        return type(asyncio.get_running_loop()).__name__
+    except RuntimeError:
+        return None
 def _record(kind, host, port):
     with open(_guard_path, "a") as f:
-        f.write(json.dumps({"kind": kind, "host": str(host), "port": port}) + "\\n")
+        f.write(json.dumps({"kind": kind, "host": str(host), "port": port, "loop": _loop_name()}) + "\\n")
 def _is_ip(host):
     try:
         ipaddress.ip_address(str(host).split("%")[0]); return True
     except ValueError:
         return False
-_orig_gai = socket.getaddrinfo
-def _gai(host, port, *a, **k):
+def _connecting(host, port):
+    _record("connect", host, port)
+    if not (_is_ip(host) and ipaddress.ip_address(str(host).split("%")[0]).is_loopback):
+        raise OSError("test guard: refusing a connect to a non-loopback address " + str(host))
+def _resolving(host, port):
     if host is not None and not _is_ip(host if isinstance(host, str) else host.decode()):
         _record("getaddrinfo", host, port)
+_orig_gai = socket.getaddrinfo
+def _gai(host, port, *a, **k):
+    _resolving(host, port)
     return _orig_gai(host, port, *a, **k)
 socket.getaddrinfo = _gai
 _orig_cc = asyncio.BaseEventLoop.create_connection
 async def _cc(self, protocol_factory, host=None, port=None, *a, **k):
     if host is not None:
-        _record("connect", host, port)
-        if not (_is_ip(host) and ipaddress.ip_address(host.split("%")[0]).is_loopback):
-            raise OSError("test guard: refusing a connect to a non-loopback address " + str(host))
+        _connecting(host, port)
     return await _orig_cc(self, protocol_factory, host, port, *a, **k)
 asyncio.BaseEventLoop.create_connection = _cc
 # loop.sock_connect too: proxy/front.py connects its tunnels with it, past create_connection.
 # (A create_connection is recorded twice, once per layer; the checks look at addresses, not counts.)
-import asyncio.selector_events as _selector_events
 _orig_sc = _selector_events.BaseSelectorEventLoop.sock_connect
 async def _sc(self, sock, address):
     if sock.family in (socket.AF_INET, socket.AF_INET6):
-        host = address[0]
-        _record("connect", host, address[1])
-        if not (_is_ip(host) and ipaddress.ip_address(str(host).split("%")[0]).is_loopback):
-            raise OSError("test guard: refusing a connect to a non-loopback address " + str(host))
+        _connecting(address[0], address[1])
     return await _orig_sc(self, sock, address)
 _selector_events.BaseSelectorEventLoop.sock_connect = _sc
+# uvloop's loop (the proxy's default, proxy/event_loop.py) is C and resolves with libuv, past the patches
+# above: the loops it makes are a subclass that records and refuses the same way.
+class _GuardedLoop(_uvloop.Loop):
+    async def create_connection(self, protocol_factory, host=None, port=None, *a, **k):
+        if host is not None:
+            _connecting(host, port)
+        return await super().create_connection(protocol_factory, host, port, *a, **k)
+    async def sock_connect(self, sock, address):
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            _connecting(address[0], address[1])
+        return await super().sock_connect(sock, address)
+    async def getaddrinfo(self, host, port, *a, **k):
+        _resolving(host, port)
+        return await super().getaddrinfo(host, port, *a, **k)
+_uvloop.new_event_loop = _GuardedLoop
 """
 # The start-up line, "proxy on HOST:PORT, admin on http://HOST:PORT; ...": an IPv6 host in brackets.
 _HOST = r"(?:\[(?P<{0}6>[0-9a-fA-F:.]+)\]|(?P<{0}>[^\s:;,\[\]]+))"

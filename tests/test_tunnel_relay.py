@@ -1,5 +1,6 @@
 """The fast tunnel's relay (proxy/tunnel_relay.py) on real loopback sockets: bytes both ways and
-counted, half-closes passed on, a failed side ends both, silence is bounded, a slow reader is not idle."""
+counted, half-closes passed on, a failed side ends both, silence is bounded, a slow reader is not idle.
+Every test runs on both event loops the proxy can run on (proxy/event_loop.py): uvloop's and the standard one."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ import time
 
 import pytest
 
+from proxy import event_loop
 from proxy.tunnel_relay import relay
+
+
+@pytest.fixture(params=["uvloop", "standard"])
+def run(request):
+    """asyncio.run on the loop under test."""
+    return lambda main: event_loop.run(main, use_uvloop=request.param == "uvloop")
 
 
 async def _pair() -> tuple[socket.socket, socket.socket]:
@@ -47,7 +55,7 @@ async def _read_all(sock: socket.socket, want: int | None = None) -> bytes:
     return data
 
 
-def test_bytes_go_both_ways_half_closes_pass_on_and_the_counts_are_right() -> None:
+def test_bytes_go_both_ways_half_closes_pass_on_and_the_counts_are_right(run) -> None:
     async def scenario():
         loop = asyncio.get_running_loop()
         client, server, task, _ = await _tunnel(sent=7)
@@ -62,11 +70,11 @@ def test_bytes_go_both_ways_half_closes_pass_on_and_the_counts_are_right() -> No
         client.close(), server.close()
         return result
 
-    result = asyncio.run(scenario())
+    result = run(scenario())
     assert (result.up, result.down, result.error) == (7 + 12, 15, None)
 
 
-def test_a_side_that_resets_ends_the_tunnel_both_ways_at_once() -> None:
+def test_a_side_that_resets_ends_the_tunnel_both_ways_at_once(run) -> None:
     async def scenario():
         client, server, task, _ = await _tunnel(idle=60)
         server.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
@@ -77,11 +85,11 @@ def test_a_side_that_resets_ends_the_tunnel_both_ways_at_once() -> None:
         client.close()
         return time.monotonic() - started, rest
 
-    took, rest = asyncio.run(scenario())
+    took, rest = run(scenario())
     assert took < 3 and rest == b""
 
 
-def test_silence_is_cut_at_the_idle_timeout_with_its_reason() -> None:
+def test_silence_is_cut_at_the_idle_timeout_with_its_reason(run) -> None:
     async def scenario():
         client, server, task, _ = await _tunnel(idle=1.5)
         started = time.monotonic()
@@ -89,12 +97,12 @@ def test_silence_is_cut_at_the_idle_timeout_with_its_reason() -> None:
         client.close(), server.close()
         return time.monotonic() - started, result
 
-    took, result = asyncio.run(scenario())
+    took, result = run(scenario())
     assert 1.4 <= took < 8
     assert result.error == "nothing moved for limits.idle_timeout (1.5s)"
 
 
-def test_a_half_closed_tunnel_gets_only_the_short_silence() -> None:
+def test_a_half_closed_tunnel_gets_only_the_short_silence(run) -> None:
     async def scenario():
         client, server, task, _ = await _tunnel(idle=60, half_closed_idle=1)
         client.shutdown(socket.SHUT_WR)
@@ -103,12 +111,12 @@ def test_a_half_closed_tunnel_gets_only_the_short_silence() -> None:
         client.close(), server.close()
         return time.monotonic() - started, result
 
-    took, result = asyncio.run(scenario())
+    took, result = run(scenario())
     assert took < 5
     assert result.error == "nothing moved for 1s after one side finished"
 
 
-def test_a_slow_reader_is_not_idle_and_gets_every_byte() -> None:
+def test_a_slow_reader_is_not_idle_and_gets_every_byte(run) -> None:
     """The server sends 8 MiB at once; the client reads 64 KiB every 40 ms (5 s in all), far past the
     idle timeout of 1 s as measured by arrivals alone: flow control stops reading the server while the
     client lags, and megabytes wait in the kernel's send queue, which the relay counts as moving."""
@@ -130,12 +138,12 @@ def test_a_slow_reader_is_not_idle_and_gets_every_byte() -> None:
         client.close(), server.close()
         return got, result
 
-    got, result = asyncio.run(scenario())
+    got, result = run(scenario())
     assert got == size and result.down == size and result.error is None
 
 
 @pytest.mark.parametrize("end", ["clean", "reset"])
-def test_the_relay_closes_its_sockets_when_it_returns(end: str) -> None:
+def test_the_relay_closes_its_sockets_when_it_returns(run, end: str) -> None:
     async def scenario():
         client, server, task, relay_sockets = await _tunnel()
         if end == "reset":
@@ -147,4 +155,4 @@ def test_the_relay_closes_its_sockets_when_it_returns(end: str) -> None:
         client.close(), server.close()
         return [sock.fileno() for sock in relay_sockets]
 
-    assert asyncio.run(scenario()) == [-1, -1]
+    assert run(scenario()) == [-1, -1]

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from policy.model import Policy
 from policy.resolver import DnsResolver
+from proxy import event_loop
 from proxy.listeners import authority
 from proxy.run_config import RunConfig
 from proxy.sessions.api import read_token_file
@@ -54,6 +55,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="relay plain-HTTP requests (absolute-form http://, not intercepted, no upgrade) in "
                           "egresswall's own front, parsed with h11, rather than through mitmproxy (default: on; "
                           "--no-fast-http hands them to mitmproxy)")
+    run.add_argument("--uvloop", action=argparse.BooleanOptionalAction, default=True,
+                     help="run on uvloop's event loop, in C (default: on; --no-uvloop runs the standard library's)")
     run.add_argument("--admin-token-file", metavar="FILE",
                      help="turn on the session API (/v1/sessions on the admin listener): clients of it send "
                           "Authorization: Bearer <the file's content>; the file must be mode 600. Without it the "
@@ -75,7 +78,7 @@ def run_config_from(args: argparse.Namespace) -> RunConfig:
     return RunConfig(policy_path=args.policy, overrides=overrides_from(args), listen=args.listen,
                      admin=None if args.no_admin else args.admin, log_path=args.log, log_format=args.log_format,
                      confdir=args.confdir, upstream_ca=args.upstream_ca, fast_tunnels=args.fast_tunnels,
-                     fast_http=args.fast_http,
+                     fast_http=args.fast_http, uvloop=args.uvloop,
                      admin_token_file=args.admin_token_file, session_store=args.session_store)
 
 
@@ -115,11 +118,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         def announce(listen: tuple[str, int], admin: tuple[str, int] | None) -> None:
             say(startup_line(listen, admin, policy, config, confdir, workers=args.workers))
 
-        return asyncio.run(Supervisor(config, args.workers, on_ready=announce).run())
+        return event_loop.run(Supervisor(config, args.workers, on_ready=announce).run(), config.uvloop)
     from proxy.runner import ProxyRunner
 
     runner = ProxyRunner(config)  # loads the policy: a bad file fails here
-    asyncio.run(serve(runner, lambda: say(startup_line_of(runner))))
+    event_loop.run(serve(runner, lambda: say(startup_line_of(runner))), config.uvloop)
     return 0
 
 

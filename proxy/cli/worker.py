@@ -7,13 +7,13 @@ configuration names; ``proxy/worker_config.py`` describes both. Not for people: 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ctypes
 import os
 import signal
 import sys
 
+from proxy import event_loop
 from proxy.runner import ProxyRunner
 from proxy.worker_config import FAILED, READY, WorkerConfig, WorkerReport
 
@@ -33,7 +33,7 @@ def main() -> int:
     with os.fdopen(config.ready_fd, "wb", buffering=0) as report:
         try:
             runner = ProxyRunner(config.run)
-            asyncio.run(serve(runner, lambda: report.write(_ready(runner).to_line())))
+            event_loop.run(serve(runner, lambda: report.write(_ready(runner).to_line())), config.run.uvloop)
         except KeyboardInterrupt:
             return EXIT_INTERRUPTED
         except Exception as err:

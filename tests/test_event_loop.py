@@ -1,0 +1,88 @@
+"""The proxy's event loop (proxy/event_loop.py): uvloop's by default, the standard library's with
+``--no-uvloop``. Both enforce the same, and the test guard inside the proxy process (tests/proxyproc.py)
+watches both: a guard that saw nothing would make every "no connect left loopback" check pass vacuously."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from labnet import PUBLIC_IP
+from proxyproc import GUARD_PRELUDE, ROOT
+
+from proxy import event_loop
+
+LOOPS = {"uvloop": ((), "_GuardedLoop"), "standard": (("--no-uvloop",), "_UnixSelectorEventLoop")}
+
+
+@pytest.mark.parametrize("name", list(LOOPS))
+def test_the_proxy_runs_on_the_chosen_loop_and_enforces_the_same(lab, start_proxy, name):
+    options, loop_class = LOOPS[name]
+    proxy = start_proxy(lab.policy_text("hosts:\n  deny: [denied.lab.example]\n"), *options)
+    sock, status, _ = proxy.connect(f"public.lab.example:{lab.public_tls.port}")
+    sock.close()
+    assert status == 200
+    assert proxy.get(f"http://public.lab.example:{lab.public.port}/")[0] == 200
+    status, headers, _ = proxy.get(f"http://internal.lab.example:{lab.public.port}/")
+    assert status == 403 and headers["x-egresswall-rule"].startswith("special-purpose")
+    sock, status, _ = proxy.connect(f"denied.lab.example:{lab.public_tls.port}")
+    sock.close()
+    assert status == 403
+    connects = proxy.outbound()
+    assert connects and {c["host"] for c in connects} == {PUBLIC_IP}
+    assert {c["loop"] for c in connects} == {loop_class}  # the guard saw them on the loop asked for
+    assert proxy.getaddrinfo_names() == []  # names are resolved by the policy's resolver, never the system's
+
+
+GUARD_SELF_TEST = """
+import asyncio, socket, sys
+from proxy import event_loop
+listener = socket.create_server(("127.0.0.1", 0))
+port = listener.getsockname()[1]
+async def main():
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(); sock.setblocking(False)
+    await loop.sock_connect(sock, ("127.0.0.1", port)); sock.close()
+    transport, _ = await loop.create_connection(asyncio.Protocol, "127.0.0.1", port); transport.close()
+    await loop.getaddrinfo("localhost", port)
+    for connect in (lambda: loop.create_connection(asyncio.Protocol, "localhost", port),
+                    lambda: loop.sock_connect(socket.socket(), ("localhost", port))):
+        try:
+            await connect()
+        except OSError as err:
+            print("refused:", err)
+event_loop.run(main(), use_uvloop=sys.argv[1] == "uvloop")
+"""
+
+
+@pytest.mark.parametrize("name", list(LOOPS))
+def test_the_guard_sees_and_refuses_on_either_loop(tmp_path, name):
+    """Outside loopback the guard refuses before a packet: a name ("localhost") is refused unresolved."""
+    guard = tmp_path / "guard.jsonl"
+    prelude = GUARD_PRELUDE.replace("GUARD_PATH", repr(str(guard)))
+    run = subprocess.run([sys.executable, "-c", prelude + GUARD_SELF_TEST, name], cwd=ROOT, capture_output=True,
+                         text=True, timeout=30)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.count("refused: test guard: refusing a connect") == 2, run.stdout
+    events = [json.loads(line) for line in guard.read_text().splitlines()]
+    kinds = [(e["kind"], e["host"]) for e in events]
+    assert kinds.count(("connect", "127.0.0.1")) >= 2 and ("getaddrinfo", "localhost") in kinds
+    assert {e["loop"] for e in events if e["kind"] == "connect"} == {LOOPS[name][1]}
+
+
+def test_uvloop_is_the_default_and_the_standard_loop_is_a_choice() -> None:
+    import asyncio
+
+    import uvloop
+
+    assert event_loop.loop_factory() is uvloop.new_event_loop
+    assert event_loop.loop_factory(False) is asyncio.new_event_loop
+    assert event_loop.run(_loop_type(), use_uvloop=False) is asyncio.get_event_loop_policy().new_event_loop().__class__
+
+
+async def _loop_type() -> type:
+    import asyncio
+
+    return type(asyncio.get_running_loop())
