@@ -7,6 +7,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import NamedTuple
 
 import netaddr
 
@@ -19,9 +20,12 @@ ALLOW, DENY = "allow", "deny"
 REQUIRED, OPTIONAL = "required", "optional"  # whether a client must present a session
 
 
-@dataclass(frozen=True)
-class Origin:
-    """Where a rule was written: a file position, or the command-line flag that added it."""
+class Origin(NamedTuple):
+    """Where a rule was written: a file position, or the command-line flag that added it.
+
+    A named tuple, as ``HostPattern`` is: one per rule of a million-entry list, built in a fifth of the time of
+    a frozen dataclass, and as immutable.
+    """
 
     source: str
     line: int = 0  # 1-based; 0 when there is no line (command line, built-in)
