@@ -14,10 +14,11 @@ with the number of labels in the host and not with the number of patterns.
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
-from .hosts import HostFormError, fast_name, normalise_host
+from .hosts import FAST_NAME_REGEX, HostFormError, normalise_host
 
 
 class PatternKind(enum.Enum):
@@ -42,6 +43,13 @@ class HostPattern(NamedTuple):
         """Parse a pattern strictly; raises ValueError with a reason an operator can act on."""
         if not isinstance(text, str) or not text:
             raise ValueError("a host pattern must be a non-empty string")
+        if _FAST_PATTERN(text) is not None and "xn--" not in text:
+            # Already normal, as nearly every entry of a big list is: hosts.fast_name's test, with the prefix, in
+            # one match. An exact pattern's name is its text (one string, not two, a million times over).
+            first = text[0]
+            kind, name = (SUBDOMAINS, text[2:]) if first == "*" else (DOMAIN, text[1:]) if first == "." else (
+                EXACT, text)
+            return _tuple_new(cls, (kind, name[:-1] if name[-1] == "." else name, text))
         if text.startswith("*."):
             kind, rest = PatternKind.SUBDOMAINS, text[2:]
         elif text.startswith("."):
@@ -50,11 +58,6 @@ class HostPattern(NamedTuple):
             kind, rest = PatternKind.EXACT, text
         if "*" in rest:
             raise ValueError(f"host pattern {text!r}: '*' is allowed only as a leading '*.' label")
-        name = fast_name(rest)
-        if name is not None:
-            # Already normal, as nearly every entry of a big list is. An exact pattern's name is its text
-            # (one string, not two, a million times over).
-            return _tuple_new(cls, (kind, text if name == text else name, text))
         try:
             name, ip = normalise_pattern_host(rest)
         except HostFormError as err:
@@ -96,7 +99,9 @@ def normalise_pattern_host(text: str) -> tuple[str, object]:
     return normalise_host(text)
 
 
-EXACT, DOMAIN = PatternKind.EXACT, PatternKind.DOMAIN
+EXACT, SUBDOMAINS, DOMAIN = PatternKind.EXACT, PatternKind.SUBDOMAINS, PatternKind.DOMAIN
+# A pattern that is a prefix ('*.' or '.', or none) and a name hosts.fast_name takes as already normal.
+_FAST_PATTERN = re.compile(r"(?:\*\.|\.)?" + FAST_NAME_REGEX).fullmatch
 _tuple_new = tuple.__new__  # HostPattern.parse, a million times: the named tuple without its Python __new__
 
 
