@@ -562,6 +562,13 @@ def test_property_fast_path_accepts_only_what_the_full_path_accepts_alike(host):
 
 
 @given(st.one_of(edge_names(), hosts), st.sampled_from(["", "*.", "."]))
+@example("a.example.", "*.")  # the fast path's edges behind each prefix
+@example("home.arpa", ".")
+@example("x.home.arpa.", "*.")
+@example("xn--a.example", "*.")
+@example(".example.com", ".")
+@example("*.example.com", "*.")
+@example("a." * 126 + "b", ".")
 def test_property_pattern_fast_path_agrees_with_the_full_path(host, prefix):
     from policy.patterns import HostPattern, PatternKind, normalise_pattern_host
 
