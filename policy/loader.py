@@ -313,8 +313,8 @@ class _Builder:
         origins = self.doc.origins_of_items(path, length)
         list_name = rule_ids.host_list(action, role)
         seen: dict[str, int] = {}
-        rules = []
-        parse, plain, derived = HostPattern.parse, HostRule.plain, rule_ids.derived
+        rules: list[HostRule] = []
+        parse, plain, derived, append = HostPattern.parse, HostRule.plain, rule_ids.derived, rules.append
         for i, entry in entries:
             if type(entry) is str:
                 # A bare pattern, nothing else to check: the common case, a million times in a big allowlist,
@@ -325,11 +325,11 @@ class _Builder:
                     self.problem((*path, i), str(err))
                     continue
                 count = seen[entry] = seen.get(entry, 0) + 1
-                rules.append(plain(action, pattern, origins[i], derived(list_name, entry, count)))
+                append(plain(action, pattern, origins[i], derived(list_name, entry, count)))
             else:
                 rule = self.rule((*path, i), action, entry, origins[i], list_name, seen)
                 if rule is not None:
-                    rules.append(rule)
+                    append(rule)
         return HostTable.build(rules)
 
     def rule(self, path: KeyPath, action: str, entry: dict[str, Any], origin: Origin, list_name: str,
