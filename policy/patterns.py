@@ -110,15 +110,16 @@ class HostIndex[T]:
 
     Items come out in the order they were added, so the first rule written is the first rule tried.
     A host is looked up by each of its suffixes, so a match costs the same for ten patterns as for a
-    million. Each table maps a name to the position of its one item, or to a list of positions when
-    several patterns share the name: one int per entry, not a list and a tuple (a million-entry index).
+    million. One table maps each name a pattern is anchored at to the position of its one item, or to a
+    list of positions when several patterns share the name (one int per entry, not a list and a tuple: a
+    million-entry index); the pattern's kind, kept by position, says whether the name itself matches
+    (exact, ``.name``) or only names below it (``*.name``, ``.name``).
     """
 
     def __init__(self, entries: Iterable[tuple[HostPattern, T]] = ()) -> None:
         self._items: list[T] = []
-        self._exact: dict[str, int | list[int]] = {}
-        self._below: dict[str, int | list[int]] = {}  # *.name and .name, for hosts below name
-        self._apex: dict[str, int | list[int]] = {}  # .name, for name itself
+        self._kinds: list[PatternKind] = []  # by position
+        self._names: dict[str, int | list[int]] = {}
         self.extend(entries)
 
     def __len__(self) -> int:
@@ -130,27 +131,24 @@ class HostIndex[T]:
     def extend(self, entries: Iterable[tuple[HostPattern, T]]) -> None:
         """``add`` for each entry, in one loop: a million-entry list is indexed without a call per entry
         (a name seen for the first time, nearly all of them, costs one ``setdefault``)."""
-        items, exact, below, apex = self._items, self._exact, self._below, self._apex
-        append = items.append
+        items, kinds, names = self._items, self._kinds, self._names
+        append, append_kind = items.append, kinds.append
         position = len(items)
         for (kind, name, _), item in entries:
             append(item)
-            table = exact if kind is EXACT else below
-            if table.setdefault(name, position) != position:
-                _put(table, name, position)
-            if kind is DOMAIN and apex.setdefault(name, position) != position:
-                _put(apex, name, position)
+            append_kind(kind)
+            if names.setdefault(name, position) != position:
+                _put(names, name, position)
             position += 1
 
     def candidates(self, host: str) -> Iterator[T]:
         found: list[int] = []
-        _take(found, self._exact.get(host))
-        _take(found, self._apex.get(host))
-        below = self._below
+        names, kinds = self._names, self._kinds
+        _take(found, names.get(host), kinds, SUBDOMAINS)  # the host itself: not by '*.host'
         suffix = host
         while (dot := suffix.find(".")) != -1:
             suffix = suffix[dot + 1 :]
-            _take(found, below.get(suffix))
+            _take(found, names.get(suffix), kinds, EXACT)  # a name below: not by an exact pattern
         if len(found) > 1:
             found.sort()
         items = self._items
@@ -167,10 +165,12 @@ def _put(table: dict[str, int | list[int]], name: str, position: int) -> None:
         held.append(position)
 
 
-def _take(found: list[int], held: int | list[int] | None) -> None:
+def _take(found: list[int], held: int | list[int] | None, kinds: list[PatternKind], unless: PatternKind) -> None:
+    """The positions held, but those whose pattern is of kind ``unless``."""
     if held is None:
         return
     if type(held) is int:
-        found.append(held)
+        if kinds[held] is not unless:
+            found.append(held)
     else:
-        found.extend(held)
+        found.extend(position for position in held if kinds[position] is not unless)
