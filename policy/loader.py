@@ -162,6 +162,22 @@ class _Unusable:
         return not self.paths or (self.usable(path) and path not in self.above)
 
 
+class _Occurrences:
+    """How many times each pattern text has been written in one list so far: the n of a derived id's ``#n``."""
+
+    def __init__(self) -> None:
+        self.first_at: dict[str, object] = {}  # text -> the list index of its first entry
+        self.repeats: dict[str, int] = {}  # text -> times written, for texts written more than once
+
+    def count(self, text: str, at: object) -> int:
+        """Count an entry (``at``: its list index) with this text; its occurrence, from 1."""
+        return 1 if self.first_at.setdefault(text, at) == at else self.repeat(text)
+
+    def repeat(self, text: str) -> int:
+        count = self.repeats[text] = self.repeats.get(text, 1) + 1
+        return count
+
+
 class _Builder:
     """The model from a schema-checked document; semantic problems are collected in ``problems``."""
 
@@ -312,9 +328,10 @@ class _Builder:
         length, entries = self.items(path)
         origins = self.doc.origins_of_items(path, length)
         list_name = rule_ids.host_list(action, role)
-        seen: dict[str, int] = {}
-        rules = []
-        parse, plain, derived = HostPattern.parse, HostRule.plain, rule_ids.derived
+        seen = _Occurrences()
+        first_at = seen.first_at
+        rules: list[HostRule] = []
+        parse, plain, derived, append = HostPattern.parse, HostRule.plain, rule_ids.derived, rules.append
         for i, entry in entries:
             if type(entry) is str:
                 # A bare pattern, nothing else to check: the common case, a million times in a big allowlist,
@@ -324,16 +341,17 @@ class _Builder:
                 except ValueError as err:
                     self.problem((*path, i), str(err))
                     continue
-                count = seen[entry] = seen.get(entry, 0) + 1
-                rules.append(plain(action, pattern, origins[i], derived(list_name, entry, count)))
+                # One dict operation for a text written for the first time (nearly all of a big list).
+                count = 1 if first_at.setdefault(entry, i) == i else seen.repeat(entry)
+                append(plain(action, pattern, origins[i], derived(list_name, entry, count)))
             else:
                 rule = self.rule((*path, i), action, entry, origins[i], list_name, seen)
                 if rule is not None:
-                    rules.append(rule)
+                    append(rule)
         return HostTable.build(rules)
 
     def rule(self, path: KeyPath, action: str, entry: dict[str, Any], origin: Origin, list_name: str,
-             seen: dict[str, int]) -> HostRule | None:
+             seen: _Occurrences) -> HostRule | None:
         """A rule written as a mapping: ``host`` and its conditions."""
         try:
             pattern = HostPattern.parse(entry["host"])
@@ -343,7 +361,7 @@ class _Builder:
         return self.conditional_rule(path, action, entry, pattern, origin, list_name, seen)
 
     def conditional_rule(self, path: KeyPath, action: str, raw: dict[str, Any], pattern: HostPattern, origin: Origin,
-                         list_name: str, seen: dict[str, int]) -> HostRule | None:
+                         list_name: str, seen: _Occurrences) -> HostRule | None:
         ok = True
         expires = None
         if "expires" in raw:
@@ -361,7 +379,7 @@ class _Builder:
             rule_id = raw["id"]
             self.ids.append((rule_id, self.doc.origin((*path, "id")), (*path, "id")))
         else:
-            count = seen[pattern.text] = seen.get(pattern.text, 0) + 1
+            count = seen.count(pattern.text, path[-1])
             rule_id = rule_ids.derived(list_name, pattern.text, count)
         if not ok:
             return None

@@ -14,10 +14,11 @@ with the number of labels in the host and not with the number of patterns.
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from typing import NamedTuple
 
-from .hosts import HostFormError, fast_name, normalise_host
+from .hosts import FAST_NAME_REGEX, HostFormError, normalise_host
 
 
 class PatternKind(enum.Enum):
@@ -26,8 +27,13 @@ class PatternKind(enum.Enum):
     DOMAIN = "domain"  # .example.com
 
 
-@dataclass(frozen=True)
-class HostPattern:
+class HostPattern(NamedTuple):
+    """One parsed pattern: immutable, compared and hashed by its fields.
+
+    A named tuple rather than a frozen dataclass: a big allowlist parses a million of these, and a frozen
+    dataclass sets each field through ``object.__setattr__`` (about five times the cost of building the tuple).
+    """
+
     kind: PatternKind
     name: str  # normalised host the pattern is anchored at (an IP text for an exact IP pattern)
     text: str  # as the operator wrote it
@@ -37,6 +43,13 @@ class HostPattern:
         """Parse a pattern strictly; raises ValueError with a reason an operator can act on."""
         if not isinstance(text, str) or not text:
             raise ValueError("a host pattern must be a non-empty string")
+        if _FAST_PATTERN(text) is not None and "xn--" not in text:
+            # Already normal, as nearly every entry of a big list is: hosts.fast_name's test, with the prefix, in
+            # one match. An exact pattern's name is its text (one string, not two, a million times over).
+            first = text[0]
+            kind, name = (SUBDOMAINS, text[2:]) if first == "*" else (DOMAIN, text[1:]) if first == "." else (
+                EXACT, text)
+            return _tuple_new(cls, (kind, name[:-1] if name[-1] == "." else name, text))
         if text.startswith("*."):
             kind, rest = PatternKind.SUBDOMAINS, text[2:]
         elif text.startswith("."):
@@ -45,11 +58,6 @@ class HostPattern:
             kind, rest = PatternKind.EXACT, text
         if "*" in rest:
             raise ValueError(f"host pattern {text!r}: '*' is allowed only as a leading '*.' label")
-        name = fast_name(rest)
-        if name is not None:
-            # Already normal, as nearly every entry of a big list is. An exact pattern's name is its text
-            # (one string, not two, a million times over).
-            return cls(kind, text if name == text else name, text)
         try:
             name, ip = normalise_pattern_host(rest)
         except HostFormError as err:
@@ -91,7 +99,10 @@ def normalise_pattern_host(text: str) -> tuple[str, object]:
     return normalise_host(text)
 
 
-EXACT, DOMAIN = PatternKind.EXACT, PatternKind.DOMAIN
+EXACT, SUBDOMAINS, DOMAIN = PatternKind.EXACT, PatternKind.SUBDOMAINS, PatternKind.DOMAIN
+# A pattern that is a prefix ('*.' or '.', or none) and a name hosts.fast_name takes as already normal.
+_FAST_PATTERN = re.compile(r"(?:\*\.|\.)?" + FAST_NAME_REGEX).fullmatch
+_tuple_new = tuple.__new__  # HostPattern.parse, a million times: the named tuple without its Python __new__
 
 
 class HostIndex[T]:
@@ -99,38 +110,45 @@ class HostIndex[T]:
 
     Items come out in the order they were added, so the first rule written is the first rule tried.
     A host is looked up by each of its suffixes, so a match costs the same for ten patterns as for a
-    million. Each table maps a name to the position of its one item, or to a list of positions when
-    several patterns share the name: one int per entry, not a list and a tuple (a million-entry index).
+    million. One table maps each name a pattern is anchored at to the position of its one item, or to a
+    list of positions when several patterns share the name (one int per entry, not a list and a tuple: a
+    million-entry index); the pattern's kind, kept by position, says whether the name itself matches
+    (exact, ``.name``) or only names below it (``*.name``, ``.name``).
     """
 
     def __init__(self, entries: Iterable[tuple[HostPattern, T]] = ()) -> None:
         self._items: list[T] = []
-        self._exact: dict[str, int | list[int]] = {}
-        self._below: dict[str, int | list[int]] = {}  # *.name and .name, for hosts below name
-        self._apex: dict[str, int | list[int]] = {}  # .name, for name itself
-        for pattern, item in entries:
-            self.add(pattern, item)
+        self._kinds: list[PatternKind] = []  # by position
+        self._names: dict[str, int | list[int]] = {}
+        self.extend(entries)
 
     def __len__(self) -> int:
         return len(self._items)
 
     def add(self, pattern: HostPattern, item: T) -> None:
-        position = len(self._items)
-        self._items.append(item)
-        kind, name = pattern.kind, pattern.name
-        _put(self._exact if kind is EXACT else self._below, name, position)
-        if kind is DOMAIN:
-            _put(self._apex, name, position)
+        self.extend(((pattern, item),))
+
+    def extend(self, entries: Iterable[tuple[HostPattern, T]]) -> None:
+        """``add`` for each entry, in one loop: a million-entry list is indexed without a call per entry
+        (a name seen for the first time, nearly all of them, costs one ``setdefault``)."""
+        items, kinds, names = self._items, self._kinds, self._names
+        append, append_kind = items.append, kinds.append
+        position = len(items)
+        for (kind, name, _), item in entries:
+            append(item)
+            append_kind(kind)
+            if names.setdefault(name, position) != position:
+                _put(names, name, position)
+            position += 1
 
     def candidates(self, host: str) -> Iterator[T]:
         found: list[int] = []
-        _take(found, self._exact.get(host))
-        _take(found, self._apex.get(host))
-        below = self._below
+        names, kinds = self._names, self._kinds
+        _take(found, names.get(host), kinds, SUBDOMAINS)  # the host itself: not by '*.host'
         suffix = host
         while (dot := suffix.find(".")) != -1:
             suffix = suffix[dot + 1 :]
-            _take(found, below.get(suffix))
+            _take(found, names.get(suffix), kinds, EXACT)  # a name below: not by an exact pattern
         if len(found) > 1:
             found.sort()
         items = self._items
@@ -147,10 +165,12 @@ def _put(table: dict[str, int | list[int]], name: str, position: int) -> None:
         held.append(position)
 
 
-def _take(found: list[int], held: int | list[int] | None) -> None:
+def _take(found: list[int], held: int | list[int] | None, kinds: list[PatternKind], unless: PatternKind) -> None:
+    """The positions held, but those whose pattern is of kind ``unless``."""
     if held is None:
         return
     if type(held) is int:
-        found.append(held)
+        if kinds[held] is not unless:
+            found.append(held)
     else:
-        found.extend(held)
+        found.extend(position for position in held if kinds[position] is not unless)

@@ -541,6 +541,16 @@ def _outcome(normalise, host):
 @example("x.home.arpa")
 @example("home.arpa")
 @example("a.0x")
+@example("home.arpa.")  # the local names, also with the trailing dot, and names that only look like them
+@example("a.b.local.")
+@example("x.localhost")
+@example("a.localdomainx")
+@example("localhost.com")
+@example("a.1.")
+@example("a.0x1f.")
+@example("a.0xg")
+@example("a-.com")
+@example("a." * 126 + "b.")  # 253 octets and the trailing dot
 def test_property_fast_path_accepts_only_what_the_full_path_accepts_alike(host):
     """The fast path (already-normal LDH names) is a shortcut, never a second opinion: whatever it
     accepts, the full UTS-46 path accepts too, as the same name; it never takes what the full path refuses."""
@@ -552,6 +562,13 @@ def test_property_fast_path_accepts_only_what_the_full_path_accepts_alike(host):
 
 
 @given(st.one_of(edge_names(), hosts), st.sampled_from(["", "*.", "."]))
+@example("a.example.", "*.")  # the fast path's edges behind each prefix
+@example("home.arpa", ".")
+@example("x.home.arpa.", "*.")
+@example("xn--a.example", "*.")
+@example(".example.com", ".")
+@example("*.example.com", "*.")
+@example("a." * 126 + "b", ".")
 def test_property_pattern_fast_path_agrees_with_the_full_path(host, prefix):
     from policy.patterns import HostPattern, PatternKind, normalise_pattern_host
 

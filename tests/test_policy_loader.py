@@ -512,9 +512,11 @@ def test_bulk_built_rules_equal_rules_built_one_at_a_time() -> None:
         assert replace(rule, id="x") == replace(expected, id="x")
         with pytest.raises(FrozenInstanceError):
             rule.id = "changed"  # type: ignore[misc]
-        with pytest.raises(FrozenInstanceError):
+        # Patterns and origins are named tuples (built a million times): as immutable, AttributeError being the
+        # base of FrozenInstanceError.
+        with pytest.raises(AttributeError):
             rule.pattern.name = "changed"  # type: ignore[misc]
-        with pytest.raises(FrozenInstanceError):
+        with pytest.raises(AttributeError):
             rule.origin.line = 1  # type: ignore[misc]
     assert policy.allow.rules[6].ports == frozenset({8443})
     assert [rule.id for rule in policy.deny.rules] == ["hosts.deny:ads.example.com"]
@@ -545,3 +547,24 @@ def test_a_bad_entry_in_a_long_list_is_reported_at_its_line() -> None:
     text = str(caught.value)
     assert text.startswith("long.yaml:1238:7: hosts.allow[1234]:"), text
     assert "empty label" in text
+
+
+def test_derived_ids_number_each_repeat_of_a_text_across_bare_and_mapping_entries() -> None:
+    policy = parse_policy("""version: 1
+hosts:
+  allow:
+    - a.example.com
+    - b.example.com
+    - host: a.example.com
+      ports: [8443]
+    - host: a.example.com
+      id: named
+    - a.example.com
+    - b.example.com
+  deny:
+    - a.example.com
+""", "ids.yaml")
+    assert [rule.id for rule in policy.allow.rules] == [
+        "hosts.allow:a.example.com", "hosts.allow:b.example.com", "hosts.allow:a.example.com#2", "named",
+        "hosts.allow:a.example.com#3", "hosts.allow:b.example.com#2"]
+    assert [rule.id for rule in policy.deny.rules] == ["hosts.deny:a.example.com"]  # each list counts its own
