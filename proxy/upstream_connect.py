@@ -17,6 +17,8 @@ import h11
 from policy.hosts import Target
 from policy.model import Upstream
 
+from .dial import connect_socket
+
 MAX_RESPONSE_HEAD = 64 * 1024
 
 
@@ -42,7 +44,7 @@ async def _open(upstream: Upstream, target: Target, authorization: str | None) -
     sock.setblocking(False)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
-        await loop.sock_connect(sock, address)
+        await connect_socket(sock, address)
         client = h11.Connection(h11.CLIENT)
         headers = [("Host", target.authority)] + ([("Proxy-Authorization", authorization)] if authorization else [])
         await loop.sock_sendall(sock, client.send(h11.Request(method="CONNECT", target=target.authority,

@@ -63,6 +63,18 @@ async def _sc(self, sock, address):
         _connecting(address[0], address[1])
     return await _orig_sc(self, sock, address)
 _selector_events.BaseSelectorEventLoop.sock_connect = _sc
+# And the socket's own connect (proxy/dial.py connects that way, past the loop): every TCP connect a
+# Python socket object makes.
+_orig_connect, _orig_connect_ex = socket.socket.connect, socket.socket.connect_ex
+def _socket_connect(self, address):
+    if self.family in (socket.AF_INET, socket.AF_INET6):
+        _connecting(address[0], address[1])
+    return _orig_connect(self, address)
+def _socket_connect_ex(self, address):
+    if self.family in (socket.AF_INET, socket.AF_INET6):
+        _connecting(address[0], address[1])
+    return _orig_connect_ex(self, address)
+socket.socket.connect, socket.socket.connect_ex = _socket_connect, _socket_connect_ex
 # uvloop's loop (the proxy's default, proxy/event_loop.py) is C and resolves with libuv, past the patches
 # above: the loops it makes are a subclass that records and refuses the same way.
 class _GuardedLoop(_uvloop.Loop):
