@@ -89,3 +89,24 @@ async def _loop_type() -> type:
     import asyncio
 
     return type(asyncio.get_running_loop())
+
+
+@pytest.mark.parametrize("name", list(LOOPS))
+def test_the_loop_takes_asyncio_s_eager_task_factory(name) -> None:
+    """mitmproxy's master runs with ``asyncio.eager_task_factory`` set on the loop. uvloop 0.23 on Python
+    3.13 passes that factory an ``eager_start`` it does not take, and the proxy died at start (the image's
+    Python is 3.13): every way a task is made must work on the loop the proxy runs on."""
+    import asyncio
+
+    async def child() -> int:
+        return 1
+
+    async def main() -> list[int]:
+        loop = asyncio.get_running_loop()
+        loop.set_task_factory(asyncio.eager_task_factory)
+        results = [await loop.create_task(child()), await asyncio.ensure_future(child())]
+        async with asyncio.TaskGroup() as group:
+            task = group.create_task(child())
+        return [*results, task.result()]
+
+    assert event_loop.run(main(), use_uvloop=name == "uvloop") == [1, 1, 1]
