@@ -24,6 +24,11 @@ async def connect_pinned(address: str, port: int, timeout: float) -> tuple[socke
         family = socket.AF_INET6 if ipaddress.ip_address(address).version == 6 else socket.AF_INET
     except ValueError:
         return None, f"connect to {address!r} refused: not an IP address (only checked addresses are connected to)"
+    if "%" in address:
+        # ipaddress accepts an IPv6 zone id ("::1%eth0", or any text after the '%'), and the socket module
+        # hands such an address to getaddrinfo() rather than inet_pton(): a resolution step in the one path
+        # that must have none. Checked addresses never carry one (policy/hosts.py refuses zone ids).
+        return None, f"connect to {address!r} refused: an IPv6 zone id is not a checked address"
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setblocking(False)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -70,6 +70,7 @@ class _Side(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.peer: _Side | None = None
         self.pending = b""  # read before the peer's transport existed (at most one read: reading then pauses)
+        self.writing_paused = False  # our transport's buffer is over its high-water mark: the peer is not read
         self.closed = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -87,7 +88,11 @@ class _Side(asyncio.Protocol):
             peer.pending = b""
         if peer.key in self.tunnel.finished and self.transport.can_write_eof():
             self.transport.write_eof()
-        if not peer.transport.is_closing():
+        # Writing the pending bytes may already have filled our buffer (a peer that reads slowly or not at
+        # all): pause_writing was called inside that write and paused the peer. Resuming the peer now would
+        # undo it for good — pause_writing is only called again once the buffer has drained below the mark —
+        # and a client could then pour unbounded bytes into the proxy's memory. resume_writing resumes it.
+        if not peer.transport.is_closing() and not self.writing_paused:
             peer.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
@@ -114,10 +119,12 @@ class _Side(asyncio.Protocol):
         return True
 
     def pause_writing(self) -> None:  # our buffer is full: stop reading what fills it
+        self.writing_paused = True
         if self.peer is not None and self.peer.transport is not None:
             self.peer.transport.pause_reading()
 
     def resume_writing(self) -> None:
+        self.writing_paused = False
         if self.peer is not None and self.peer.transport is not None and not self.peer.transport.is_closing():
             self.peer.transport.resume_reading()
 

@@ -55,6 +55,13 @@ async def _cc(self, protocol_factory, host=None, port=None, *a, **k):
         _connecting(host, port)
     return await _orig_cc(self, protocol_factory, host, port, *a, **k)
 asyncio.BaseEventLoop.create_connection = _cc
+# A UDP endpoint with remote_addr the same way (checked before the loop resolves the name, as above).
+_orig_cde = asyncio.BaseEventLoop.create_datagram_endpoint
+async def _cde(self, protocol_factory, local_addr=None, remote_addr=None, **k):
+    if remote_addr is not None and k.get("family", 0) != socket.AF_UNIX:
+        _connecting(remote_addr[0], remote_addr[1])
+    return await _orig_cde(self, protocol_factory, local_addr, remote_addr, **k)
+asyncio.BaseEventLoop.create_datagram_endpoint = _cde
 # loop.sock_connect too: proxy/front.py connects its tunnels with it, past create_connection.
 # (A create_connection is recorded twice, once per layer; the checks look at addresses, not counts.)
 _orig_sc = _selector_events.BaseSelectorEventLoop.sock_connect
@@ -89,6 +96,12 @@ class _GuardedLoop(_uvloop.Loop):
     async def getaddrinfo(self, host, port, *a, **k):
         _resolving(host, port)
         return await super().getaddrinfo(host, port, *a, **k)
+    # A UDP endpoint with remote_addr: uvloop connects it in C, which no patch above sees (the standard
+    # loop's goes through the patches above). (dnspython sends unconnected datagrams: not guarded here.)
+    async def create_datagram_endpoint(self, protocol_factory, local_addr=None, remote_addr=None, **k):
+        if remote_addr is not None and k.get("family", 0) != socket.AF_UNIX:
+            _connecting(remote_addr[0], remote_addr[1])
+        return await super().create_datagram_endpoint(protocol_factory, local_addr, remote_addr, **k)
 _uvloop.new_event_loop = _GuardedLoop
 """
 # The start-up line, "proxy on HOST:PORT, admin on http://HOST:PORT; ...": an IPv6 host in brackets.

@@ -35,7 +35,8 @@ def test_a_pinned_address_is_connected_to_exactly(run) -> None:
     listener.close()
 
 
-@pytest.mark.parametrize("address", ["localhost", "public.lab.example", "127.1", "0x7f.0.0.1", "", "::ffff:zz", "127.0.0.1 "])
+@pytest.mark.parametrize("address", ["localhost", "public.lab.example", "127.1", "0x7f.0.0.1", "", "::ffff:zz",
+                                     "127.0.0.1 "])
 def test_anything_but_an_ip_literal_is_refused_before_a_socket_exists(run, address) -> None:
     sock, error = run(connect_pinned(address, 80, 5))
     assert sock is None and "not an IP address" in error
