@@ -99,5 +99,6 @@ def start_proxy(tmp_path, transport):
     for proxy in started:
         proxy.stop()
         # Whatever the test did, the guard must never have seen an attempt to leave loopback.
-        leaks = [e for e in proxy.outbound() if not e["host"].startswith("127.") and e["host"] != "::1"]
+        leaks = [e for e in proxy.outbound() + proxy.datagrams()
+                 if not e["host"].startswith("127.") and e["host"] != "::1"]
         assert not leaks, f"the proxy tried to connect outside the lab: {leaks}"

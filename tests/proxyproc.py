@@ -82,6 +82,26 @@ def _socket_connect_ex(self, address):
         _connecting(address[0], address[1])
     return _orig_connect_ex(self, address)
 socket.socket.connect, socket.socket.connect_ex = _socket_connect, _socket_connect_ex
+# Datagrams: the socket's own sendto (the standard loop's UDP transport sends with it), and dnspython's
+# asyncio datagram socket, whose transport on uvloop sends in C past every patch here. Recorded as
+# "datagram": the proxy's DNS queries go to the lab's own resolver on loopback, and nowhere else.
+def _sending(host, port):
+    _record("datagram", host, port)
+    if not (_is_ip(host) and ipaddress.ip_address(str(host).split("%")[0]).is_loopback):
+        raise OSError("test guard: refusing a datagram to a non-loopback address " + str(host))
+_orig_sendto = socket.socket.sendto
+def _socket_sendto(self, data, *rest):
+    if self.family in (socket.AF_INET, socket.AF_INET6) and rest and isinstance(rest[-1], tuple):
+        _sending(rest[-1][0], rest[-1][1])
+    return _orig_sendto(self, data, *rest)
+socket.socket.sendto = _socket_sendto
+import dns._asyncio_backend as _dns_asyncio
+_orig_dns_sendto = _dns_asyncio._DatagramSocket.sendto
+async def _dns_sendto(self, what, destination, timeout):
+    if destination is not None:
+        _sending(destination[0], destination[1])
+    return await _orig_dns_sendto(self, what, destination, timeout)
+_dns_asyncio._DatagramSocket.sendto = _dns_sendto
 # uvloop's loop (the proxy's default, proxy/event_loop.py) is C and resolves with libuv, past the patches
 # above: the loops it makes are a subclass that records and refuses the same way.
 class _GuardedLoop(_uvloop.Loop):
@@ -97,7 +117,7 @@ class _GuardedLoop(_uvloop.Loop):
         _resolving(host, port)
         return await super().getaddrinfo(host, port, *a, **k)
     # A UDP endpoint with remote_addr: uvloop connects it in C, which no patch above sees (the standard
-    # loop's goes through the patches above). (dnspython sends unconnected datagrams: not guarded here.)
+    # loop's goes through the patches above).
     async def create_datagram_endpoint(self, protocol_factory, local_addr=None, remote_addr=None, **k):
         if remote_addr is not None and k.get("family", 0) != socket.AF_UNIX:
             _connecting(remote_addr[0], remote_addr[1])
@@ -145,13 +165,17 @@ class ProxyProcess:
         raise RuntimeError(f"proxy did not start:\n{self.stderr_path.read_text(errors='replace')}")
 
     def guard_events(self) -> list[dict]:
-        """What the guard inside the proxy process saw: outbound connects and getaddrinfo calls."""
+        """What the guard inside the proxy process saw: outbound connects, datagrams and getaddrinfo calls."""
         if not self.guard_path.exists():
             return []
         return [json.loads(line) for line in self.guard_path.read_text().splitlines() if line.strip()]
 
     def outbound(self) -> list[dict]:
         return [e for e in self.guard_events() if e["kind"] == "connect"]
+
+    def datagrams(self) -> list[dict]:
+        """UDP datagrams the proxy sent (its DNS queries), each with its destination."""
+        return [e for e in self.guard_events() if e["kind"] == "datagram"]
 
     def getaddrinfo_names(self) -> list[str]:
         return [e["host"] for e in self.guard_events() if e["kind"] == "getaddrinfo"]

@@ -34,6 +34,9 @@ def test_the_proxy_runs_on_the_chosen_loop_and_enforces_the_same(lab, start_prox
     assert connects and {c["host"] for c in connects} == {PUBLIC_IP}
     assert {c["loop"] for c in connects} == {loop_class}  # the guard saw them on the loop asked for
     assert proxy.getaddrinfo_names() == []  # names are resolved by the policy's resolver, never the system's
+    # ... whose queries the guard sees too, on either loop: to the lab's DNS server and nowhere else.
+    queries = {(d["host"], d["port"]) for d in proxy.datagrams()}
+    assert queries == {(lab.dns.host, lab.dns.port)}, queries
 
 
 GUARD_SELF_TEST = """
@@ -57,6 +60,13 @@ async def main():
         except OSError as err:
             print("refused:", err)
 event_loop.run(main(), use_uvloop=sys.argv[1] == "uvloop")
+udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+udp.sendto(b"to loopback", ("127.0.0.1", port))
+try:
+    udp.sendto(b"to a name", ("localhost", port))
+except OSError as err:
+    print("refused:", err)
+udp.close()
 """
 
 
@@ -69,9 +79,11 @@ def test_the_guard_sees_and_refuses_on_either_loop(tmp_path, name):
                          text=True, timeout=30)
     assert run.returncode == 0, run.stderr
     assert run.stdout.count("refused: test guard: refusing a connect") == 3, run.stdout
+    assert run.stdout.count("refused: test guard: refusing a datagram") == 1, run.stdout
     events = [json.loads(line) for line in guard.read_text().splitlines()]
     kinds = [(e["kind"], e["host"]) for e in events]
     assert kinds.count(("connect", "127.0.0.1")) >= 3 and ("getaddrinfo", "localhost") in kinds
+    assert ("datagram", "127.0.0.1") in kinds and ("datagram", "localhost") in kinds
     assert {e["loop"] for e in events if e["kind"] == "connect"} <= {LOOPS[name][1], None}
 
 
