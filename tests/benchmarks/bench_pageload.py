@@ -103,9 +103,10 @@ def free_port_on(address: str, port: int) -> None:
 class PageLoadStack:
     """The DNS server, the page's nginx and echo server, squid and egresswall, started once per run."""
 
-    def __init__(self, work: Path, ew_workers: int = 1) -> None:
+    def __init__(self, work: Path, ew_workers: int = 1, ew_options: list[str] | None = None) -> None:
         self.work = work
         self.ew_workers = ew_workers
+        self.ew_options = ew_options or []  # more `egresswall run` options (e.g. --no-uvloop), to compare
         self.processes = Processes(work)
         self.port = common_free_port([host.address for host in HOSTS])
         self.lab = PageLab(work, self.port, free_port())
@@ -126,7 +127,8 @@ class PageLoadStack:
         self.squid = start_squid(self.processes, self.squid_port, names, [80], [self.port])
         policy = egresswall_policy(list(names), [f"{address}/32" for address in names.values()], [80], [self.port],
                                    self.dns.address)
-        self.egresswall = start_egresswall(self.processes, self.ew_port, self.ew_admin, policy, self.ew_workers)
+        self.egresswall = start_egresswall(self.processes, self.ew_port, self.ew_admin, policy, self.ew_workers,
+                                           options=self.ew_options)
 
     def stop(self) -> None:
         self.processes.stop()
@@ -366,6 +368,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=1, help="uncounted loads per target first (default 1)")
     parser.add_argument("--workers", type=int, default=1,
                         help="egresswall worker processes (default 1, egresswall's default; squid runs 1)")
+    parser.add_argument("--egresswall-option", action="append", default=[], metavar="OPTION",
+                        help="one more `egresswall run` option, e.g. --egresswall-option=--no-uvloop (repeatable)")
     args = parser.parse_args()
     for tool in ("nginx", "squid"):
         if not shutil.which(tool):
@@ -374,7 +378,7 @@ def main() -> int:
     raise_fd_limit()
     started, load_before = time.monotonic(), os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="ew-pageload-", delete=not os.environ.get("BENCH_KEEP")) as tmp:
-        stack = PageLoadStack(Path(tmp), args.workers)
+        stack = PageLoadStack(Path(tmp), args.workers, args.egresswall_option)
         try:
             stack.start()
             with Browsers(stack) as browsers:
@@ -390,7 +394,8 @@ def main() -> int:
     print("\n".join(["", *table(loads)]))
     print(f"\n{args.rounds} round(s) of {len(TARGETS)} loads (+{args.warmup} warm-up each), medians and nearest-rank "
           f"p90; {time.monotonic() - started:.0f}s in all; {os.cpu_count()} CPUs, load average "
-          f"{load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after; egresswall with {args.workers} worker(s); "
+          f"{load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after; egresswall with {args.workers} worker(s)"
+          f"{' and ' + ' '.join(args.egresswall_option) if args.egresswall_option else ''}; "
           f"squid {squid_version()} (1 worker); responses by protocol {dict(protocols)}")
     for load, problems in broken:
         print(f"INCOMPLETE LOAD via {load.target}: " + "; ".join(problems[:8]), file=sys.stderr)
