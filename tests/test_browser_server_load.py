@@ -197,7 +197,10 @@ def test_an_idle_context_and_an_idle_connection_are_closed_and_their_slots_freed
             await asyncio.wait_for(disconnected.wait(), 30)
             print(f"the idle connection was closed after {time.monotonic() - started:.1f} s (limit 6 s)")
             assert time.monotonic() - started >= 4
-            # and its connection slot is free again
+            # and its connection slot is free again, once the server has wound the connection down (the
+            # client sees the close frame first, while the server still closes the browser's side)
+            await eventually(lambda: server.metrics()["egresswall_browser_connections_open"] == 0,
+                             what="the idle connection's slot to be given back")
             browser = await playwright.chromium.connect(server.endpoint, timeout=60_000)
             await browser.close()
         await eventually(lambda: server.metrics()['egresswall_browser_connections_closed_total{reason="idle"}'] == 1)
