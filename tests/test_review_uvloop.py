@@ -21,6 +21,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from labnet import PUBLIC_IP
 from proxyproc import GUARD_PRELUDE, ROOT
+from socketpairs import loopback_pair
 from tls_build import client_hello
 
 from proxy import event_loop
@@ -45,31 +46,6 @@ def _open_fds() -> int:
         with contextlib.suppress(OSError):
             count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
     return count
-
-
-async def _pair(small: bool = False) -> tuple[socket.socket, socket.socket]:
-    """A connected (the relay's end, the test's end) pair over loopback TCP, both non-blocking. ``small``:
-    the test's end takes little (a tiny receive window) and the relay's end queues little in the kernel."""
-    listener = socket.socket()
-    if small:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SMALL)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(1)
-    listener.setblocking(False)
-    loop = asyncio.get_running_loop()
-    theirs = socket.socket()
-    if small:
-        theirs.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SMALL)
-        theirs.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SMALL)
-    theirs.setblocking(False)
-    connecting = loop.create_task(loop.sock_connect(theirs, listener.getsockname()))
-    ours, _ = await loop.sock_accept(listener)
-    await connecting
-    listener.close()
-    ours.setblocking(False)
-    if small:
-        ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SMALL)
-    return ours, theirs
 
 
 async def _read_all(sock: socket.socket, want: int | None = None) -> bytes:
@@ -110,8 +86,8 @@ def test_a_client_flooding_before_the_upstream_side_exists_stays_flow_controlled
 
     async def scenario() -> tuple[int, int | None]:
         loop = asyncio.get_running_loop()
-        relay_client, client = await _pair()
-        relay_server, server = await _pair(small=True)  # an upstream that reads nothing, over a thin link
+        relay_client, client = await loopback_pair()
+        relay_server, server = await loopback_pair(SMALL)  # an upstream that reads nothing, over a thin link
         sent = 0
         while sent < 320_000:  # waiting in the kernel when the relay starts: uvloop's first read takes it
             sent += client.send(_stream_at(sent))
@@ -148,8 +124,8 @@ def test_bytes_and_a_half_close_sent_before_the_relay_starts_arrive_in_order(run
     read before the upstream side exists and held; the EOF must follow it, not overtake it or be lost)."""
     async def scenario():
         loop = asyncio.get_running_loop()
-        relay_client, client = await _pair()
-        relay_server, server = await _pair()
+        relay_client, client = await loopback_pair()
+        relay_server, server = await loopback_pair()
         await loop.sock_sendall(client, b"early bytes")
         client.shutdown(socket.SHUT_WR)
         await asyncio.sleep(0.05)
@@ -170,8 +146,8 @@ def test_bytes_and_a_half_close_sent_before_the_relay_starts_arrive_in_order(run
 def test_an_eof_alone_before_the_relay_starts_is_passed_on(run) -> None:
     async def scenario():
         loop = asyncio.get_running_loop()
-        relay_client, client = await _pair()
-        relay_server, server = await _pair()
+        relay_client, client = await loopback_pair()
+        relay_server, server = await loopback_pair()
         client.shutdown(socket.SHUT_WR)
         await asyncio.sleep(0.05)
         task = loop.create_task(relay(relay_client, relay_server, 60, 60))
@@ -189,8 +165,8 @@ def test_a_client_reset_before_the_relay_starts_ends_it_at_once_and_leaves_no_so
     async def scenario():
         loop = asyncio.get_running_loop()
         before = _open_fds()
-        relay_client, client = await _pair()
-        relay_server, server = await _pair()
+        relay_client, client = await loopback_pair()
+        relay_server, server = await loopback_pair()
         await loop.sock_sendall(client, b"x" * 100_000)
         client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
         client.close()  # RST, with bytes the relay has not read yet
@@ -216,8 +192,8 @@ def test_both_sides_finished_with_a_reader_that_never_reads_ends_after_the_grace
     async def scenario():
         loop = asyncio.get_running_loop()
         before = _open_fds()
-        relay_client, client = await _pair(small=True)
-        relay_server, server = await _pair()
+        relay_client, client = await loopback_pair(SMALL)
+        relay_server, server = await loopback_pair()
         task = loop.create_task(relay(relay_client, relay_server, 60, 1))
         await loop.sock_sendall(server, b"y" * 48_000)  # under the transport's high-water mark: no pause
         server.shutdown(socket.SHUT_WR)
@@ -238,8 +214,8 @@ def test_the_idle_timer_rearms_after_traffic_and_still_cuts_the_silence(run) -> 
     """A byte every 0.4 s for 3 s keeps a 1.2 s idle limit from cutting; the silence after it is cut."""
     async def scenario():
         loop = asyncio.get_running_loop()
-        relay_client, client = await _pair()
-        relay_server, server = await _pair()
+        relay_client, client = await loopback_pair()
+        relay_server, server = await loopback_pair()
         task = loop.create_task(relay(relay_client, relay_server, 1.2, 1.2))
         started = time.monotonic()
         got = b""
@@ -266,8 +242,8 @@ def test_a_client_that_half_closes_while_the_upstream_streams_still_gets_every_b
 
     async def scenario():
         loop = asyncio.get_running_loop()
-        relay_client, client = await _pair()
-        relay_server, server = await _pair()
+        relay_client, client = await loopback_pair()
+        relay_server, server = await loopback_pair()
         task = loop.create_task(relay(relay_client, relay_server, 60, 1))
         client.shutdown(socket.SHUT_WR)
         sending = loop.create_task(loop.sock_sendall(server, b"z" * size))

@@ -9,6 +9,7 @@ import socket
 import time
 
 import pytest
+from socketpairs import loopback_pair
 
 from proxy import event_loop
 from proxy.tunnel_relay import relay
@@ -20,27 +21,10 @@ def run(request):
     return lambda main: event_loop.run(main, use_uvloop=request.param == "uvloop")
 
 
-async def _pair() -> tuple[socket.socket, socket.socket]:
-    """A connected (ours, theirs) pair over loopback TCP, both non-blocking."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(1)
-    listener.setblocking(False)
-    loop = asyncio.get_running_loop()
-    theirs = socket.socket()
-    theirs.setblocking(False)
-    connecting = loop.create_task(loop.sock_connect(theirs, listener.getsockname()))
-    ours, _ = await loop.sock_accept(listener)
-    await connecting
-    listener.close()
-    ours.setblocking(False)
-    return ours, theirs
-
-
 async def _tunnel(idle: float = 30, half_closed_idle: float = 5, sent: int = 0):
     """(client end, server end, relay task): what the client end writes reaches the server end."""
-    relay_client, client = await _pair()
-    relay_server, server = await _pair()
+    relay_client, client = await loopback_pair()
+    relay_server, server = await loopback_pair()
     task = asyncio.get_running_loop().create_task(relay(relay_client, relay_server, idle, half_closed_idle, sent))
     return client, server, task, (relay_client, relay_server)
 
