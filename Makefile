@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test lint images compose-lab bench bench-quick bench-pageload soak
+.PHONY: run test lint images compose-lab bench bench-quick bench-pageload bench-tunnel-cpu soak
 
 run:
 	@ci/install.sh
@@ -43,6 +43,12 @@ bench-quick:
 bench-pageload:
 	@ci/install.sh --bench --browser
 	$(PY) tests/benchmarks/bench_pageload.py $(BENCH_ARGS)
+
+# CPU per TLS tunnel set-up from /proc: squid, egresswall's front with no checks (floor_relay.py) and
+# egresswall, then the gate's steps one by one (README, speed section). BENCH_ARGS e.g. "--tunnels 500".
+bench-tunnel-cpu:
+	@ci/install.sh --bench
+	$(PY) tests/benchmarks/bench_tunnel_cpu.py $(BENCH_ARGS)
 
 # The full hardening load: 1,000 clients for a minute, then kill -9 mid-load; prints its figures
 # (the test run has a 200-client, 10-second version). SOAK_ARGS e.g. "--clients 500 --seconds 30".
