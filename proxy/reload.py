@@ -2,7 +2,9 @@
 
 The watcher polls the file's identity (the resolved path, inode, size and mtime) instead of
 using inotify, because a Kubernetes ConfigMap update swaps a symlink (``..data``) rather than
-writing the file, and polling sees that the same way it sees an edit. SIGHUP reloads at once.
+writing the file, and polling sees that the same way it sees an edit. SIGHUP reloads at once. Either
+way a big file is loaded in a thread, so the event loop goes on serving while it is parsed, and one
+reload runs at a time (a SIGHUP during a reload asks for one more after it, however many arrive).
 The file is read by ``proxy/policy_file.py`` (once, never blocking, only when whole): a file that may
 still be half-written is neither loaded nor counted as a failed reload; it is tried again each beat.
 """
@@ -38,6 +40,8 @@ class PolicyHolder:
         self._seen = identity(str(self.policy.source))
         self._unsettled: Unsettled | None = None  # a file still to be tried once it has settled
         self._task: asyncio.Task | None = None
+        self._reloading: asyncio.Task | None = None  # the reload in progress (SIGHUP's or the watcher's)
+        self._again = False  # a SIGHUP came during it: reload once more when it is done
 
     def reload(self) -> bool:
         """Load the file again; keep the last good policy if the new one is invalid (or not yet whole)."""
@@ -70,6 +74,35 @@ class PolicyHolder:
             self.on_reload(True, new.source)
         return True
 
+    def request_reload(self) -> None:
+        """SIGHUP: reload now, off the event loop when the file is big (loading a million names takes
+        seconds, and a signal handler runs on the loop). Requests during a reload coalesce into one more."""
+        if self._reloading is not None and not self._reloading.done():
+            self._again = True
+            return
+        self._reloading = asyncio.get_running_loop().create_task(self._reload_until_settled())
+
+    async def _reload_until_settled(self) -> None:
+        while True:
+            self._again = False
+            try:
+                await self._reload_off_loop()
+            except Exception:  # a reload that fails unexpectedly keeps the last good policy, like a refused one
+                log.exception("policy reload error")
+            if not self._again:
+                return
+
+    async def _reload_off_loop(self) -> bool:
+        if _is_large(identity(str(self.policy.source))):
+            return await asyncio.to_thread(self.reload)
+        return self.reload()
+
+    async def _reload_from_watcher(self) -> None:
+        if self._reloading is not None and not self._reloading.done():
+            return  # a SIGHUP's reload is reading the file already; the next beat looks again
+        self._reloading = asyncio.get_running_loop().create_task(self._reload_off_loop())
+        await self._reloading
+
     def changed(self) -> bool:
         return self._unsettled is not None or identity(str(self.policy.source)) != self._seen
 
@@ -89,7 +122,7 @@ class PolicyHolder:
                     before = identity(str(self.policy.source))
                     await asyncio.sleep(min(interval, 0.1))
                     if identity(str(self.policy.source)) == before:
-                        await asyncio.to_thread(self.reload) if _is_large(before) else self.reload()
+                        await self._reload_from_watcher()
             except Exception:  # never let the watcher die: a dead watcher means no more reloads
                 log.exception("policy watcher error")
 

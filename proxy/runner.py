@@ -117,7 +117,7 @@ class ProxyRunner:
         loop = asyncio.get_running_loop()
         for sig, handler in ((signal.SIGTERM, _logged(signal.SIGTERM, self.request_stop)),
                              (signal.SIGINT, _logged(signal.SIGINT, self.request_stop)),
-                             (signal.SIGHUP, self.holder.reload), (signal.SIGUSR1, self.audit.reopen)):
+                             (signal.SIGHUP, self.holder.request_reload), (signal.SIGUSR1, self.audit.reopen)):
             # Outside the main thread (tests embed the runner) signals are the caller's business.
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 loop.add_signal_handler(sig, handler)

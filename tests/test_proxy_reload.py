@@ -189,3 +189,26 @@ def test_first_load_must_succeed(tmp_path):
                             cwd=Path(__file__).resolve().parent.parent)
     assert result.returncode == 2
     assert f"{bad}:1:10: version: got 2; expected 1" in result.stderr
+
+
+def test_a_sighup_reload_of_a_big_policy_leaves_the_proxy_answering_while_it_loads(lab, start_proxy):
+    """A big allowlist takes seconds to load. SIGHUP's handler runs on the event loop, so the reload it
+    asks for is done in a thread, as the watcher's is: requests are still decided (by the last good
+    policy) while the file is parsed, and the new policy applies once it is whole. Loaded on the loop,
+    nothing at all would be answered until the load was over."""
+    names = "".join(f"    - n{i}.bulk{i % 97}.example.com\n" for i in range(150_000))
+    big = lab.policy_text("hosts:\n  allow:\n    - public.lab.example\n" + names)
+    proxy = start_proxy(big)
+    assert status_of(proxy, lab) == 200
+    proxy.policy_path.write_text(big.replace("hosts:\n", "hosts:\n  deny:\n    - public.lab.example\n", 1))
+    proxy.signal(signal.SIGHUP)  # before the watcher's next beat: this reload is SIGHUP's
+    answered_while_loading = 0
+    while "policy reloaded" not in proxy.stderr:
+        status = status_of(proxy, lab)
+        if "policy reloaded" in proxy.stderr:
+            break
+        assert status == 200, "decided by the new policy before it was reported loaded"
+        answered_while_loading += 1
+    assert answered_while_loading >= 3, f"only {answered_while_loading} request(s) answered during the reload"
+    wait_for(lambda: status_of(proxy, lab) == 403, timeout=5.0)
+    assert reloads(proxy) == (1, 0)

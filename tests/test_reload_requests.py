@@ -1,0 +1,70 @@
+"""PolicyHolder.request_reload (SIGHUP's): one reload at a time, requests during one coalesce into one more,
+a big file is loaded off the event loop, and a reload that fails keeps the last good policy. In process."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+from proxy.reload import PolicyHolder
+
+SMALL = "version: 1\nmode: enforce\ndefault: deny\nhosts:\n  allow:\n    - a.example\n"
+
+
+def _big(extra: str = "") -> str:
+    """Over the 1 MB mark past which a reload is done in a thread."""
+    names = "".join(f"    - n{i}.bulk.example.com\n" for i in range(45_000))
+    return f"version: 1\nmode: enforce\ndefault: deny\nhosts:\n  allow:\n{extra}{names}"
+
+
+def _holder(path: Path, text: str) -> tuple[PolicyHolder, list[tuple[bool, str]], list[str]]:
+    path.write_text(text)
+    reloads: list[tuple[bool, str]] = []
+    threads: list[str] = []
+
+    def on_reload(ok: bool, detail: str) -> None:
+        reloads.append((ok, detail))
+        threads.append(threading.current_thread().name)
+
+    return PolicyHolder(str(path), on_reload=on_reload), reloads, threads
+
+
+async def _settled(holder: PolicyHolder) -> None:
+    while holder._reloading is not None and not holder._reloading.done():
+        await asyncio.sleep(0.01)
+
+
+def test_requests_during_a_reload_coalesce_into_one_more_reload(tmp_path):
+    holder, reloads, threads = _holder(tmp_path / "p.yaml", _big())
+
+    async def main() -> None:
+        holder.request_reload()
+        await asyncio.sleep(0.05)  # the first reload has read the file and is parsing it, in its thread
+        (tmp_path / "p.yaml").write_text(_big("    - b.example\n"))
+        for _ in range(4):  # a burst of SIGHUPs while it is still loading
+            holder.request_reload()
+        await _settled(holder)
+
+    asyncio.run(main())
+    assert [ok for ok, _ in reloads] == [True, True]  # the first, and one more for the four during it
+    assert all(name != "MainThread" for name in threads), "a big file was loaded on the event loop's thread"
+    assert holder.policy.allow.rules[0].pattern.text == "b.example"
+
+
+def test_a_small_file_is_reloaded_on_the_loop_and_a_bad_one_keeps_the_last_good_policy(tmp_path):
+    holder, reloads, threads = _holder(tmp_path / "p.yaml", SMALL)
+
+    async def main() -> None:
+        (tmp_path / "p.yaml").write_text(SMALL.replace("a.example", "c.example"))
+        holder.request_reload()
+        await _settled(holder)
+        (tmp_path / "p.yaml").write_text(SMALL + "  deny: [[\n")
+        holder.request_reload()
+        await _settled(holder)
+
+    asyncio.run(main())
+    assert [ok for ok, _ in reloads] == [True, False]
+    assert threads == ["MainThread", "MainThread"]
+    assert holder.policy.allow.rules[0].pattern.text == "c.example"
+    assert holder.last_error is not None
