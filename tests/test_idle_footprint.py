@@ -1,7 +1,7 @@
 """What ``egresswall run`` loads (issue 15 item 3): the proxy and its workers import neither the browser, nor
-Playwright's helpers, nor the squid translator, nor mitmproxy's thirty-odd addons it never instantiates;
-the Master still has every addon enforcement relies on. Through a real ProxyRunner on loopback ports, in a
-fresh interpreter, so that nothing this test process imported counts. The figures are
+Playwright's helpers, nor the squid translator, nor mitmproxy's thirty-odd addons it never instantiates, nor
+aiohttp's client; the Master still has every addon enforcement relies on. Through a real ProxyRunner on
+loopback ports, in a fresh interpreter, so that nothing this test process imported counts. The figures are
 tests/benchmarks/bench_memory.py's."""
 
 from __future__ import annotations
@@ -62,6 +62,30 @@ def test_run_imports_nothing_only_other_commands_use(loaded: dict) -> None:
 def test_run_imports_only_the_core_mitmproxy_addons(loaded: dict) -> None:
     addon_modules = {name for name in loaded["modules"] if name.startswith("mitmproxy.addons")}
     assert addon_modules == CORE_ADDON_MODULES
+
+
+# aiohttp's client half: its package __init__ imports it, the admin listener's server never uses it.
+AIOHTTP_CLIENT = ("aiohttp.client", "aiohttp.connector", "aiohttp.cookiejar", "aiohttp.client_reqrep",
+                  "aiohttp.client_ws", "aiohttp.client_proto", "aiohttp.client_middlewares", "aiohttp.tracing",
+                  "aiohttp.payload_streamer", "aiohappyeyeballs")
+
+
+def test_run_imports_aiohttp_s_server_without_its_client(loaded: dict) -> None:
+    assert "aiohttp.web" in loaded["modules"]  # the admin listener is up
+    assert [name for name in loaded["modules"] if name in AIOHTTP_CLIENT] == []
+
+
+def test_aiohttp_still_works_whole_when_asked() -> None:
+    """A name of aiohttp's own (``ClientSession``) runs its __init__ then; the version given beforehand to
+    its server modules (the ``Server`` header) is the one the __init__ itself says."""
+    code = ("import sys\nimport proxy.aiohttp_web\nimport aiohttp\nfrom aiohttp.http import SERVER_SOFTWARE\n"
+            "given = aiohttp.__version__\nassert 'aiohttp.client' not in sys.modules\n"
+            "session = aiohttp.ClientSession\n"
+            "print(given, aiohttp.__version__, SERVER_SOFTWARE, 'aiohttp.client' in sys.modules, sep='|')")
+    done = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 0, done.stderr
+    given, own, server_software, loaded_all = done.stdout.strip().split('|')
+    assert given == own and server_software.endswith(f"aiohttp/{own}") and loaded_all == "True"
 
 
 def test_the_master_still_has_every_addon_enforcement_needs(loaded: dict) -> None:
