@@ -1,11 +1,14 @@
 """Enter a third-party package without running its ``__init__``, when egresswall needs a few of its submodules
-and the ``__init__`` imports all the others (``proxy/mitm_core.py``: mitmproxy's addons; ``proxy/aiohttp_web.py``:
-aiohttp's server without its client).
+and the ``__init__`` imports all the others, or none of it at all (``proxy/mitm_core.py``: mitmproxy's addons,
+and ruamel.yaml, which mitmproxy imports for options files; ``proxy/aiohttp_web.py``: aiohttp's server
+without its client).
 
-The package's module object is made from its own spec (same name, same ``__path__``, so submodules import as
-ever) and put in ``sys.modules``; its ``__init__`` runs the first time something asks the package for a name that
-is not a submodule. So nothing about the package changes, only when its ``__init__`` runs: code elsewhere in the
-process that uses the package's own names (tests, mitmdump's code) gets the whole package, once.
+The package's module object is made from its own spec (same name, same ``__path__``, so submodules import
+as ever) and put in ``sys.modules``; its ``__init__`` runs the first time something asks the package for a
+name that is not a submodule. So nothing about the package changes, only when its ``__init__`` runs: code
+elsewhere in the process that uses the package's own names (tests, mitmdump's code) gets the whole package,
+once. (The standard library's ``importlib.util.LazyLoader`` does not do here: on Python 3.12 an ``import``
+of a module already in ``sys.modules`` reads its ``__spec__``, and that runs it.)
 """
 
 from __future__ import annotations

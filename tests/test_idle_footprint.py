@@ -88,6 +88,25 @@ def test_aiohttp_still_works_whole_when_asked() -> None:
     assert given == own and server_software.endswith(f"aiohttp/{own}") and loaded_all == "True"
 
 
+def test_run_does_not_load_the_yaml_library_of_mitmproxy_s_options_files(loaded: dict) -> None:
+    """mitmproxy.optmanager imports ruamel.yaml at its top; the embedded Master never reads an options file."""
+    assert "mitmproxy.optmanager" in loaded["modules"]
+    assert [name for name in loaded["modules"] if name.startswith("ruamel.yaml.")] == []
+
+
+def test_mitmproxy_s_options_files_still_read_and_write_when_asked() -> None:
+    code = ("import io, sys\nimport proxy.mitm_core\nfrom mitmproxy import exceptions, optmanager, options\n"
+            "assert 'ruamel.yaml.main' not in sys.modules\n"
+            "assert optmanager.parse('listen_port: 8081') == {'listen_port': 8081}\n"
+            "try:\n    optmanager.parse('listen_port: [')\nexcept exceptions.OptionsError as err:\n"
+            "    assert 'line 1' in str(err), err\nelse:\n    raise AssertionError('a broken file was read')\n"
+            "out = io.StringIO()\noptmanager.dump_defaults(options.Options(), out)\n"
+            "print('\\nlisten_port:' in out.getvalue())")
+    done = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True"
+
+
 def test_the_master_still_has_every_addon_enforcement_needs(loaded: dict) -> None:
     addons = loaded["addons"]
     assert addons[:5] == ["Core", "Proxyserver", "NextLayer", "TlsConfig", "DisableH2C"]
