@@ -40,7 +40,8 @@ asyncio.run(main())
 """
 
 NOT_FOR_RUN = ("browser", "squid_compat", "playwright", "trafilatura", "lxml", "publicsuffixlist", "ldap3", "flask",
-               "werkzeug", "jinja2", "proxy.suggest", "proxy.replay", "proxy.cli.browse", "proxy.cli.squid")
+               "werkzeug", "jinja2", "proxy.suggest", "proxy.replay", "proxy.cli.browse", "proxy.cli.squid",
+               "proxy.workers", "proxy.metrics_sum", "prometheus_client.parser")  # the last three: the supervisor's
 CORE_ADDON_MODULES = {"mitmproxy.addons", "mitmproxy.addons.core", "mitmproxy.addons.proxyserver",
                       "mitmproxy.addons.next_layer", "mitmproxy.addons.tlsconfig", "mitmproxy.addons.disable_h2c",
                       "mitmproxy.addons.termlog"}  # termlog: mitmproxy.master imports it for its own log
