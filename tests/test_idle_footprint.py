@@ -7,6 +7,7 @@ tests/benchmarks/bench_memory.py's."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.integration
 # Started as `egresswall run` and its workers start: the command line parsed, the worker module imported,
 # a ProxyRunner serving until ready; then what is in sys.modules and which addons the Master holds.
 PROBE = """
-import asyncio, json, sys
+import asyncio, json, os, sys
 from proxy.cli import build_parser
 args = build_parser(["run"]).parse_args(["run", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0",
                                            "--log", "/dev/null"])
@@ -32,7 +33,10 @@ runner = ProxyRunner(run_config_from(args))
 async def main():
     def ready():
         names = [type(addon).__name__ for addon in runner.master.addons.chain]
-        print(json.dumps({"modules": sorted(sys.modules), "addons": names}), flush=True)
+        libraries = sorted({line.split()[-1].rsplit("/", 1)[-1] for line in open("/proc/self/maps")
+                            if ".so" in line})
+        print(json.dumps({"modules": sorted(sys.modules), "addons": names, "libraries": libraries,
+                          "frozenlist_switch": os.environ.get("FROZENLIST_NO_EXTENSIONS")}), flush=True)
         asyncio.ensure_future(runner.stop())
     await serve(runner, ready)
 
@@ -87,6 +91,22 @@ def test_aiohttp_still_works_whole_when_asked() -> None:
     assert done.returncode == 0, done.stderr
     given, own, server_software, loaded_all = done.stdout.strip().split('|')
     assert given == own and server_software.endswith(f"aiohttp/{own}") and loaded_all == "True"
+
+
+def test_run_loads_no_cxx_runtime(loaded: dict) -> None:
+    """frozenlist (aiohttp's Application) is its pure-Python class: its C extension would load libstdc++."""
+    assert "frozenlist" in loaded["modules"] and "frozenlist._frozenlist" not in loaded["modules"]
+    assert [name for name in loaded["libraries"] if name.startswith("libstdc++")] == []
+    assert loaded["frozenlist_switch"] is None  # set for that one import, not left for child processes
+
+
+def test_the_frozenlist_switch_a_user_set_is_left_as_it_was() -> None:
+    code = ("import os\nimport proxy.aiohttp_web\nimport frozenlist\n"
+            "print(os.environ['FROZENLIST_NO_EXTENSIONS'], frozenlist.FrozenList is frozenlist.PyFrozenList)")
+    done = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60,
+                          env={**os.environ, "FROZENLIST_NO_EXTENSIONS": "yes"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["yes", "True"]
 
 
 def test_run_does_not_load_the_yaml_library_of_mitmproxy_s_options_files(loaded: dict) -> None:
