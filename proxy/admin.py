@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Protocol
 
-from aiohttp import web
+from .aiohttp_web import web  # aiohttp's server without its client
 
 Route = Callable[[], tuple[int, str, str]]  # () -> (status, content type, body)
 MAX_BODY = 64 * 1024  # an admin request body (a session's grants) is small

@@ -5,52 +5,22 @@ The embedded Master (``proxy/runner.py``) loads five of mitmproxy's addons. Impo
 (ldap3), the onboarding web app (flask, werkzeug, jinja2), export, save, script loading, playback...
 About 300 modules and 15 MiB per process that egresswall never uses.
 
-So the package is entered without running its ``__init__``: its module object is made from its own spec
-(same name, same ``__path__``, so submodules import as ever) and the ``__init__`` runs the first time
-something asks the package for a name that is not a submodule (``default_addons``, in a process that
-also runs mitmdump's code). Nothing about an addon changes: the classes are mitmproxy's own.
+So the package is entered without running its ``__init__`` (``proxy/lazy_package.py``): submodules import
+as ever, and the ``__init__`` runs the first time something asks the package for a name that is not a
+submodule (``default_addons``, in a process that also runs mitmdump's code). Nothing about an addon
+changes: the classes are mitmproxy's own.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
-from types import ModuleType
-
-PACKAGE = "mitmproxy.addons"
-
-
-def _enter_package_lazily() -> None:
-    if PACKAGE in sys.modules:
-        return  # already imported (mitmdump, or mitmproxy's test helpers): nothing to save
-    spec = importlib.util.find_spec(PACKAGE)
-    if spec is None or spec.loader is None or spec.submodule_search_locations is None:
-        return  # not a package as expected: import it the ordinary way
-    package = importlib.util.module_from_spec(spec)
-
-    def __getattr__(name: str) -> object:
-        if name.startswith("__"):
-            raise AttributeError(name)  # probes for __wrapped__, __file__... need not load every addon
-        if importlib.util.find_spec(f"{PACKAGE}.{name}") is not None:
-            return importlib.import_module(f"{PACKAGE}.{name}")  # a submodule: that one only
-        _run_init(package)  # a name the package itself defines: run its __init__ now, once
-        return getattr(package, name)
-
-    package.__getattr__ = __getattr__  # type: ignore[method-assign]
-    sys.modules[PACKAGE] = package
-    parent = importlib.import_module("mitmproxy")
-    parent.addons = package  # type: ignore[attr-defined]
-
-
-def _run_init(package: ModuleType) -> None:
-    del package.__getattr__
-    assert package.__spec__ is not None and package.__spec__.loader is not None
-    package.__spec__.loader.exec_module(package)
-
+from .lazy_package import enter_package_lazily
 
 # Before anything imports mitmproxy.master (which imports an addon, hence the whole package).
-_enter_package_lazily()
+enter_package_lazily("mitmproxy.addons")
+# mitmproxy.optmanager imports ruamel.yaml at its top for reading and writing options files, which the
+# embedded Master never does (egresswall's options come from its own command line and policy): about
+# 30 modules and 1.5 MiB. Its package is entered the same way, and runs whole on first use.
+enter_package_lazily("ruamel.yaml")
 
 from mitmproxy.addons import core, disable_h2c, next_layer, proxyserver, tlsconfig  # noqa: E402
 from mitmproxy.master import Master  # noqa: E402

@@ -19,7 +19,6 @@ from proxy.listeners import authority
 from proxy.run_config import RunConfig
 from proxy.sessions.api import read_token_file
 from proxy.sessions.store_url import check_store_url
-from proxy.workers import Supervisor
 
 from . import logs
 from .errors import UsageError
@@ -108,7 +107,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     logs.configure()
     config = run_config_from(args)
     if args.workers > 1:
-        # The supervisor never proxies: it does not import mitmproxy (proxy/run_config.py), only its workers do.
+        # The supervisor never proxies: it does not import mitmproxy (proxy/run_config.py), only its workers do;
+        # and a worker, which imports this module for serve(), does not import the supervisor.
+        from proxy.workers import Supervisor
+
         policy = load_from_args(args)  # a policy that does not load fails here, once, with its file:line:column
         if policy.upstream is not None:
             raise UsageError(f"--workers {args.workers}: not supported with an upstream proxy "

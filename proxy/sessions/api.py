@@ -23,11 +23,10 @@ import stat
 from datetime import UTC, datetime
 from typing import Any
 
-from aiohttp import web
-
 from policy.credentials import basic_value
 from policy.sessions import SESSION_ID, Session, SessionSpecError, parse_extension, parse_session_spec
 
+from ..aiohttp_web import web
 from .service import SessionService
 from .store import StoreUnavailable
 
