@@ -528,7 +528,7 @@ def ask_of(request: PlainRequest, client: str) -> HttpAsk:
     mitmproxy's parse, filled here from the fast path's."""
     return HttpAsk(client=client, method=request.method, scheme="http", host=request.host, port=request.port,
                    path=request.path, host_header=request.values("host")[0], content_length=request.content_length,
-                   accept=request.values("accept"), authority=request.authority,
+                   chunked=request.chunked, accept=request.values("accept"), authority=request.authority,
                    credentials=request.values("proxy-authorization"))
 
 

@@ -33,6 +33,7 @@ from .accept import prefers_json
 from .admission import Admission, CapRefusal
 from .audit import AuditLog
 from .first_bytes import FirstBytes, classify_tunnel_start
+from .http_hygiene import UNEXPECTED_BODY, unexpected_body
 from .metrics import Metrics
 from .peers import is_local_address
 from .records import DECISION, RESPONSE, TUNNEL, Recorder
@@ -89,6 +90,7 @@ class HttpAsk:
     host_header: str | None
     websocket: bool = False
     content_length: int | None = None  # None: no Content-Length (chunked, or no body)
+    chunked: bool = False  # the body is framed by Transfer-Encoding
     authority: str | None = None  # the request target's authority (absolute-form), if it had one
     accept: tuple[str, ...] = ()  # the Accept header values, as sent: a refusal is JSON when they prefer it
     credentials: tuple[str, ...] = ()  # the Proxy-Authorization header values, as sent (a session's id:secret)
@@ -286,6 +288,9 @@ class Gate:
                               f"the Host header {safe_text(ask.host_header, 100)!r} does not agree with the target "
                               f"{target.authority}")
             return self._request_refused(ask, target, verdict, 403)
+        body_refused = unexpected_body(ask.method, ask.content_length, ask.chunked)
+        if body_refused:
+            return self._request_refused(ask, target, Verdict(False, "form", UNEXPECTED_BODY, body_refused), 400)
         limit = policy.limits.max_request_body
         if ask.content_length is not None and ask.content_length > limit:
             verdict = Verdict(False, LIMITS, "limits.max_request_body",

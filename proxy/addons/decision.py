@@ -83,6 +83,7 @@ class DecisionAddon:
                       port=request.data.port, path=request.path, host_header=request.headers.get("host"),
                       websocket=upgrade == WEBSOCKET,
                       content_length=int(length) if length is not None and length.isdigit() else None,
+                      chunked="transfer-encoding" in request.headers,
                       accept=accept_of(flow), authority=request.data.authority.decode("latin-1") or None,
                       credentials=credentials_of(flow),
                       flow_id=flow.metadata[FLOW_ID])
