@@ -11,6 +11,8 @@ Defects found and fixed:
 * a GET (or HEAD) carrying a body: an origin that does not read a GET's body (Python's http.server, many
   frameworks) takes the body for the next request on the connection — a request egresswall never decided
   (a path a deny rule refuses, a method a rule does not allow). Now refused, 400 ``http:unexpected-body``;
+* an empty path segment (``//admin/``) slipped past a path deny rule, though servers read it as
+  ``/admin/`` (http.server strips leading slashes, nginx merges them);
 """
 
 from __future__ import annotations
@@ -21,8 +23,12 @@ import time
 
 import pytest
 from audit_watch import AuditWatch
+from hypothesis import given
+from hypothesis import strategies as st
 from labnet import PUBLIC_IP
 from proxyproc import TRANSPORTS, ProxyProcess, parse_response
+
+from policy.model import canonical_path
 
 pytestmark = pytest.mark.integration
 
@@ -152,3 +158,42 @@ def test_a_get_with_an_empty_body_and_a_post_with_a_body_still_go_through(lab, p
     posted = exchange(proxy, _with_body("POST", f"http://{authority}/posted", authority, "chunked", "hello"))
     assert parse_response(empty)[0] == 200 and parse_response(posted)[2] == b"got 5 bytes"
     assert seen_since(lab, before) == ["/empty", "/posted"]
+
+
+# ---- a path deny rule and empty segments --------------------------------------------------------------
+
+@pytest.mark.parametrize("path", ["//admin/x", "///admin/x", "/;x/admin/x", "/%2F/admin/x", "/admin//x",
+                                  "/a/..//admin/x"])
+def test_a_path_deny_rule_holds_for_a_path_with_an_empty_segment(lab, proxy, path):
+    """http.server answers GET //admin/x as /admin/x (it strips leading slashes), nginx merges slashes,
+    Tomcat drops a segment of ';' parameters: before the fix the first three reached the origin past the
+    deny rule for /admin/ (the others were refused already: an encoded slash, a dot segment, the prefix)."""
+    port = lab.public.port
+    audit = AuditWatch(proxy.log_path).mark()
+    before = len(lab.public.requests)
+    answer = exchange(proxy, f"GET http://public.lab.example:{port}{path} HTTP/1.1\r\nHost: public.lab.example:{port}"
+                             "\r\nConnection: close\r\n\r\n".encode())
+    status, headers, _ = parse_response(answer)
+    assert status == 403, answer[:300]
+    assert seen_since(lab, before) == []
+    (refused,) = refusals(audit.wait_for(lambda r: refusals(r)))
+    assert refused["stage"] == "host" and refused["path"] == path and "deny rule" in refused["reason"]
+
+
+@pytest.mark.parametrize("path", ["//admin", "/a//b", "/a/b//", "//", "/;x/admin/", "/a/;/b"])
+def test_a_path_with_an_empty_segment_has_no_canonical_form(path):
+    assert canonical_path(path) is None
+
+
+@pytest.mark.parametrize("path", ["/", "/docs/", "/docs/a;v=1", "/admin/;x"])
+def test_a_trailing_slash_or_parameters_leave_a_path_canonical(path):
+    assert canonical_path(path) == path
+
+
+@given(st.text(alphabet="/a.%2EeFf;", max_size=16))
+def test_a_canonical_path_never_has_an_empty_or_dot_segment(path):
+    canonical = canonical_path("/" + path)
+    if canonical is not None:
+        segments = canonical.split("/")[1:]
+        assert all(s.split(";", 1)[0] not in ("", ".", "..") for s in segments[:-1]), canonical
+        assert segments[-1].split(";", 1)[0] not in (".", ".."), canonical
