@@ -104,7 +104,8 @@ class ProxyRunner:
                                                                   upstream_credentials=self.upstream_credentials))
         host, port = self.config.listen
         # The front owns the public port and hands mitmproxy what it does not relay itself; mitmproxy's
-        # own listener is an internal one on loopback (and counted as egresswall itself). With an upstream
+        # own listener is an internal one on loopback (counted as egresswall itself), closed once the front
+        # is up (_close_internal_listener): every connection comes through the front. With an upstream
         # proxy mitmproxy runs in upstream mode: every request and tunnel it forwards goes to the upstream.
         upstream = self.holder.policy.upstream
         updates = dict(listen_host="127.0.0.1", listen_port=0,
@@ -138,6 +139,7 @@ class ProxyRunner:
                     except OSError as err:
                         raise ListenError(ADMIN, self.config.admin, err) from err
                     self.gate.self_endpoints.add((_endpoint_host(self.admin_address[0]), self.admin_address[1]))
+                self._close_internal_listener()
                 self.holder.start_watching(self.config.watch_interval)
                 self._session_watch = asyncio.get_running_loop().create_task(self._watch_sessions())
                 self.ready.set()  # the command line tells people (and a supervisor) where it listens
@@ -195,6 +197,18 @@ class ProxyRunner:
             await asyncio.sleep(0.01)
         master_task.result()  # what stopped it, if anything failed
         return False
+
+    def _close_internal_listener(self) -> None:
+        """Once the front listens, mitmproxy's own listener (127.0.0.1, a free port) stops accepting: its
+        server instance is needed only for ``handle_stream``, which takes the front's hand-overs. Left
+        open it was a second way in beside the front, reachable by any local client (a browser in the same
+        pod): a silent connection there was held for limits.idle_timeout instead of
+        limits.first_byte_timeout, and closed without a record. (mitmproxy still owns the server objects
+        and closes them again when it stops, which is harmless.)"""
+        assert self.master is not None
+        for instance in self.master.addons.get("proxyserver").servers:
+            for server in getattr(instance, "_servers", ()):  # asyncio's or uvloop's Server: TCP only in our modes
+                server.close()
 
     def _handoff(self, sock: socket.socket, prefix: bytes) -> None:
         """Give an accepted connection to mitmproxy as if its own listener had accepted it, with the

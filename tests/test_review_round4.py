@@ -13,12 +13,15 @@ Defects found and fixed:
   (a path a deny rule refuses, a method a rule does not allow). Now refused, 400 ``http:unexpected-body``;
 * an empty path segment (``//admin/``) slipped past a path deny rule, though servers read it as
   ``/admin/`` (http.server strips leading slashes, nginx merges them);
+* mitmproxy's internal listener (127.0.0.1, a random port) stayed open beside the front: a local client
+  could connect to it directly and skip the front's first-byte bound and its record.
 """
 
 from __future__ import annotations
 
 import contextlib
 import socket
+import subprocess
 import time
 
 import pytest
@@ -197,3 +200,17 @@ def test_a_canonical_path_never_has_an_empty_or_dot_segment(path):
         segments = canonical.split("/")[1:]
         assert all(s.split(";", 1)[0] not in ("", ".", "..") for s in segments[:-1]), canonical
         assert segments[-1].split(";", 1)[0] not in (".", ".."), canonical
+
+
+# ---- mitmproxy's internal listener --------------------------------------------------------------------
+
+def _listening_ports(pid: int) -> set[int]:
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    return {int(line.split()[3].rsplit(":", 1)[1]) for line in out.splitlines() if f"pid={pid}," in line}
+
+
+def test_the_proxy_listens_on_its_proxy_and_admin_ports_only(proxy):
+    """mitmproxy's own listener (on 127.0.0.1) took connections beside the front's: a silent one was
+    held for limits.idle_timeout, not limits.first_byte_timeout, and closed without a record. Every
+    connection now comes through the front."""
+    assert _listening_ports(proxy.process.pid) == {proxy.port, proxy.admin_port}
