@@ -226,7 +226,7 @@ class Front:
         from policy.decision import Verdict
 
         verdict = Verdict(False, "connect", "connect", reason, role=tunnel.verdict.role)
-        self.gate.tunnel_closed(tunnel, 0, 0, f"connect failed: {reason}")
+        self.gate.tunnel_closed(tunnel, 0, 0, f"connect failed: {reason}", 502)  # answered 502, not 200
         await _send(conn, refusal_bytes(refusal_for(502, verdict, tunnel.target, accept)))
 
     async def _first_message(self, conn: socket.socket, tunnel: Tunnel, data: bytes) -> bytes | None:

@@ -61,6 +61,7 @@ class Tunnel:
     first_byte_at: float | None = None
     closed: bool = False
     client_conn_id: str = ""  # the mitmproxy client connection carrying it (so it never outlives it)
+    established: bool = False  # the client's CONNECT was answered 200 (mitmproxy's path: http_connected)
     session: Session | None = None  # the CONNECT's session: it applies to every request inside the tunnel
 
 
@@ -234,15 +235,16 @@ class Gate:
         self.recorder.decision(record)
         self.tunnel_closed(tunnel, 0, 0, reason)
 
-    def tunnel_closed(self, tunnel: Tunnel, up: int, down: int, error: str | None) -> None:
-        """The closing line of a tunnel, once, on either path, with its bytes each way."""
+    def tunnel_closed(self, tunnel: Tunnel, up: int, down: int, error: str | None, status: int = 200) -> None:
+        """The closing line of a tunnel, once, on either path, with its bytes each way. ``status``: what the
+        client's CONNECT was answered — 200, or 502 when the connect failed before the tunnel opened."""
         if tunnel.closed:
             return
         tunnel.closed = True
         self.metrics.tunnel_closed()
         record = self.recorder.record(TUNNEL, tunnel.id, tunnel.client, "CONNECT", tunnel.target, tunnel.verdict,
                                       tunnel.cnames)
-        self.recorder.ended(record, tunnel.started, up, down, error, 200)
+        self.recorder.ended(record, tunnel.started, up, down, error, status)
         self.sessions.count_bytes(tunnel.verdict.session, up, down)
 
     # ---- the guard at connect time -----------------------------------------------------------------

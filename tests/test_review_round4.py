@@ -225,6 +225,49 @@ def test_the_proxy_listens_on_its_proxy_and_admin_ports_only(proxy):
     assert _listening_ports(proxy.process.pid) == {proxy.port, proxy.admin_port}
 
 
+# ---- the tunnel record of a connect that failed ------------------------------------------------------
+
+def _closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind((PUBLIC_IP, 0))
+        return probe.getsockname()[1]
+
+
+@both_transports
+def test_a_tunnel_whose_connect_failed_is_recorded_with_the_502_its_client_got(lab, start_proxy):
+    """The client's CONNECT is answered 502 when the pinned address refuses the connection; the tunnel's
+    record said status 200 (the audit schema: "what the client was answered") on both transports."""
+    proxy = start_proxy(_policy(lab))
+    audit = AuditWatch(proxy.log_path).mark()
+    port = _closed_port()
+    sock, status, _ = proxy.connect(f"public.lab.example:{port}")
+    sock.close()
+    assert status == 502
+    records = audit.wait_for(lambda r: [x for x in r if x["event"] == "tunnel"])
+    (closed,) = [r for r in records if r["event"] == "tunnel"]
+    assert (closed["status"], closed["port"]) == (502, port) and closed["error"].startswith("connect failed: ")
+
+
+@pytest.mark.parametrize("tunnels", ["--fast-tunnels", "--no-fast-tunnels"])
+def test_a_tunnel_through_an_upstream_that_is_not_there_is_recorded_as_its_client_was_answered(lab, start_proxy,
+                                                                                              tunnels):
+    """The front asks the upstream before it answers (502); mitmproxy's upstream mode answers 200 and
+    connects when the first message comes: each record says what its client got."""
+    upstream = _closed_port()
+    text = lab.policy_text(f"upstream:\n  proxy: http://{PUBLIC_IP}:{upstream}\n  resolution: upstream\n")
+    proxy = start_proxy(text, tunnels)
+    audit = AuditWatch(proxy.log_path).mark()
+    sock, status, _ = proxy.connect(f"public.lab.example:{lab.public_tls.port}")
+    with sock:
+        if status == 200:
+            sock.sendall(client_hello(b"public.lab.example"))
+            read_all(sock, 3)
+    assert status == (502 if tunnels == "--fast-tunnels" else 200)
+    records = audit.wait_for(lambda r: [x for x in r if x["event"] == "tunnel"])
+    (closed,) = [r for r in records if r["event"] == "tunnel"]
+    assert closed["status"] == status and "connect failed" in closed["error"], closed
+
+
 # ---- held: kept as regression tests (coverage no other test has) ------------------------------------------
 
 def test_a_connect_inside_a_tunnel_to_a_plain_http_port_is_refused_once(lab, proxy):

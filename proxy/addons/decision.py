@@ -54,6 +54,12 @@ class DecisionAddon:
         self.table.pins[(flow.client_conn.id, tunnel.target.host, tunnel.target.port)] = tunnel.verdict.pinned
         self.table.tunnels[flow.server_conn.id] = tunnel
 
+    def http_connected(self, flow: http.HTTPFlow) -> None:
+        """The CONNECT was answered 2xx: a connect that fails from now on fails inside an open tunnel."""
+        tunnel = self.table.tunnels.get(flow.server_conn.id)
+        if tunnel is not None:
+            tunnel.established = True
+
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
         flow.request.egresswall_seen = True  # proxy/mitm_patches.py: an error answer for it is already recorded
         flow.metadata[FLOW_ID] = flow.id or uuid.uuid4().hex

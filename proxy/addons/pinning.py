@@ -68,4 +68,7 @@ class Pinning:
             data.server.address = original
         tunnel = self.table.tunnels.pop(data.server.id, None)
         if tunnel is not None:  # the tunnel's connect failed: it ends here, with the reason
-            self.gate.tunnel_closed(tunnel, 0, 0, f"connect failed: {data.server.error or 'unknown error'}")
+            # Regular mode connects before it answers the CONNECT, and answers 502; upstream mode answers 200
+            # first and connects when the tunnel's first message comes.
+            self.gate.tunnel_closed(tunnel, 0, 0, f"connect failed: {data.server.error or 'unknown error'}",
+                                    200 if tunnel.established else 502)
