@@ -15,6 +15,7 @@ import datetime
 import logging
 import signal
 import socket
+from collections.abc import Callable
 
 from .mitm_core import Master, core_addons  # isort: skip  (first: before mitmproxy.master is imported)
 from mitmproxy import options as mitm_options
@@ -28,7 +29,6 @@ from .gate import Gate
 from .listeners import ADMIN, PROXY, ListenError
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
-from .peers import peer_of
 from .reload import PolicyHolder
 from .run_config import RunConfig
 from .sessions.api import SessionApi, read_token_file
@@ -210,28 +210,34 @@ class ProxyRunner:
             for server in getattr(instance, "_servers", ()):  # asyncio's or uvloop's Server: TCP only in our modes
                 server.close()
 
-    def _handoff(self, sock: socket.socket, prefix: bytes) -> None:
+    def _handoff(self, sock: socket.socket, prefix: bytes, done: Callable[[], None]) -> None:
         """Give an accepted connection to mitmproxy as if its own listener had accepted it, with the
-        bytes the front already read put back in front of the rest."""
+        bytes the front already read put back in front of the rest. The front admitted it; ``done`` gives
+        the admission back once mitmproxy has finished with the connection (or could not take it)."""
         assert self.master is not None
         instances = list(self.master.addons.get("proxyserver").servers)
         if not instances:  # shutting down: mitmproxy's listener is gone, and so is this connection
-            self.gate.admission.take_over(_peer(sock))
-            self.gate.release(peer_of(_peer(sock)))
             sock.close()
+            done()
             return
         instance = instances[0]
         loop = asyncio.get_running_loop()
+
+        async def handled(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                await instance.handle_stream(reader, writer)
+            finally:
+                done()
 
         async def attach() -> None:
             reader = asyncio.StreamReader(loop=loop)
             if prefix:
                 reader.feed_data(prefix)
             try:
-                await loop.connect_accepted_socket(lambda: asyncio.StreamReaderProtocol(reader, instance.handle_stream),
-                                                   sock)
+                await loop.connect_accepted_socket(lambda: asyncio.StreamReaderProtocol(reader, handled), sock)
             except OSError:
                 sock.close()
+                done()
 
         loop.create_task(attach())
 
@@ -277,13 +283,6 @@ def _logged(sig: signal.Signals, handler):
 
 def _utc_now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def _peer(sock: socket.socket) -> tuple:
-    try:
-        return sock.getpeername()
-    except OSError:
-        return ("", 0)
 
 
 def _listen_with_reuse_port() -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import struct
 import subprocess
 import time
 
@@ -266,6 +267,37 @@ def test_a_tunnel_through_an_upstream_that_is_not_there_is_recorded_as_its_clien
     records = audit.wait_for(lambda r: [x for x in r if x["event"] == "tunnel"])
     (closed,) = [r for r in records if r["event"] == "tunnel"]
     assert closed["status"] == status and "connect failed" in closed["error"], closed
+
+
+# ---- a connection handed to mitmproxy and reset at once --------------------------------------------------
+
+def _open_connections(proxy: ProxyProcess) -> float:
+    _, body = proxy.admin("/metrics")
+    (line,) = [line for line in body.splitlines() if line.startswith("egresswall_open_connections ")]
+    return float(line.split()[1])
+
+
+@both_transports
+def test_connections_reset_as_they_are_handed_to_mitmproxy_give_their_slots_back(lab, start_proxy):
+    """A head the front hands to mitmproxy (Expect: the fast path does not take it), then a reset at once.
+    mitmproxy read the peer's address after the reset (none), so its admission never matched the front's
+    hand-over: the front's slot was never given back. 40 such connections held a client's cap of 8 for
+    good, and every later request of that client was refused 429 (a few clients could hold the total)."""
+    proxy = start_proxy(lab.policy_text(limits="limits:\n  max_connections_per_client: 8\n"))
+    port = lab.public.port
+    head = (f"POST http://public.lab.example:{port}/reset HTTP/1.1\r\nHost: public.lab.example:{port}\r\n"
+            "Expect: 100-continue\r\nContent-Length: 5\r\n\r\n").encode()
+    for attempt in range(40):
+        with socket.create_connection((proxy.host, proxy.port)) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = reset
+            sock.sendall(head)
+            time.sleep(0.001 * (attempt % 8))  # the reset lands at every moment of the hand-over
+    deadline = time.monotonic() + 10
+    while _open_connections(proxy) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _open_connections(proxy) == 0
+    status, _, body = proxy.get(f"http://public.lab.example:{port}/after")
+    assert status == 200, body
 
 
 # ---- held: kept as regression tests (coverage no other test has) ------------------------------------------
