@@ -34,7 +34,8 @@ from proxyproc import TRANSPORTS, ProxyProcess, both_transports, parse_response
 from test_review_uvloop import SpeakFirstUpstream, _nothing_arrives, _open_tunnel, _policy, _recv_until
 from tls_build import client_hello
 
-from policy.model import canonical_path
+from policy.model import Limits, canonical_path
+from proxy import mitm_patches
 
 pytestmark = pytest.mark.integration
 
@@ -298,6 +299,19 @@ def test_connections_reset_as_they_are_handed_to_mitmproxy_give_their_slots_back
     assert _open_connections(proxy) == 0
     status, _, body = proxy.get(f"http://public.lab.example:{port}/after")
     assert status == 200, body
+
+
+# ---- what mitmproxy's idle closes leave behind -------------------------------------------------------------
+
+def test_the_idle_closes_remembered_for_their_records_stay_bounded():
+    """proxy/mitm_patches.py remembers which client connections mitmproxy's idle watchdog closed (so the
+    record says "idle timeout", not "Client disconnected."). It kept every id for the life of the proxy:
+    a client that lets connections idle out made the set grow without end. Now the recent ones only."""
+    state = mitm_patches.PatchState(limits=Limits, on_refusal=lambda *a: None, on_body_over_limit=lambda *a: None)
+    for number in range(20_000):
+        state.idle_closed.add(f"connection-{number}")
+    assert len(state.idle_closed) <= 4096
+    assert "connection-19999" in state.idle_closed and "connection-0" not in state.idle_closed
 
 
 # ---- held: kept as regression tests (coverage no other test has) ------------------------------------------
