@@ -14,7 +14,14 @@ Defects found and fixed:
 * an empty path segment (``//admin/``) slipped past a path deny rule, though servers read it as
   ``/admin/`` (http.server strips leading slashes, nginx merges them);
 * mitmproxy's internal listener (127.0.0.1, a random port) stayed open beside the front: a local client
-  could connect to it directly and skip the front's first-byte bound and its record.
+  could connect to it directly and skip the front's first-byte bound and its record;
+* a tunnel whose connect failed was recorded with status 200 while its client got 502;
+* a connection reset while the front handed it to mitmproxy kept its admission slot for good (mitmproxy
+  read the peer's address after the reset): a client could lock itself, or with a few addresses everyone,
+  out with 429/503;
+* the ids of connections mitmproxy's idle watchdog closed were kept for the life of the proxy;
+* on mitmproxy's path the sixth host behind one address (a CDN's) on a kept-alive connection hung until an
+  old upstream connection idled out (mitmproxy's per-address bound met the pinned IP).
 """
 
 from __future__ import annotations
@@ -27,10 +34,11 @@ import time
 
 import pytest
 from audit_watch import AuditWatch, decisions
+from dnslab import Record
 from hypothesis import given
 from hypothesis import strategies as st
 from labnet import PUBLIC_IP
-from proxyproc import TRANSPORTS, ProxyProcess, both_transports, parse_response
+from proxyproc import TRANSPORTS, ProxyProcess, both_transports, parse_response, read_response
 from test_review_uvloop import SpeakFirstUpstream, _nothing_arrives, _open_tunnel, _policy, _recv_until
 from tls_build import client_hello
 
@@ -312,6 +320,27 @@ def test_the_idle_closes_remembered_for_their_records_stay_bounded():
         state.idle_closed.add(f"connection-{number}")
     assert len(state.idle_closed) <= 4096
     assert "connection-19999" in state.idle_closed and "connection-0" not in state.idle_closed
+
+
+# ---- many names behind one address ------------------------------------------------------------------
+
+@both_transports
+def test_a_kept_alive_client_reaches_a_sixth_host_behind_the_same_address(lab, start_proxy):
+    """mitmproxy bounds a client connection's upstream connections per address, five, each held while it
+    stays open; pinned to the checked IP, every host behind one address (a CDN's) shared that bound, and on
+    mitmproxy's path the sixth host a kept-alive client asked for hung until an old upstream connection
+    idled out (limits.idle_timeout). The bound is per name again (proxy/addons/pinning.py PinnedAddress)."""
+    proxy = start_proxy(lab.policy_text(limits="limits:\n  idle_timeout: 30\n"))
+    port = lab.public.port
+    names = [f"cdn{i}.lab.example" for i in range(7)]
+    for name in names:
+        lab.dns.set(name, [Record("A", PUBLIC_IP)])
+    answers = []
+    with socket.create_connection((proxy.host, proxy.port), timeout=5) as sock:
+        for name in names:
+            sock.sendall(f"GET http://{name}:{port}/{name} HTTP/1.1\r\nHost: {name}:{port}\r\n\r\n".encode())
+            answers.append(parse_response(read_response(sock))[0])
+    assert answers == [200] * len(names)
 
 
 # ---- held: kept as regression tests (coverage no other test has) ------------------------------------------

@@ -12,6 +12,31 @@ from ..peers import peer_of
 from .connections import ConnectionTable
 
 
+class PinnedAddress(tuple):
+    """``(checked ip, port)``, as mitmproxy connects to it, that still knows the name it was checked for.
+
+    mitmproxy bounds a client connection's upstream connections per address (five, each held for its
+    connection's life: ``ConnectionHandler.max_conns``). Pinned to one IP, every name behind a CDN shared
+    that bound, and the sixth host a kept-alive client asked for waited for an old upstream connection
+    to idle out. Hashed and compared with its name, the bound stays per name, as mitmproxy meant it."""
+
+    name: str
+
+    def __new__(cls, ip: str, port: int, name: str) -> PinnedAddress:
+        address = super().__new__(cls, (ip, port))
+        address.name = name
+        return address
+
+    def __eq__(self, other: object) -> bool:
+        return tuple.__eq__(self, other) is True and getattr(other, "name", None) == self.name
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash((self[0], self[1], self.name))
+
+
 class Pinning:
     def __init__(self, gate: Gate, table: ConnectionTable) -> None:
         self.gate, self.table = gate, table
@@ -51,7 +76,7 @@ class Pinning:
             data.server.error = refused  # the fast front's wording exactly: the tunnel records agree
             return
         self.table.restore[data.server.id] = (host, port)
-        data.server.address = (pinned, port)
+        data.server.address = PinnedAddress(pinned, port, key_host)
 
     def server_connected(self, data: ServerConnectionHookData) -> None:
         original = self.table.restore.pop(data.server.id, None)
