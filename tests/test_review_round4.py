@@ -21,7 +21,9 @@ Defects found and fixed:
   out with 429/503;
 * the ids of connections mitmproxy's idle watchdog closed were kept for the life of the proxy;
 * on mitmproxy's path the sixth host behind one address (a CDN's) on a kept-alive connection hung until an
-  old upstream connection idled out (mitmproxy's per-address bound met the pinned IP).
+  old upstream connection idled out (mitmproxy's per-address bound met the pinned IP);
+* on mitmproxy's path one kept-alive client connection held an upstream socket for every host name it
+  asked for (until each idled out): a few such connections could take the process's file descriptors.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import subprocess
 import time
 
 import pytest
-from audit_watch import AuditWatch, decisions
+from audit_watch import AuditWatch, decisions, open_fds
 from dnslab import Record
 from hypothesis import given
 from hypothesis import strategies as st
@@ -341,6 +343,28 @@ def test_a_kept_alive_client_reaches_a_sixth_host_behind_the_same_address(lab, s
             sock.sendall(f"GET http://{name}:{port}/{name} HTTP/1.1\r\nHost: {name}:{port}\r\n\r\n".encode())
             answers.append(parse_response(read_response(sock))[0])
     assert answers == [200] * len(names)
+
+
+@both_transports
+def test_a_kept_alive_client_asking_for_many_hosts_holds_a_bounded_number_of_upstream_sockets(lab, start_proxy):
+    """mitmproxy kept every upstream connection a client connection opened, one per name, until the
+    upstream closed it or it idled out: 150 names on one client connection held 150 sockets (a few such
+    connections, the process's file descriptors). Now at most four stay open on mitmproxy's path (the
+    oldest, idle, are closed first; proxy/addons/upstream_pool.py); the fast path keeps one."""
+    proxy = start_proxy(lab.policy_text())
+    port = lab.public.port
+    names = [f"many{i}.lab.example" for i in range(150)]
+    for name in names:
+        lab.dns.set(name, [Record("A", PUBLIC_IP)])
+    before = open_fds(proxy.process.pid)
+    with socket.create_connection((proxy.host, proxy.port), timeout=5) as sock:
+        for name in names + names[:3]:  # and back to the first ones: connected again, decided again
+            sock.sendall(f"GET http://{name}:{port}/{name} HTTP/1.1\r\nHost: {name}:{port}\r\n\r\n".encode())
+            status, _, body = parse_response(read_response(sock))
+            assert (status, body) == (200, f"hello from public /{name}".encode())
+        held = open_fds(proxy.process.pid) - before
+    assert held <= 1 + 4 + 1, held  # the client connection, the upstream ones, a socket closing
+    assert "crashed" not in proxy.stderr
 
 
 # ---- held: kept as regression tests (coverage no other test has) ------------------------------------------
