@@ -23,11 +23,13 @@ Defects found and fixed:
 * on mitmproxy's path the sixth host behind one address (a CDN's) on a kept-alive connection hung until an
   old upstream connection idled out (mitmproxy's per-address bound met the pinned IP);
 * on mitmproxy's path one kept-alive client connection held an upstream socket for every host name it
-  asked for (until each idled out): a few such connections could take the process's file descriptors.
+  asked for (until each idled out): a few such connections could take the process's file descriptors;
+  and a pin for every host it asked for, until it closed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import struct
@@ -40,12 +42,19 @@ from dnslab import Record
 from hypothesis import given
 from hypothesis import strategies as st
 from labnet import PUBLIC_IP
+from mitmproxy.test import tflow
 from proxyproc import TRANSPORTS, ProxyProcess, both_transports, parse_response, read_response
 from test_review_uvloop import SpeakFirstUpstream, _nothing_arrives, _open_tunnel, _policy, _recv_until
 from tls_build import client_hello
 
 from policy.model import Limits, canonical_path
 from proxy import mitm_patches
+from proxy.addons.connections import ConnectionTable
+from proxy.addons.decision import DecisionAddon
+from proxy.audit import AuditLog
+from proxy.gate import Gate
+from proxy.metrics import Metrics
+from proxy.reload import PolicyHolder
 
 pytestmark = pytest.mark.integration
 
@@ -365,6 +374,34 @@ def test_a_kept_alive_client_asking_for_many_hosts_holds_a_bounded_number_of_ups
         held = open_fds(proxy.process.pid) - before
     assert held <= 1 + 4 + 1, held  # the client connection, the upstream ones, a socket closing
     assert "crashed" not in proxy.stderr
+
+
+def test_a_kept_alive_client_asking_for_many_hosts_leaves_one_request_pin(tmp_path):
+    """In process: every plain request's pin (the checked address its connect must use) was kept under
+    (client connection, host, port) until the client connection closed, one per host it ever asked for;
+    a long-lived connection walking a wildcard name grew the table without end. Its connect comes before
+    the next request is read, so the latest one is all a client connection needs."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("version: 1\ndefault: allow\naddresses:\n  allow: [198.18.0.0/15]\n")
+    gate = Gate(PolicyHolder(str(policy)), AuditLog(str(tmp_path / "audit.jsonl")), Metrics())
+    table = ConnectionTable()
+    addon = DecisionAddon(gate, table)
+    state = mitm_patches.PatchState(limits=lambda: gate.policy.limits, on_refusal=lambda *a: None,
+                                    on_body_over_limit=lambda *a: None)
+    mitm_patches.install(state)
+    try:
+        client = tflow.tflow().client_conn
+        for number in range(300):
+            flow = tflow.tflow(client_conn=client)
+            flow.request.url = f"http://198.18.{number // 250}.{number % 250 + 1}/page"
+            flow.request.headers.clear()
+            flow.request.headers["Host"] = flow.request.host
+            asyncio.run(addon.requestheaders(flow))
+            assert flow.response is None, flow.response
+            assert table.pin_for(client.id, flow.request.host, 80) == flow.request.host  # the one its connect uses
+        assert len(table.pins) + len(table.request_pins) <= 1
+    finally:
+        mitm_patches.uninstall()
 
 
 # ---- held: kept as regression tests (coverage no other test has) ------------------------------------------

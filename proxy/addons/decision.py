@@ -101,7 +101,7 @@ class DecisionAddon:
         target = outcome.target
         assert target is not None
         if outcome.verdict.pinned and tunnel is None:
-            self.table.pins[(flow.client_conn.id, target.host, target.port)] = outcome.verdict.pinned
+            self.table.request_pins[flow.client_conn.id] = (target.host, target.port, outcome.verdict.pinned)
         if tunnel is not None:
             request.authority = ""  # forwarded in origin form: the tunnel's host is the only one it can name
         flow.metadata[VERDICT] = outcome.verdict

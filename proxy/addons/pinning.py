@@ -57,7 +57,7 @@ class Pinning:
         except HostFormError as err:
             data.server.error = f"egresswall: refused connect to {host!r}: {err.reason}"
             return
-        pinned = self.table.pins.get((data.client.id, key_host, port))
+        pinned = self.table.pin_for(data.client.id, key_host, port)
         if pinned is None:
             # No decision prepared this connect (a path the request hooks did not see): decide now.
             try:
