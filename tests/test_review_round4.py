@@ -499,3 +499,26 @@ def test_a_refused_hello_with_bytes_behind_it_sends_the_upstream_nothing_on_eith
     assert got[:1] == b"\x15" and SpeakFirstUpstream.BANNER not in got
     assert speaker.ended[0].wait(5)
     assert bytes(speaker.received[0]) == b""
+
+
+def test_a_chunked_body_over_the_limit_in_tiny_chunks_and_tiny_writes_gets_413_and_reaches_nothing(lab, proxy):
+    """The body limit counts the body, however it is cut: 1001 one-byte chunks (the framing alone is five
+    times the limit), sent a few bytes per write with the chunk lines split; 413, and the origin sees
+    nothing of it."""
+    port = lab.public.port
+    audit = AuditWatch(proxy.log_path).mark()
+    before = len(lab.public.requests)
+    head = (f"POST http://public.lab.example:{port}/tiny HTTP/1.1\r\nHost: public.lab.example:{port}\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n").encode()
+    body = b"1\r\nx\r\n" * (BODY_LIMIT + 1) + b"0\r\n\r\n"
+    with socket.create_connection((proxy.host, proxy.port), timeout=5) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # each write its own segment
+        sock.sendall(head)
+        with contextlib.suppress(OSError):  # the 413 may come, and the connection close, before the end
+            for start in range(0, len(body), 3):
+                sock.sendall(body[start:start + 3])
+        status, _, _ = parse_response(read_all(sock))
+    assert status == 413
+    assert seen_since(lab, before) == []
+    (refused,) = refusals(audit.wait_for(lambda r: refusals(r)))
+    assert refused["rule"] == "limits.max_request_body" and refused["status"] == 413
