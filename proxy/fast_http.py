@@ -253,7 +253,8 @@ class FastHttp:
         answered = False
         watch: ClientWatch | None = None
         try:
-            server.receive_data(rest)
+            if rest:  # h11 reads b"" as the client having closed: a body still to come would be "incomplete"
+                server.receive_data(rest)
             body: list[bytes] = []
             if request.chunked:  # read whole and bounded before the upstream sees anything
                 up = await self._read_chunked(conn, client, server, request, target, accept, body, ask.flow_id)
