@@ -112,8 +112,11 @@ _ENCODED_SEPARATOR = re.compile(r"%(?:2f|5c)", re.IGNORECASE)
 
 def canonical_path(path: str) -> str | None:
     """The path as a server reads it, or None when servers may read it differently (dot segments,
-    also percent-encoded or with ';' parameters, encoded slashes, backslashes): such paths are not
-    matched against path rules. Escapes of unreserved characters are decoded (RFC 3986, 6.2.2.2)."""
+    also percent-encoded or with ';' parameters, encoded slashes, backslashes, empty segments): such
+    paths are not matched against path rules. Escapes of unreserved characters are decoded (RFC 3986,
+    6.2.2.2). An empty segment ('//admin/', '/a//b') is one: nginx merges slashes by default, Python's
+    http.server strips leading ones, and both then serve /admin/ for a path no '/admin/' rule names (a
+    trailing slash is no empty segment: '/docs/' is one segment, 'docs', and the end)."""
 
     def unescape(match: re.Match[str]) -> str:
         char = chr(int(match.group(1), 16))
@@ -122,7 +125,10 @@ def canonical_path(path: str) -> str | None:
     path = _ESCAPE.sub(unescape, path)
     if "\\" in path or _ENCODED_SEPARATOR.search(path):
         return None
-    if any(segment.split(";", 1)[0] in (".", "..") for segment in path.split("/")):
+    segments = [segment.split(";", 1)[0] for segment in path.split("/")]
+    if any(segment in (".", "..") for segment in segments):
+        return None
+    if "" in segments[1:-1]:  # '//', or a segment of ';' parameters only (Tomcat drops those: '/;x/admin/')
         return None
     return path
 

@@ -154,7 +154,7 @@ def secret_digest(secret: str) -> str:
 
 def canonical_request_path(path: str) -> str | None:
     """Path (canonical, as policy path rules read it) and query (exact); None for a path servers may read
-    differently (dot segments, encoded slashes): such a request matches no URL grant."""
+    differently (dot segments, encoded slashes, empty segments): such a request matches no URL grant."""
     base, sep, query = (path or "/").partition("?")
     canonical = canonical_path(base or "/")
     return None if canonical is None else canonical + sep + query
@@ -171,8 +171,8 @@ def parse_url_grant(text: str) -> UrlGrant:
                          "its http(s) URL)")
     path = canonical_request_path(target.path)
     if path is None:
-        raise ValueError(f"got {text!r}; the path has dot segments or encoded separators, which servers read "
-                         "differently: give the path the server serves")
+        raise ValueError(f"got {text!r}; the path has dot segments, encoded separators or empty segments, which "
+                         "servers read differently: give the path the server serves")
     return UrlGrant(text, target.scheme, target.host, target.port, path)
 
 

@@ -6,8 +6,9 @@ has sent a byte or not: a client that opens sockets and stays silent holds at mo
 port each worker enforces 1/N of each cap (the kernel spreads connections evenly).
 
 The front (``proxy/front.py``) admits every connection of ``egresswall run``; a connection it hands
-to mitmproxy keeps its admission (``hand_over`` / ``take_over``), so it is counted once. Under stock
-mitmdump, where there is no front, the mitmproxy addon admits in ``client_connected``.
+to mitmproxy keeps its admission, which the front gives back when mitmproxy has finished with it
+(``proxy/runner.py``), so it is counted once. Under stock mitmdump, where there is no front, the
+mitmproxy addon admits in ``client_connected``.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ from collections import Counter
 from dataclasses import dataclass
 
 from policy.model import Limits
-
-from .peers import client_key
 
 
 @dataclass(frozen=True)
@@ -33,7 +32,6 @@ class Admission:
         self.total = 0
         self.per_client: Counter[str] = Counter()
         self.draining = False
-        self._handed: set[tuple[str, int]] = set()  # peernames the front gave to mitmproxy, still admitted
 
     def admit(self, client: str, limits: Limits) -> CapRefusal | None:
         """Count the connection, or say why it is refused (then it is not counted)."""
@@ -59,22 +57,6 @@ class Admission:
         if self.per_client[client] <= 0:
             del self.per_client[client]
 
-    def hand_over(self, peername: tuple) -> None:
-        self._handed.add(_peer(peername))
-
-    def take_over(self, peername: tuple | None) -> bool:
-        """True when the front already admitted this connection (mitmproxy must not count it again)."""
-        if peername is None:
-            return False
-        key = _peer(peername)
-        if key in self._handed:
-            self._handed.discard(key)
-            return True
-        return False
-
     def _per_worker(self, limit: int) -> str:
         return f" (this worker's share of {limit} over {self.share} workers)" if self.share > 1 else ""
 
-
-def _peer(peername: tuple) -> tuple[str, int]:
-    return client_key(str(peername[0])), int(peername[1])

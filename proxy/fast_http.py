@@ -253,7 +253,8 @@ class FastHttp:
         answered = False
         watch: ClientWatch | None = None
         try:
-            server.receive_data(rest)
+            if rest:  # h11 reads b"" as the client having closed: a body still to come would be "incomplete"
+                server.receive_data(rest)
             body: list[bytes] = []
             if request.chunked:  # read whole and bounded before the upstream sees anything
                 up = await self._read_chunked(conn, client, server, request, target, accept, body, ask.flow_id)
@@ -528,7 +529,7 @@ def ask_of(request: PlainRequest, client: str) -> HttpAsk:
     mitmproxy's parse, filled here from the fast path's."""
     return HttpAsk(client=client, method=request.method, scheme="http", host=request.host, port=request.port,
                    path=request.path, host_header=request.values("host")[0], content_length=request.content_length,
-                   accept=request.values("accept"), authority=request.authority,
+                   chunked=request.chunked, accept=request.values("accept"), authority=request.authority,
                    credentials=request.values("proxy-authorization"))
 
 

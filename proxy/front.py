@@ -47,7 +47,9 @@ HALF_CLOSED_IDLE = 5.0  # once one side has finished, the other gets this long o
 OVER_CAP_WAIT = 2.0  # how long a connection refused by a cap may take to say where it wanted to go
 MAX_OVER_CAP_PENDING = 256  # beyond this many at once, refused connections are closed unheard (fds are finite)
 TLS_ALERT_UNRECOGNIZED_NAME = bytes([21, 3, 3, 0, 2, 2, 112])
-Handoff = Callable[[socket.socket, bytes], None]
+# (the socket, the bytes already read, ``done``): mitmproxy takes the connection; ``done`` gives its admission
+# back and must be called once, when mitmproxy has finished with it (or could not take it).
+Handoff = Callable[[socket.socket, bytes, Callable[[], None]], None]
 
 
 class Front:
@@ -123,13 +125,14 @@ class Front:
                 else:
                     self.gate.connection_refused(client, 0, problem.rule, problem.reason)
                 return
-            if self.fast_http is not None and not head.startswith(b"CONNECT "):
-                def hand_over(sock: socket.socket, data: bytes) -> None:
-                    nonlocal handed_off
-                    handed_off = True
-                    self.gate.admission.hand_over(peer)
-                    self.handoff(sock, data)
+            def hand_over(sock: socket.socket, data: bytes) -> None:
+                # The admission goes with the connection and comes back when mitmproxy has finished with
+                # it: passed along, not matched up again by peer address (read after a reset, there is none).
+                nonlocal handed_off
+                handed_off = True
+                self.handoff(sock, data, _once(lambda: self.gate.release(client)))
 
+            if self.fast_http is not None and not head.startswith(b"CONNECT "):
                 await self.fast_http.serve(conn, client, head, rest, hand_over)
                 return
             method, raw_target, event = _parse_head(head)  # parsed once: a tunnel's setup is mostly overhead
@@ -139,9 +142,7 @@ class Front:
             if (not self.relay_tunnels or target is None or target.port in policy.http_ports
                     or policy.intercepts(target.host)):
                 # Not ours to relay (or a malformed authority, which mitmproxy's path refuses with its reason).
-                handed_off = True
-                self.gate.admission.hand_over(peer)
-                self.handoff(conn, head + rest)
+                hand_over(conn, head + rest)
                 return
             await self._tunnel(conn, client, authority, rest, _header_values(event, b"accept"),
                                _header_values(event, b"proxy-authorization"))
@@ -226,7 +227,7 @@ class Front:
         from policy.decision import Verdict
 
         verdict = Verdict(False, "connect", "connect", reason, role=tunnel.verdict.role)
-        self.gate.tunnel_closed(tunnel, 0, 0, f"connect failed: {reason}")
+        self.gate.tunnel_closed(tunnel, 0, 0, f"connect failed: {reason}", 502)  # answered 502, not 200
         await _send(conn, refusal_bytes(refusal_for(502, verdict, tunnel.target, accept)))
 
     async def _first_message(self, conn: socket.socket, tunnel: Tunnel, data: bytes) -> bytes | None:
@@ -305,6 +306,16 @@ def _target(authority: str) -> Target | None:
         return parse_authority(authority, "https")
     except HostFormError:
         return None
+
+
+def _once(action: Callable[[], None]) -> Callable[[], None]:
+    """``action``, run the first time the result is called and never again."""
+    pending = [action]
+
+    def run() -> None:
+        if pending:
+            pending.pop()()
+    return run
 
 
 def _stage(rule: str) -> str:

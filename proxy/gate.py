@@ -33,6 +33,7 @@ from .accept import prefers_json
 from .admission import Admission, CapRefusal
 from .audit import AuditLog
 from .first_bytes import FirstBytes, classify_tunnel_start
+from .http_hygiene import UNEXPECTED_BODY, unexpected_body
 from .metrics import Metrics
 from .peers import is_local_address
 from .records import DECISION, RESPONSE, TUNNEL, Recorder
@@ -60,6 +61,7 @@ class Tunnel:
     first_byte_at: float | None = None
     closed: bool = False
     client_conn_id: str = ""  # the mitmproxy client connection carrying it (so it never outlives it)
+    established: bool = False  # the client's CONNECT was answered 200 (mitmproxy's path: http_connected)
     session: Session | None = None  # the CONNECT's session: it applies to every request inside the tunnel
 
 
@@ -89,6 +91,7 @@ class HttpAsk:
     host_header: str | None
     websocket: bool = False
     content_length: int | None = None  # None: no Content-Length (chunked, or no body)
+    chunked: bool = False  # the body is framed by Transfer-Encoding
     authority: str | None = None  # the request target's authority (absolute-form), if it had one
     accept: tuple[str, ...] = ()  # the Accept header values, as sent: a refusal is JSON when they prefer it
     credentials: tuple[str, ...] = ()  # the Proxy-Authorization header values, as sent (a session's id:secret)
@@ -232,15 +235,16 @@ class Gate:
         self.recorder.decision(record)
         self.tunnel_closed(tunnel, 0, 0, reason)
 
-    def tunnel_closed(self, tunnel: Tunnel, up: int, down: int, error: str | None) -> None:
-        """The closing line of a tunnel, once, on either path, with its bytes each way."""
+    def tunnel_closed(self, tunnel: Tunnel, up: int, down: int, error: str | None, status: int = 200) -> None:
+        """The closing line of a tunnel, once, on either path, with its bytes each way. ``status``: what the
+        client's CONNECT was answered — 200, or 502 when the connect failed before the tunnel opened."""
         if tunnel.closed:
             return
         tunnel.closed = True
         self.metrics.tunnel_closed()
         record = self.recorder.record(TUNNEL, tunnel.id, tunnel.client, "CONNECT", tunnel.target, tunnel.verdict,
                                       tunnel.cnames)
-        self.recorder.ended(record, tunnel.started, up, down, error, 200)
+        self.recorder.ended(record, tunnel.started, up, down, error, status)
         self.sessions.count_bytes(tunnel.verdict.session, up, down)
 
     # ---- the guard at connect time -----------------------------------------------------------------
@@ -286,6 +290,9 @@ class Gate:
                               f"the Host header {safe_text(ask.host_header, 100)!r} does not agree with the target "
                               f"{target.authority}")
             return self._request_refused(ask, target, verdict, 403)
+        body_refused = unexpected_body(ask.method, ask.content_length, ask.chunked)
+        if body_refused:
+            return self._request_refused(ask, target, Verdict(False, "form", UNEXPECTED_BODY, body_refused), 400)
         limit = policy.limits.max_request_body
         if ask.content_length is not None and ask.content_length > limit:
             verdict = Verdict(False, LIMITS, "limits.max_request_body",

@@ -49,6 +49,7 @@ import asyncio
 import re
 import time
 import types
+from collections import deque
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
@@ -74,6 +75,31 @@ REFUSE_BEFORE_BODY = "egresswall_refuse_before_body"
 BODY_LIMIT = "egresswall_body_limit"  # flow.metadata: bytes a buffered (chunked) body may have
 
 
+class RecentIds:
+    """The last ``size`` connection ids added, for ``in``: mitmproxy's idle close is looked up moments after
+    it happens (by the flow's error record, or the half-read head's), so older ones are of no use, and a set
+    of every id ever closed would grow for as long as the proxy runs (a client can make one a second)."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self.size = size
+        self._ids: set[str] = set()
+        self._order: deque[str] = deque()
+
+    def add(self, connection_id: str) -> None:
+        if connection_id in self._ids:
+            return
+        self._ids.add(connection_id)
+        self._order.append(connection_id)
+        if len(self._order) > self.size:
+            self._ids.discard(self._order.popleft())
+
+    def __contains__(self, connection_id: object) -> bool:
+        return connection_id in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
 @dataclass
 class PatchState:
     limits: Callable[[], Limits]  # the limits in force, read at each use so a reload applies
@@ -82,7 +108,7 @@ class PatchState:
     on_refusal: Callable[[connection.Connection, int, str, str], None]
     # A buffered body went over the limit: the flow, and the limit. Returns the refusal to answer.
     on_body_over_limit: Callable[[http.HTTPFlow, int], Refusal]
-    idle_closed: set[str] = field(default_factory=set)  # client connection ids mitmproxy's watchdog closed
+    idle_closed: RecentIds = field(default_factory=RecentIds)  # client connections mitmproxy's watchdog closed
     first_byte_timer: bool = True  # False when the front already enforced limits.first_byte_timeout
 
 

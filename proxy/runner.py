@@ -15,6 +15,7 @@ import datetime
 import logging
 import signal
 import socket
+from collections.abc import Callable
 
 from .mitm_core import Master, core_addons  # isort: skip  (first: before mitmproxy.master is imported)
 from mitmproxy import options as mitm_options
@@ -28,7 +29,6 @@ from .gate import Gate
 from .listeners import ADMIN, PROXY, ListenError
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
-from .peers import peer_of
 from .reload import PolicyHolder
 from .run_config import RunConfig
 from .sessions.api import SessionApi, read_token_file
@@ -104,7 +104,8 @@ class ProxyRunner:
                                                                   upstream_credentials=self.upstream_credentials))
         host, port = self.config.listen
         # The front owns the public port and hands mitmproxy what it does not relay itself; mitmproxy's
-        # own listener is an internal one on loopback (and counted as egresswall itself). With an upstream
+        # own listener is an internal one on loopback (counted as egresswall itself), closed once the front
+        # is up (_close_internal_listener): every connection comes through the front. With an upstream
         # proxy mitmproxy runs in upstream mode: every request and tunnel it forwards goes to the upstream.
         upstream = self.holder.policy.upstream
         updates = dict(listen_host="127.0.0.1", listen_port=0,
@@ -138,6 +139,7 @@ class ProxyRunner:
                     except OSError as err:
                         raise ListenError(ADMIN, self.config.admin, err) from err
                     self.gate.self_endpoints.add((_endpoint_host(self.admin_address[0]), self.admin_address[1]))
+                self._close_internal_listener()
                 self.holder.start_watching(self.config.watch_interval)
                 self._session_watch = asyncio.get_running_loop().create_task(self._watch_sessions())
                 self.ready.set()  # the command line tells people (and a supervisor) where it listens
@@ -196,28 +198,46 @@ class ProxyRunner:
         master_task.result()  # what stopped it, if anything failed
         return False
 
-    def _handoff(self, sock: socket.socket, prefix: bytes) -> None:
+    def _close_internal_listener(self) -> None:
+        """Once the front listens, mitmproxy's own listener (127.0.0.1, a free port) stops accepting: its
+        server instance is needed only for ``handle_stream``, which takes the front's hand-overs. Left
+        open it was a second way in beside the front, reachable by any local client (a browser in the same
+        pod): a silent connection there was held for limits.idle_timeout instead of
+        limits.first_byte_timeout, and closed without a record. (mitmproxy still owns the server objects
+        and closes them again when it stops, which is harmless.)"""
+        assert self.master is not None
+        for instance in self.master.addons.get("proxyserver").servers:
+            for server in getattr(instance, "_servers", ()):  # asyncio's or uvloop's Server: TCP only in our modes
+                server.close()
+
+    def _handoff(self, sock: socket.socket, prefix: bytes, done: Callable[[], None]) -> None:
         """Give an accepted connection to mitmproxy as if its own listener had accepted it, with the
-        bytes the front already read put back in front of the rest."""
+        bytes the front already read put back in front of the rest. The front admitted it; ``done`` gives
+        the admission back once mitmproxy has finished with the connection (or could not take it)."""
         assert self.master is not None
         instances = list(self.master.addons.get("proxyserver").servers)
         if not instances:  # shutting down: mitmproxy's listener is gone, and so is this connection
-            self.gate.admission.take_over(_peer(sock))
-            self.gate.release(peer_of(_peer(sock)))
             sock.close()
+            done()
             return
         instance = instances[0]
         loop = asyncio.get_running_loop()
+
+        async def handled(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                await instance.handle_stream(reader, writer)
+            finally:
+                done()
 
         async def attach() -> None:
             reader = asyncio.StreamReader(loop=loop)
             if prefix:
                 reader.feed_data(prefix)
             try:
-                await loop.connect_accepted_socket(lambda: asyncio.StreamReaderProtocol(reader, instance.handle_stream),
-                                                   sock)
+                await loop.connect_accepted_socket(lambda: asyncio.StreamReaderProtocol(reader, handled), sock)
             except OSError:
                 sock.close()
+                done()
 
         loop.create_task(attach())
 
@@ -263,13 +283,6 @@ def _logged(sig: signal.Signals, handler):
 
 def _utc_now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def _peer(sock: socket.socket) -> tuple:
-    try:
-        return sock.getpeername()
-    except OSError:
-        return ("", 0)
 
 
 def _listen_with_reuse_port() -> None:

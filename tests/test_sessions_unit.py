@@ -158,7 +158,12 @@ def test_a_url_grant_admits_exactly_its_own_url(host, path, query, other_host, o
 
 @given(_hosts, _paths, st.sampled_from(["/..", "/.", "/%2e%2e", "/%2f", "/.%2E"]), _paths)
 def test_a_path_servers_may_read_differently_is_never_admitted(host, before, trick, after):
-    grant = parse_url_grant(f"https://{host}{before}{after}")
+    try:
+        grant = parse_url_grant(f"https://{host}{before}{after}")
+    except ValueError as refused:
+        # '/' + '/x' is '//x': an empty segment, which servers read differently too, so no grant names it
+        assert "//" in before + after and "empty segments" in str(refused)
+        return
     try:
         target = parse_url(f"https://{host}{before}{trick}{after}")
     except HostFormError:

@@ -21,6 +21,7 @@ from .options import LimitsOptions
 from .pinning import Pinning
 from .tunnel_watch import TunnelWatch
 from .upstream import UpstreamForwarding
+from .upstream_pool import UpstreamPool
 
 
 def egresswall_addons(gate: Gate, fronted: bool = False, upstream_credentials: str | None = None) -> list:
@@ -30,7 +31,8 @@ def egresswall_addons(gate: Gate, fronted: bool = False, upstream_credentials: s
     table = ConnectionTable()
     forwarding = [UpstreamForwarding(gate, table, upstream_credentials)] if gate.policy.upstream else []
     return [LimitsOptions(gate), AdmissionAddon(gate, table, fronted), DecisionAddon(gate, table), HopByHop(),
-            *forwarding, BodyLimit(gate), Pinning(gate, table), TunnelWatch(gate, table), AuditTrail(gate)]
+            *forwarding, BodyLimit(gate), Pinning(gate, table), UpstreamPool(), TunnelWatch(gate, table),
+            AuditTrail(gate)]
 
 
 def patch_state_for(gate: Gate, first_byte_timer: bool) -> mitm_patches.PatchState:

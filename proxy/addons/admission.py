@@ -1,4 +1,9 @@
-"""Connection caps for connections mitmproxy accepted itself (stock mitmdump, where no front admits)."""
+"""Connection caps for connections mitmproxy accepted itself (stock mitmdump, where no front admits).
+
+Under ``egresswall run`` (``fronted``) every connection mitmproxy sees was admitted by the front, which
+hands the admission along with the socket and takes it back when mitmproxy has finished with it
+(proxy/runner.py ``_handoff``): nothing is counted here, and nothing is matched up by peer address.
+"""
 
 from __future__ import annotations
 
@@ -14,10 +19,9 @@ class AdmissionAddon:
         self.gate, self.table, self.fronted = gate, table, fronted
 
     def client_connected(self, client: connection.Client) -> None:
+        if self.fronted:
+            return  # admitted by the front, and given back by it
         key = peer_of(client.peername)
-        if self.gate.admission.take_over(client.peername):
-            self.table.admitted[client.id] = key  # the front admitted it already
-            return
         cap = self.gate.admit(key)
         if cap is not None:
             # No request has been read, so there is no host to name; mitmproxy closes the connection.

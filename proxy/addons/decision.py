@@ -54,6 +54,12 @@ class DecisionAddon:
         self.table.pins[(flow.client_conn.id, tunnel.target.host, tunnel.target.port)] = tunnel.verdict.pinned
         self.table.tunnels[flow.server_conn.id] = tunnel
 
+    def http_connected(self, flow: http.HTTPFlow) -> None:
+        """The CONNECT was answered 2xx: a connect that fails from now on fails inside an open tunnel."""
+        tunnel = self.table.tunnels.get(flow.server_conn.id)
+        if tunnel is not None:
+            tunnel.established = True
+
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
         flow.request.egresswall_seen = True  # proxy/mitm_patches.py: an error answer for it is already recorded
         flow.metadata[FLOW_ID] = flow.id or uuid.uuid4().hex
@@ -83,6 +89,7 @@ class DecisionAddon:
                       port=request.data.port, path=request.path, host_header=request.headers.get("host"),
                       websocket=upgrade == WEBSOCKET,
                       content_length=int(length) if length is not None and length.isdigit() else None,
+                      chunked="transfer-encoding" in request.headers,
                       accept=accept_of(flow), authority=request.data.authority.decode("latin-1") or None,
                       credentials=credentials_of(flow),
                       flow_id=flow.metadata[FLOW_ID])
@@ -94,7 +101,7 @@ class DecisionAddon:
         target = outcome.target
         assert target is not None
         if outcome.verdict.pinned and tunnel is None:
-            self.table.pins[(flow.client_conn.id, target.host, target.port)] = outcome.verdict.pinned
+            self.table.request_pins[flow.client_conn.id] = (target.host, target.port, outcome.verdict.pinned)
         if tunnel is not None:
             request.authority = ""  # forwarded in origin form: the tunnel's host is the only one it can name
         flow.metadata[VERDICT] = outcome.verdict

@@ -12,6 +12,31 @@ from ..peers import peer_of
 from .connections import ConnectionTable
 
 
+class PinnedAddress(tuple):
+    """``(checked ip, port)``, as mitmproxy connects to it, that still knows the name it was checked for.
+
+    mitmproxy bounds a client connection's upstream connections per address (five, each held for its
+    connection's life: ``ConnectionHandler.max_conns``). Pinned to one IP, every name behind a CDN shared
+    that bound, and the sixth host a kept-alive client asked for waited for an old upstream connection
+    to idle out. Hashed and compared with its name, the bound stays per name, as mitmproxy meant it."""
+
+    name: str
+
+    def __new__(cls, ip: str, port: int, name: str) -> PinnedAddress:
+        address = super().__new__(cls, (ip, port))
+        address.name = name
+        return address
+
+    def __eq__(self, other: object) -> bool:
+        return tuple.__eq__(self, other) is True and getattr(other, "name", None) == self.name
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash((self[0], self[1], self.name))
+
+
 class Pinning:
     def __init__(self, gate: Gate, table: ConnectionTable) -> None:
         self.gate, self.table = gate, table
@@ -32,7 +57,7 @@ class Pinning:
         except HostFormError as err:
             data.server.error = f"egresswall: refused connect to {host!r}: {err.reason}"
             return
-        pinned = self.table.pins.get((data.client.id, key_host, port))
+        pinned = self.table.pin_for(data.client.id, key_host, port)
         if pinned is None:
             # No decision prepared this connect (a path the request hooks did not see): decide now.
             try:
@@ -51,7 +76,7 @@ class Pinning:
             data.server.error = refused  # the fast front's wording exactly: the tunnel records agree
             return
         self.table.restore[data.server.id] = (host, port)
-        data.server.address = (pinned, port)
+        data.server.address = PinnedAddress(pinned, port, key_host)
 
     def server_connected(self, data: ServerConnectionHookData) -> None:
         original = self.table.restore.pop(data.server.id, None)
@@ -68,4 +93,7 @@ class Pinning:
             data.server.address = original
         tunnel = self.table.tunnels.pop(data.server.id, None)
         if tunnel is not None:  # the tunnel's connect failed: it ends here, with the reason
-            self.gate.tunnel_closed(tunnel, 0, 0, f"connect failed: {data.server.error or 'unknown error'}")
+            # Regular mode connects before it answers the CONNECT, and answers 502; upstream mode answers 200
+            # first and connects when the tunnel's first message comes.
+            self.gate.tunnel_closed(tunnel, 0, 0, f"connect failed: {data.server.error or 'unknown error'}",
+                                    200 if tunnel.established else 502)
