@@ -444,9 +444,15 @@ def self_refusal(pinned: str, port: int, verdict: Verdict) -> Verdict:
 
 
 def ech_allowed(policy: Policy) -> bool:
-    """``tls.ech`` in the policy; unset, Encrypted Client Hello is refused where the policy is an
-    allowlist (the outer name is all egresswall can check) and let through on the open web."""
-    return policy.tls_ech == "allow" if policy.tls_ech else policy.default == "allow"
+    """``tls.ech`` in the policy. Unset, Encrypted Client Hello is let through only where no host rule can
+    be dodged with it: ECH hides the real name behind the outer one, and the outer name (a CDN's, say) is all
+    egresswall can check. So it is refused on an allowlist, and on the open web too once any deny rule names
+    a host or any role denies by default; an open-web policy with no host to refuse lets it through."""
+    if policy.tls_ech:
+        return policy.tls_ech == "allow"
+    if policy.default != "allow" or len(policy.deny):
+        return False
+    return not any(role.default == "deny" or len(role.deny) for role in policy.roles)
 
 
 def safe_text(text: str, limit: int = 300) -> str:
