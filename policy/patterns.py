@@ -14,8 +14,10 @@ with the number of labels in the host and not with the number of patterns.
 from __future__ import annotations
 
 import enum
+import operator
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import compress
 from typing import NamedTuple
 
 from .hosts import FAST_NAME_REGEX, HostFormError, normalise_host
@@ -103,6 +105,8 @@ EXACT, SUBDOMAINS, DOMAIN = PatternKind.EXACT, PatternKind.SUBDOMAINS, PatternKi
 # A pattern that is a prefix ('*.' or '.', or none) and a name hosts.fast_name takes as already normal.
 _FAST_PATTERN = re.compile(r"(?:\*\.|\.)?" + FAST_NAME_REGEX).fullmatch
 _tuple_new = tuple.__new__  # HostPattern.parse, a million times: the named tuple without its Python __new__
+_first, _second = operator.itemgetter(0), operator.itemgetter(1)
+_kind_of, _name_of = _first, _second  # HostPattern.kind and .name, by position
 
 
 class HostIndex[T]:
@@ -122,6 +126,26 @@ class HostIndex[T]:
         self._names: dict[str, int | list[int]] = {}
         self.extend(entries)
 
+    @classmethod
+    def of(cls, patterns: Sequence[HostPattern], items: Iterable[T]) -> HostIndex[T]:
+        """An index of items[i] under patterns[i] (a policy's table, built once): ``HostIndex(zip(patterns,
+        items))`` without a pair per entry. A million entries go in without a Python step per entry: C-level
+        maps take the kinds and names, and one dict built from the names in reverse maps each to its first
+        position; only a name written more than once (found by comparing each name's first position with its
+        own, also in C) is then given its later positions."""
+        index = cls()
+        index._items.extend(items)
+        if len(index._items) != len(patterns):
+            raise ValueError(f"{len(patterns)} patterns for {len(index._items)} items")
+        index._kinds.extend(map(_kind_of, patterns))
+        names = list(map(_name_of, patterns))
+        positions = range(len(names))
+        index._names = first = dict(zip(reversed(names), reversed(positions), strict=True))
+        if len(first) != len(names):  # some name written more than once
+            for position in compress(positions, map(operator.ne, map(first.__getitem__, names), positions)):
+                _put(first, names[position], position)
+        return index
+
     def __len__(self) -> int:
         return len(self._items)
 
@@ -129,8 +153,7 @@ class HostIndex[T]:
         self.extend(((pattern, item),))
 
     def extend(self, entries: Iterable[tuple[HostPattern, T]]) -> None:
-        """``add`` for each entry, in one loop: a million-entry list is indexed without a call per entry
-        (a name seen for the first time, nearly all of them, costs one ``setdefault``)."""
+        """``add`` for each entry, in order (a name seen for the first time costs one ``setdefault``)."""
         items, kinds, names = self._items, self._kinds, self._names
         append, append_kind = items.append, kinds.append
         position = len(items)

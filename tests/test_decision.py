@@ -628,11 +628,21 @@ hosts = st.lists(LABELS, min_size=1, max_size=5).map(".".join)
 @settings(max_examples=300)
 @given(st.lists(patterns(), max_size=25), st.lists(hosts, min_size=1, max_size=10))
 def test_host_index_equals_brute_force(pattern_list: list[HostPattern], host_list: list[str]) -> None:
-    index = HostIndex((pattern, i) for i, pattern in enumerate(pattern_list))
-    assert len(index) == len(pattern_list)
-    for host in host_list:
-        expected = [i for i, pattern in enumerate(pattern_list) if pattern.matches(host)]
-        assert list(index.candidates(host)) == expected, host
+    one_by_one = HostIndex((pattern, i) for i, pattern in enumerate(pattern_list))
+    bulk = HostIndex.of(pattern_list, range(len(pattern_list)))  # how a policy's table is built
+    half = len(pattern_list) // 2
+    extended = HostIndex.of(pattern_list[:half], range(half))  # and added to afterwards
+    extended.extend((pattern, half + i) for i, pattern in enumerate(pattern_list[half:]))
+    for index in (one_by_one, bulk, extended):
+        assert len(index) == len(pattern_list)
+        for host in host_list:
+            expected = [i for i, pattern in enumerate(pattern_list) if pattern.matches(host)]
+            assert list(index.candidates(host)) == expected, host
+
+
+def test_host_index_of_wants_a_pattern_per_item() -> None:
+    with pytest.raises(ValueError):
+        HostIndex.of([HostPattern.parse("a.example")], [1, 2])
 
 
 @given(patterns(), patterns(), hosts)
