@@ -35,6 +35,7 @@ from .model import (
     Role,
     Upstream,
 )
+from .pattern_lists import plain_patterns
 from .patterns import HostPattern
 from .ports import parse_port_list
 from .schema import schema, schema_problems
@@ -325,29 +326,37 @@ class _Builder:
 
     def table(self, at: KeyPath, action: str, role: str | None = None) -> HostTable:
         path = (*at, action)
+        list_name = rule_ids.host_list(action, role)
+        whole = _at(self.doc.data, path)
+        if isinstance(whole, list) and self.unusable.clean(path) and _only_str(whole):
+            # Bare patterns only, as a big allowlist is: judged as one list (policy/pattern_lists.py), and when
+            # every one is plainly normal the rules, ids and origins are built in bulk, no Python step per entry.
+            patterns = plain_patterns(whole)
+            if None not in patterns:
+                origins = self.doc.origins_of_items(path, len(whole))
+                ids = rule_ids.derived_for_list(list_name, whole)
+                return HostTable.build(HostRule.plain_rules(action, patterns, origins, ids))  # type: ignore[arg-type]
         length, entries = self.items(path)
         origins = self.doc.origins_of_items(path, length)
-        list_name = rule_ids.host_list(action, role)
+        plain = plain_patterns([entry for _, entry in entries])  # None for a mapping, or a text to judge alone
         seen = _Occurrences()
         first_at = seen.first_at
         rules: list[HostRule] = []
-        parse, plain, derived, append = HostPattern.parse, HostRule.plain, rule_ids.derived, rules.append
-        for i, entry in entries:
+        for (i, entry), pattern in zip(entries, plain, strict=True):
             if type(entry) is str:
-                # A bare pattern, nothing else to check: the common case, a million times in a big allowlist,
-                # so it is built here in one step rather than through rule().
-                try:
-                    pattern = parse(entry)
-                except ValueError as err:
-                    self.problem((*path, i), str(err))
-                    continue
+                if pattern is None:
+                    try:
+                        pattern = HostPattern.parse(entry)
+                    except ValueError as err:
+                        self.problem((*path, i), str(err))
+                        continue
                 # One dict operation for a text written for the first time (nearly all of a big list).
                 count = 1 if first_at.setdefault(entry, i) == i else seen.repeat(entry)
-                append(plain(action, pattern, origins[i], derived(list_name, entry, count)))
+                rules.append(HostRule.plain(action, pattern, origins[i], rule_ids.derived(list_name, entry, count)))
             else:
                 rule = self.rule((*path, i), action, entry, origins[i], list_name, seen)
                 if rule is not None:
-                    append(rule)
+                    rules.append(rule)
         return HostTable.build(rules)
 
     def rule(self, path: KeyPath, action: str, entry: dict[str, Any], origin: Origin, list_name: str,
@@ -441,6 +450,10 @@ class _Builder:
 
 
 _MISSING = object()
+
+
+def _only_str(values: list[Any]) -> bool:
+    return set(map(type, values)) == {str}
 
 
 def _at(data: Any, path: KeyPath) -> Any:

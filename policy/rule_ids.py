@@ -31,6 +31,19 @@ def derived(list_name: str, pattern_text: str, occurrence: int = 1) -> str:
     return f"{list_name}:{pattern_text}" + (f"#{occurrence}" if occurrence > 1 else "")
 
 
+def derived_for_list(list_name: str, texts: list[str]) -> list[str]:
+    """``derived`` for each pattern text of one list of bare patterns, in order: a text's second entry is ``#2``,
+    its third ``#3``. A list whose texts are all different (a big allowlist) is done by one C-level map."""
+    ids = list(map(f"{list_name}:".__add__, texts))
+    if len(set(texts)) != len(texts):
+        times: dict[str, int] = {}
+        for i, text in enumerate(texts):
+            count = times[text] = times.get(text, 0) + 1
+            if count > 1:
+                ids[i] = derived(list_name, text, count)
+    return ids
+
+
 def default(action: str, role: str | None = None) -> str:
     return f"roles.{role}.default:{action}" if role is not None else f"default:{action}"
 

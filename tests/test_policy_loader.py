@@ -565,3 +565,32 @@ hosts:
         "hosts.allow:a.example.com#3", "hosts.allow:b.example.com#2"]
     assert [rule.id for rule in policy.deny.rules] == ["hosts.deny:a.example.com"]  # each list counts its own
 
+
+def test_a_list_built_in_bulk_equals_the_same_list_built_entry_by_entry() -> None:
+    """A list of plainly normal bare patterns is built in bulk; one entry that is not (a mapping, a text to
+    judge alone) sends the list through the loop, entry by entry. Both give the same rules."""
+    entries = ["a.example.com", "*.a.example.com", ".b.example.org", "a.example.com", "c.example.net.",
+               ".b.example.org", "d.example.com"]
+    head = "version: 1\nhosts:\n  allow:\n" + "".join(f"    - '{e}'\n" for e in entries)
+    bulk = parse_policy(head, "p.yaml").allow.rules
+    for tail in ("    - {host: e.example.com}\n", "    - E.example.com\n", "    - xn--p1ai.example\n"):
+        assert parse_policy(head + tail, "p.yaml").allow.rules[:len(entries)] == bulk, tail
+    assert [rule.id for rule in bulk] == [
+        "hosts.allow:a.example.com", "hosts.allow:*.a.example.com", "hosts.allow:.b.example.org",
+        "hosts.allow:a.example.com#2", "hosts.allow:c.example.net.", "hosts.allow:.b.example.org#2",
+        "hosts.allow:d.example.com"]
+    assert [(rule.origin.line, rule.origin.column, rule.origin.path) for rule in bulk] == [
+        (4 + i, 7, f"hosts.allow[{i}]") for i in range(len(entries))]
+    assert [rule.pattern.kind for rule in bulk] == [PatternKind.EXACT, PatternKind.SUBDOMAINS, PatternKind.DOMAIN,
+                                                    PatternKind.EXACT, PatternKind.EXACT, PatternKind.DOMAIN,
+                                                    PatternKind.EXACT]
+
+
+def test_derived_ids_for_a_list_number_repeats() -> None:
+    from policy.rule_ids import derived, derived_for_list
+
+    texts = ["a.example", "b.example", "a.example", "a.example", "c.example", "b.example"]
+    assert derived_for_list("hosts.allow", texts) == [
+        derived("hosts.allow", "a.example"), derived("hosts.allow", "b.example"), "hosts.allow:a.example#2",
+        "hosts.allow:a.example#3", "hosts.allow:c.example", "hosts.allow:b.example#2"]
+    assert derived_for_list("roles.ci.deny", []) == []
