@@ -77,8 +77,10 @@ class HostRule(NamedTuple):
 
     @property
     def where(self) -> str:
-        """Where the rule was written, for a human: ``policy.yaml:12`` or the flag that added it."""
-        return str(self.origin)
+        """Where the rule was written, for a human: ``policy.yaml:12`` or the flag that added it (``str(origin)``,
+        written out: every verdict a rule makes asks for it)."""
+        origin = self.origin
+        return f"{origin.source}:{origin.line}" if origin.line else origin.source
 
     @property
     def rule_id(self) -> str:
@@ -152,7 +154,7 @@ class HostTable:
         rules_tuple = tuple(rules)
         return cls(rules_tuple, HostIndex.of(list(map(_pattern_of, rules_tuple)), rules_tuple))
 
-    def candidates(self, host: str) -> Iterator[HostRule]:
+    def candidates(self, host: str) -> list[HostRule]:
         return self.index.candidates(host)
 
     def __len__(self) -> int:
