@@ -338,7 +338,8 @@ class _Builder:
                 return HostTable.build(HostRule.plain_rules(action, patterns, origins, ids))  # type: ignore[arg-type]
         length, entries = self.items(path)
         origins = self.doc.origins_of_items(path, length)
-        plain = plain_patterns([entry for _, entry in entries])  # None for a mapping, or a text to judge alone
+        # None for a mapping (given as ''), or for a text to judge alone
+        plain = plain_patterns([entry if type(entry) is str else "" for _, entry in entries])
         seen = _Occurrences()
         first_at = seen.first_at
         rules: list[HostRule] = []

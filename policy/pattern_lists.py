@@ -39,10 +39,11 @@ _KIND_BY_FIRST = {"*": SUBDOMAINS, ".": DOMAIN}
 _new_pattern = partial(tuple.__new__, HostPattern)  # the named tuple without its Python __new__
 
 
-def plain_patterns(texts: Sequence[object]) -> list[HostPattern | None]:
+def plain_patterns(strings: Sequence[str]) -> list[HostPattern | None]:
     """For each text, in order: its pattern when it is plainly normal (exactly what ``HostPattern.parse`` gives
-    for it), else None: parse that one alone. An item that is not a ``str`` is None."""
-    strings: Sequence[str] = texts if _only_str(texts) else [t if type(t) is str else "" for t in texts]  # type: ignore[assignment]
+    for it), else None: parse that one alone. Every item must be a ``str`` (TypeError otherwise)."""
+    if not strings:
+        return []
     # The name: the text without its leading '*.' or '.' and its one trailing dot. Stripping every leading '*'
     # and '.' and every trailing '.' gives exactly that for an entry that passes the tests below (which find
     # '**', '..', a '*' anywhere else), in two C calls; each hands back the text itself when there is nothing
@@ -53,10 +54,6 @@ def plain_patterns(texts: Sequence[object]) -> list[HostPattern | None]:
     for position in _not_plain(strings, names):
         patterns[position] = None
     return patterns
-
-
-def _only_str(texts: Sequence[object]) -> bool:
-    return set(map(type, texts)) <= {str}
 
 
 def _not_plain(strings: Sequence[str], names: list[str]) -> set[int]:
