@@ -334,7 +334,7 @@ class _Builder:
             patterns = plain_patterns(whole)
             if None not in patterns:
                 origins = self.doc.origins_of_items(path, len(whole))
-                ids = rule_ids.derived_for_list(list_name, whole)
+                ids = rule_ids.derived_for_list(list_name, whole, implied=role is None)
                 return HostTable.build(HostRule.plain_rules(action, patterns, origins, ids))  # type: ignore[arg-type]
         length, entries = self.items(path)
         origins = self.doc.origins_of_items(path, length)
@@ -353,7 +353,8 @@ class _Builder:
                         continue
                 # One dict operation for a text written for the first time (nearly all of a big list).
                 count = 1 if first_at.setdefault(entry, i) == i else seen.repeat(entry)
-                rules.append(HostRule.plain(action, pattern, origins[i], rule_ids.derived(list_name, entry, count)))
+                rule_id = rule_ids.given_id(list_name, entry, count, implied=role is None)
+                rules.append(HostRule.plain(action, pattern, origins[i], rule_id))
             else:
                 rule = self.rule((*path, i), action, entry, origins[i], list_name, seen)
                 if rule is not None:
@@ -390,7 +391,7 @@ class _Builder:
             self.ids.append((rule_id, self.doc.origin((*path, "id")), (*path, "id")))
         else:
             count = seen.count(pattern.text, path[-1])
-            rule_id = rule_ids.derived(list_name, pattern.text, count)
+            rule_id = rule_ids.given_id(list_name, pattern.text, count, implied=list_name == rule_ids.host_list(action))
         if not ok:
             return None
         paths = raw.get("paths")

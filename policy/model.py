@@ -52,7 +52,9 @@ class HostRule(NamedTuple):
     action: str  # ALLOW or DENY
     pattern: HostPattern
     origin: Origin
-    id: str = ""  # stable across edits above it: the YAML `id:`, else derived (see policy/rule_ids.py)
+    # Stable across edits above it (policy/rule_ids.py): the YAML `id:`, or a derived id that the action and the
+    # pattern alone do not give (a role's list, a repeat's #n); "" when they do: rule_id derives it.
+    id: str = ""
     ports: frozenset[int] | None = None
     schemes: frozenset[str] | None = None
     methods: frozenset[str] | None = None
@@ -84,9 +86,15 @@ class HostRule(NamedTuple):
 
     @property
     def rule_id(self) -> str:
-        """The stable id (metrics, records). The loader gives every rule one; a rule built by hand without one
-        gets the id its list and pattern derive (never ``where``: a file position moves, and labels metrics)."""
-        return self.id or rule_ids.derived(rule_ids.host_list(self.action), self.pattern.text)
+        """The stable id (metrics, records): ``id``, or when that is "" (a first entry of ``hosts.allow`` or
+        ``hosts.deny``, a rule built by hand) the id its list and pattern derive (never ``where``: a file
+        position moves, and labels metrics)."""
+        if self.id:
+            return self.id
+        prefix = _IMPLIED_ID_PREFIX.get(self.action)
+        if prefix is None:
+            return rule_ids.derived(rule_ids.host_list(self.action), self.pattern.text)
+        return prefix + self.pattern.text  # rule_ids.derived's text, without two calls on a verdict's path
 
     @property
     def needs_visible_request(self) -> bool:
@@ -112,6 +120,7 @@ class HostRule(NamedTuple):
 
 _tuple_new = tuple.__new__  # the named tuple without its Python __new__ (which takes each field as an argument)
 _NO_CONDITIONS = tuple(HostRule._field_defaults[name] for name in HostRule._fields[4:])
+_IMPLIED_ID_PREFIX = {action: rule_ids.derived(rule_ids.host_list(action), "") for action in (ALLOW, DENY)}
 _pattern_of = operator.itemgetter(1)  # HostRule.pattern, a million times: no attribute lookups
 
 _ESCAPE = re.compile(r"%([0-9A-Fa-f]{2})")

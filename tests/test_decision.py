@@ -741,7 +741,7 @@ ports: {connect: [443, 8443], http: [80]}
 
 
 def _ids(pol: Policy) -> dict[str, str]:
-    return {f"{r.pattern.text}:{sorted(r.ports or [])}": r.id for r in pol.all_host_rules()}
+    return {f"{r.pattern.text}:{sorted(r.ports or [])}": r.rule_id for r in pol.all_host_rules()}
 
 
 def test_every_host_rule_has_a_derived_or_written_id() -> None:

@@ -502,7 +502,9 @@ def test_bulk_built_rules_equal_rules_built_one_at_a_time() -> None:
         line = 7 if i == 4 else 4 + i  # an alias is the node it names: it points where the anchor was written
         origin = Origin("bulk.yaml", line, 7, f"hosts.allow[{i}]")
         pattern = HostPattern(rule.pattern.kind, rule.pattern.text.lstrip("*."), rule.pattern.text)
-        expected = HostRule(ALLOW, pattern, origin, f"hosts.allow:{rule.pattern.text}" + ("#2" if i == 4 else ""))
+        # A first entry of hosts.allow leaves its id to rule_id (no id string per rule); a repeat carries its #n.
+        expected = HostRule(ALLOW, pattern, origin, "hosts.allow:api.example.net#2" if i == 4 else "")
+        assert rule.rule_id == f"hosts.allow:{rule.pattern.text}" + ("#2" if i == 4 else "")
         assert type(rule) is HostRule and type(rule.origin) is Origin and type(rule.pattern) is HostPattern
         assert rule == expected and hash(rule) == hash(expected) and repr(rule) == repr(expected)
         assert rule.origin == origin and hash(rule.origin) == hash(origin) and str(rule.origin) == f"bulk.yaml:{line}"
@@ -515,7 +517,7 @@ def test_bulk_built_rules_equal_rules_built_one_at_a_time() -> None:
         with pytest.raises(AttributeError):
             rule.origin.line = 1  # type: ignore[misc]
     assert policy.allow.rules[6].ports == frozenset({8443})
-    assert [rule.id for rule in policy.deny.rules] == ["hosts.deny:ads.example.com"]
+    assert [rule.rule_id for rule in policy.deny.rules] == ["hosts.deny:ads.example.com"]
 
 
 def test_the_collector_is_paused_only_while_a_policy_loads() -> None:
@@ -560,10 +562,12 @@ hosts:
   deny:
     - a.example.com
 """, "ids.yaml")
-    assert [rule.id for rule in policy.allow.rules] == [
+    assert [rule.rule_id for rule in policy.allow.rules] == [
         "hosts.allow:a.example.com", "hosts.allow:b.example.com", "hosts.allow:a.example.com#2", "named",
         "hosts.allow:a.example.com#3", "hosts.allow:b.example.com#2"]
-    assert [rule.id for rule in policy.deny.rules] == ["hosts.deny:a.example.com"]  # each list counts its own
+    assert [rule.id for rule in policy.allow.rules] == [  # what rule_id cannot derive from action and pattern
+        "", "", "hosts.allow:a.example.com#2", "named", "hosts.allow:a.example.com#3", "hosts.allow:b.example.com#2"]
+    assert [rule.rule_id for rule in policy.deny.rules] == ["hosts.deny:a.example.com"]  # each list counts its own
 
 
 def test_a_list_built_in_bulk_equals_the_same_list_built_entry_by_entry() -> None:
@@ -575,10 +579,14 @@ def test_a_list_built_in_bulk_equals_the_same_list_built_entry_by_entry() -> Non
     bulk = parse_policy(head, "p.yaml").allow.rules
     for tail in ("    - {host: e.example.com}\n", "    - E.example.com\n", "    - xn--p1ai.example\n"):
         assert parse_policy(head + tail, "p.yaml").allow.rules[:len(entries)] == bulk, tail
-    assert [rule.id for rule in bulk] == [
+    assert [rule.rule_id for rule in bulk] == [
         "hosts.allow:a.example.com", "hosts.allow:*.a.example.com", "hosts.allow:.b.example.org",
         "hosts.allow:a.example.com#2", "hosts.allow:c.example.net.", "hosts.allow:.b.example.org#2",
         "hosts.allow:d.example.com"]
+    in_role = parse_policy(head.replace("hosts:\n  allow:", "roles:\n  - name: r\n    clients: [10.0.0.0/8]\n"
+                                        "    hosts:\n      allow:").replace("    - '", "        - '"), "p.yaml")
+    assert [rule.id for rule in in_role.roles[0].allow.rules] == [  # a role's list names the role: written out
+        rule.rule_id.replace("hosts.allow:", "roles.r.allow:") for rule in bulk]
     assert [(rule.origin.line, rule.origin.column, rule.origin.path) for rule in bulk] == [
         (4 + i, 7, f"hosts.allow[{i}]") for i in range(len(entries))]
     assert [rule.pattern.kind for rule in bulk] == [PatternKind.EXACT, PatternKind.SUBDOMAINS, PatternKind.DOMAIN,
@@ -587,10 +595,15 @@ def test_a_list_built_in_bulk_equals_the_same_list_built_entry_by_entry() -> Non
 
 
 def test_derived_ids_for_a_list_number_repeats() -> None:
-    from policy.rule_ids import derived, derived_for_list
+    from policy.rule_ids import derived, derived_for_list, given_id
 
     texts = ["a.example", "b.example", "a.example", "a.example", "c.example", "b.example"]
-    assert derived_for_list("hosts.allow", texts) == [
-        derived("hosts.allow", "a.example"), derived("hosts.allow", "b.example"), "hosts.allow:a.example#2",
-        "hosts.allow:a.example#3", "hosts.allow:c.example", "hosts.allow:b.example#2"]
+    written = [derived("hosts.allow", "a.example"), derived("hosts.allow", "b.example"), "hosts.allow:a.example#2",
+               "hosts.allow:a.example#3", "hosts.allow:c.example", "hosts.allow:b.example#2"]
+    assert derived_for_list("hosts.allow", texts) == written
+    assert derived_for_list("hosts.allow", texts, implied=True) == ["", ""] + written[2:4] + ["", written[5]]
+    counts = [1, 1, 2, 3, 1, 2]
+    for implied in (False, True):
+        assert [given_id("hosts.allow", text, count, implied) for text, count in zip(texts, counts, strict=True)] == (
+            derived_for_list("hosts.allow", texts, implied))
     assert derived_for_list("roles.ci.deny", []) == []
