@@ -28,6 +28,10 @@ class PatternKind(enum.Enum):
     SUBDOMAINS = "subdomains"  # *.example.com
     DOMAIN = "domain"  # .example.com
 
+    # Members are singletons, equal only to themselves: hashed by identity, in C. (Enum's own __hash__ is a
+    # Python method, a call per lookup: a million of them to index a big allowlist by kind.)
+    __hash__ = object.__hash__
+
 
 class HostPattern(NamedTuple):
     """One parsed pattern: immutable, compared and hashed by its fields.
