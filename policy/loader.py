@@ -331,11 +331,20 @@ class _Builder:
         if isinstance(whole, list) and self.unusable.clean(path) and _only_str(whole):
             # Bare patterns only, as a big allowlist is: judged as one list (policy/pattern_lists.py), and when
             # every one is plainly normal the rules, ids and origins are built in bulk, no Python step per entry.
-            patterns = plain_patterns(whole)
+            patterns: list[HostPattern] = plain_patterns(whole)  # type: ignore[assignment]  # no None: checked
             if None not in patterns:
                 origins = self.doc.origins_of_items(path, len(whole))
-                ids = rule_ids.derived_for_list(list_name, whole, implied=role is None)
-                return HostTable.build(HostRule.plain_rules(action, patterns, origins, ids))  # type: ignore[arg-type]
+                implied = role is None
+                # Built first as if no text were written twice (then no entry has a #n). A text written twice is a
+                # name written twice: when the index holds every name once, or the texts turn out all different
+                # after all ('a.example' and '.a.example' share a name), that was so. Otherwise, rare, the ids
+                # are numbered and the list built again.
+                ids = rule_ids.derived_for_list(list_name, whole, implied, distinct=True)
+                table = HostTable.build(HostRule.plain_rules(action, patterns, origins, ids), patterns)
+                if table.index.every_name_once() or len(set(whole)) == len(whole):
+                    return table
+                ids = rule_ids.derived_for_list(list_name, whole, implied)
+                return HostTable.build(HostRule.plain_rules(action, patterns, origins, ids), patterns)
         length, entries = self.items(path)
         origins = self.doc.origins_of_items(path, length)
         # None for a mapping (given as ''), or for a text to judge alone

@@ -159,9 +159,11 @@ class HostTable:
     index: HostIndex[HostRule] = field(default_factory=HostIndex)
 
     @classmethod
-    def build(cls, rules: list[HostRule]) -> HostTable:
+    def build(cls, rules: list[HostRule], patterns: list[HostPattern] | None = None) -> HostTable:
+        """The table of these rules; ``patterns``: their patterns, in order, when the caller has them already."""
         rules_tuple = tuple(rules)
-        return cls(rules_tuple, HostIndex.of(list(map(_pattern_of, rules_tuple)), rules_tuple))
+        return cls(rules_tuple, HostIndex.of(list(map(_pattern_of, rules_tuple)) if patterns is None else patterns,
+                                             rules_tuple))
 
     def candidates(self, host: str) -> list[HostRule]:
         return self.index.candidates(host)

@@ -158,6 +158,10 @@ class HostIndex[T]:
     def __len__(self) -> int:
         return len(self._items)
 
+    def every_name_once(self) -> bool:
+        """No two patterns anchored at the same name (then no pattern text is written twice either)."""
+        return len(self._names) == len(self._items)
+
     def add(self, pattern: HostPattern, item: T) -> None:
         self.extend(((pattern, item),))
 

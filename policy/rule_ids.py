@@ -34,15 +34,16 @@ def derived(list_name: str, pattern_text: str, occurrence: int = 1) -> str:
     return f"{list_name}:{pattern_text}" + (f"#{occurrence}" if occurrence > 1 else "")
 
 
-def derived_for_list(list_name: str, texts: list[str], implied: bool = False) -> list[str]:
+def derived_for_list(list_name: str, texts: list[str], implied: bool = False, distinct: bool = False) -> list[str]:
     """``derived`` for each pattern text of one list of bare patterns, in order: a text's second entry is ``#2``,
     its third ``#3``. A list whose texts are all different (a big allowlist) is done by one C-level map.
 
     ``implied``: the list is a policy's own ``hosts.allow`` or ``hosts.deny``, whose rules derive a text's first
     id themselves from their action and pattern (``HostRule.rule_id``); that id is then "" here, and a
-    million-entry allowlist holds no id strings at all."""
+    million-entry allowlist holds no id strings at all. ``distinct``: the caller knows no text is written twice
+    (nothing is then counted)."""
     ids = [""] * len(texts) if implied else list(map(f"{list_name}:".__add__, texts))
-    if len(set(texts)) != len(texts):
+    if not distinct and len(set(texts)) != len(texts):
         times: dict[str, int] = {}
         for i, text in enumerate(texts):
             count = times[text] = times.get(text, 0) + 1

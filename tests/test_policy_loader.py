@@ -583,6 +583,10 @@ def test_a_list_built_in_bulk_equals_the_same_list_built_entry_by_entry() -> Non
         "hosts.allow:a.example.com", "hosts.allow:*.a.example.com", "hosts.allow:.b.example.org",
         "hosts.allow:a.example.com#2", "hosts.allow:c.example.net.", "hosts.allow:.b.example.org#2",
         "hosts.allow:d.example.com"]
+    shared = parse_policy("version: 1\nhosts:\n  allow: [a.example.com, '*.a.example.com', .a.example.com]\n",
+                          "p.yaml").allow.rules  # one name, three texts: no #n
+    assert [(rule.id, rule.rule_id) for rule in shared] == [
+        ("", "hosts.allow:a.example.com"), ("", "hosts.allow:*.a.example.com"), ("", "hosts.allow:.a.example.com")]
     in_role = parse_policy(head.replace("hosts:\n  allow:", "roles:\n  - name: r\n    clients: [10.0.0.0/8]\n"
                                         "    hosts:\n      allow:").replace("    - '", "        - '"), "p.yaml")
     assert [rule.id for rule in in_role.roles[0].allow.rules] == [  # a role's list names the role: written out
