@@ -137,6 +137,7 @@ def _apply(doc: YamlDocument, overrides: Overrides) -> None:
         for value in values:
             doc.extra_origins[(*keys, len(target))] = Origin(f"command line {flag} {value}")
             target.append(value)
+        doc.changed(target)
     for flag, key, value in (("--upstream", "proxy", overrides.upstream),
                              ("--upstream-credentials-file", "credentials_file", overrides.upstream_credentials_file)):
         if value is not None and isinstance(data.setdefault("upstream", {}), dict):
@@ -328,7 +329,7 @@ class _Builder:
         path = (*at, action)
         list_name = rule_ids.host_list(action, role)
         whole = _at(self.doc.data, path)
-        if isinstance(whole, list) and self.unusable.clean(path) and _only_str(whole):
+        if isinstance(whole, list) and self.unusable.clean(path) and self.doc.only_text(whole):
             # Bare patterns only, as a big allowlist is: judged as one list (policy/pattern_lists.py), and when
             # every one is plainly normal the rules, ids and origins are built in bulk, no Python step per entry.
             patterns: list[HostPattern] = plain_patterns(whole)  # type: ignore[assignment]  # no None: checked
@@ -461,10 +462,6 @@ class _Builder:
 
 
 _MISSING = object()
-
-
-def _only_str(values: list[Any]) -> bool:
-    return set(map(type, values)) == {str}
 
 
 def _at(data: Any, path: KeyPath) -> Any:

@@ -32,12 +32,17 @@ class _StrictLoader(yaml.SafeLoader):
     Duplicate keys (YAML would silently keep the last one) are found by ``YamlDocument``.
     """
 
+    text_lists: dict[int, list[str]]  # each list constructed from text scalars only, by id()
+
     def construct_sequence(self, node: yaml.SequenceNode, deep: bool = False) -> list[Any]:
         """A list of plain text items (a host allowlist, up to a million of them) without a Python step per item:
-        the test and the values are taken by C-level maps."""
+        the test and the values are taken by C-level maps. Such a list is remembered (``text_lists``), so that
+        nothing later has to look at every item again to know it holds only ``str``."""
         items = node.value
         if _only_text(items):
-            return list(map(_value_of, items))
+            values = list(map(_value_of, items))
+            self.text_lists[id(values)] = values
+            return values
         return super().construct_sequence(node, deep)
 
 
@@ -119,10 +124,22 @@ class YamlDocument:
     not YAML at all raises ``PolicyError`` from ``parse``.
     """
 
-    def __init__(self, source: str, root: yaml.Node | None, data: Any, problems: list[PolicyProblem]) -> None:
+    def __init__(self, source: str, root: yaml.Node | None, data: Any, problems: list[PolicyProblem],
+                 text_lists: dict[int, list[str]] | None = None) -> None:
         self.source, self.root, self.data = source, root, data
         self.problems = problems
         self.extra_origins: dict[KeyPath, Origin] = {}  # values added by command-line flags
+        # The data's lists that hold only str, as constructed, by id() (held, so that no other list takes the id).
+        self._text_lists = text_lists or {}
+
+    def only_text(self, values: list[Any]) -> bool:
+        """Every item of this list of the data is a ``str``: known without a look at each item when the list was
+        constructed from text scalars and not changed since (``changed``)."""
+        return self._text_lists.get(id(values)) is values or set(map(type, values)) <= {str}
+
+    def changed(self, values: list[Any]) -> None:
+        """A list of the data was changed after the parse (a command-line addition): judge it afresh."""
+        self._text_lists.pop(id(values), None)
 
     @property
     def is_empty(self) -> bool:
@@ -141,13 +158,14 @@ class YamlDocument:
             return cls(source, None, None, [])
         problems = list(_duplicate_keys(root, source))
         loader = _StrictLoader("")
+        loader.text_lists = {}
         try:
             data = loader.construct_document(root)
         except yaml.MarkedYAMLError as err:  # an unhashable (complex) key, an unknown tag such as !!python/...
             raise _yaml_error(source, err, "not valid policy YAML") from None
         finally:
             loader.dispose()
-        return cls(source, root, data, problems)
+        return cls(source, root, data, problems, loader.text_lists)
 
     def origin(self, path: KeyPath) -> Origin:
         if path in self.extra_origins:

@@ -102,3 +102,14 @@ def test_a_list_of_text_is_constructed_as_text_only_when_every_item_is() -> None
         assert "p.yaml:1:8" in str(err)
     else:
         raise AssertionError("a Python tag was constructed")
+
+
+def test_a_list_of_text_is_known_as_such_until_it_changes() -> None:
+    doc = YamlDocument.parse("a: [x, 'y']\nb: [x, 1]\nc: []\nd: [x, {k: v}]\n", "k.yaml")
+    a, b, c, d = (doc.data[key] for key in "abcd")
+    assert doc.only_text(a) and doc.only_text(c)  # c: empty, judged by a look at its (no) items
+    assert not doc.only_text(b) and not doc.only_text(d)
+    assert doc.only_text(list(a)) and not doc.only_text([*a, 3])  # a list the parse did not make: looked at
+    a.append({"host": "z"})
+    doc.changed(a)
+    assert not doc.only_text(a)
