@@ -113,3 +113,13 @@ def test_a_list_of_text_is_known_as_such_until_it_changes() -> None:
     a.append({"host": "z"})
     doc.changed(a)
     assert not doc.only_text(a)
+
+
+@given(st.text(max_size=12), st.integers(0, 30))
+@example("hosts.allow", 3)
+@example("a%d%%b", 2)  # a '%' in the path is text, not a format
+@example("a\nb", 2)  # a line break in the path: formatted one by one
+def test_property_item_paths_are_each_items_path(at: str, count: int) -> None:
+    from policy.yamldoc import _item_paths
+
+    assert _item_paths(at, count) == [f"{at}[{i}]" for i in range(count)]
