@@ -34,16 +34,18 @@ class _StrictLoader(yaml.SafeLoader):
 
     text_lists: dict[int, list[str]]  # each list constructed from text scalars only, by id()
 
-    def construct_sequence(self, node: yaml.SequenceNode, deep: bool = False) -> list[Any]:
-        """A list of plain text items (a host allowlist, up to a million of them) without a Python step per item:
-        the test and the values are taken by C-level maps. Such a list is remembered (``text_lists``), so that
-        nothing later has to look at every item again to know it holds only ``str``."""
+    def construct_list(self, node: yaml.SequenceNode) -> Any:
+        """A YAML sequence. One of text items only (a host allowlist, up to a million of them) is built without a
+        Python step per item: the test and the values are taken by C-level maps, and the list is remembered
+        (``text_lists``), so that nothing later has to look at every item again to know it holds only ``str``.
+        (Text cannot refer back to its list, so the list is built at once, not filled afterwards as SafeLoader
+        does to allow for that.) Any other sequence is SafeLoader's."""
         items = node.value
         if _only_text(items):
             values = list(map(_value_of, items))
             self.text_lists[id(values)] = values
             return values
-        return super().construct_sequence(node, deep)
+        return yaml.constructor.SafeConstructor.construct_yaml_seq(self, node)
 
 
 _STR = "tag:yaml.org,2002:str"
@@ -85,6 +87,7 @@ def _resolve(self: yaml.resolver.BaseResolver, kind: type[yaml.Node], value: Any
 
 
 _StrictLoader.resolve = _resolve  # type: ignore[method-assign]
+_StrictLoader.add_constructor("tag:yaml.org,2002:seq", _StrictLoader.construct_list)
 
 
 class _StrictCLoader(yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoader):  # type: ignore[misc]

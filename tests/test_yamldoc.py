@@ -105,8 +105,11 @@ def test_a_list_of_text_is_constructed_as_text_only_when_every_item_is() -> None
 
 
 def test_a_list_of_text_is_known_as_such_until_it_changes() -> None:
-    doc = YamlDocument.parse("a: [x, 'y']\nb: [x, 1]\nc: []\nd: [x, {k: v}]\n", "k.yaml")
-    a, b, c, d = (doc.data[key] for key in "abcd")
+    doc = YamlDocument.parse("a: [x, 'y']\nb: [x, 1]\nc: []\nd: [x, {k: v}]\ne: &e [p, q]\nf: *e\n", "k.yaml")
+    a, b, c, d, e, f = (doc.data[key] for key in "abcdef")
+    # Known from the parse (the very list in the data, an alias's too), not from a look at each item:
+    assert all(doc._text_lists.get(id(known)) is known for known in (a, e, f)) and e is f
+    assert len(doc._text_lists) == 2
     assert doc.only_text(a) and doc.only_text(c)  # c: empty, judged by a look at its (no) items
     assert not doc.only_text(b) and not doc.only_text(d)
     assert doc.only_text(list(a)) and not doc.only_text([*a, 3])  # a list the parse did not make: looked at
