@@ -263,13 +263,13 @@ _LDH_NAME = re.compile(r"(?!-)[a-z0-9-]{1,63}(?<!-)(?:\.(?!-)[a-z0-9-]{1,63}(?<!
 # 253 octets without the one trailing dot allowed; the last label not a number (decimal, or WHATWG's "0x" hex),
 # and the name not one _check_name_rules refuses as local (by its ending, or whole: "home.arpa" has a dot).
 # Its text is public so that patterns.py can put a pattern's leading '*.' or '.' in front of it.
-_LOCAL_NAMES = ("localhost", *LOCAL_SUFFIXES)
+LOCAL_NAMES = ("localhost", *LOCAL_SUFFIXES)  # a name that is one of these, or under one, is refused
 FAST_NAME_REGEX = (
     r"(?=.{1,253}\.?\Z)"
-    + "".join(rf"(?!{re.escape(name)}\.?\Z)" for name in _LOCAL_NAMES if "." in name)
+    + "".join(rf"(?!{re.escape(name)}\.?\Z)" for name in LOCAL_NAMES if "." in name)
     + r"(?:(?!-)[a-z0-9-]{1,63}(?<!-)\.)+"
     + r"(?![0-9]+\.?\Z)(?!0x[0-9a-f]*\.?\Z)(?!-)[a-z0-9-]{1,63}(?<!-)"
-    + "".join(rf"(?<!\.{re.escape(name)})" for name in _LOCAL_NAMES)
+    + "".join(rf"(?<!\.{re.escape(name)})" for name in LOCAL_NAMES)
     + r"\.?"
 )
 _FAST_NAME = re.compile(FAST_NAME_REGEX).fullmatch

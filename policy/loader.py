@@ -35,6 +35,7 @@ from .model import (
     Role,
     Upstream,
 )
+from .pattern_lists import plain_patterns
 from .patterns import HostPattern
 from .ports import parse_port_list
 from .schema import schema, schema_problems
@@ -136,6 +137,7 @@ def _apply(doc: YamlDocument, overrides: Overrides) -> None:
         for value in values:
             doc.extra_origins[(*keys, len(target))] = Origin(f"command line {flag} {value}")
             target.append(value)
+        doc.changed(target)
     for flag, key, value in (("--upstream", "proxy", overrides.upstream),
                              ("--upstream-credentials-file", "credentials_file", overrides.upstream_credentials_file)):
         if value is not None and isinstance(data.setdefault("upstream", {}), dict):
@@ -325,29 +327,48 @@ class _Builder:
 
     def table(self, at: KeyPath, action: str, role: str | None = None) -> HostTable:
         path = (*at, action)
+        list_name = rule_ids.host_list(action, role)
+        whole = _at(self.doc.data, path)
+        if isinstance(whole, list) and self.unusable.clean(path) and self.doc.only_text(whole):
+            # Bare patterns only, as a big allowlist is: judged as one list (policy/pattern_lists.py), and when
+            # every one is plainly normal the rules, ids and origins are built in bulk, no Python step per entry.
+            patterns: list[HostPattern] = plain_patterns(whole)  # type: ignore[assignment]  # no None: checked
+            if None not in patterns:
+                origins = self.doc.origins_of_items(path, len(whole))
+                implied = role is None
+                # Built first as if no text were written twice (then no entry has a #n). A text written twice is a
+                # name written twice: when the index holds every name once, or the texts turn out all different
+                # after all ('a.example' and '.a.example' share a name), that was so. Otherwise, rare, the ids
+                # are numbered and the list built again.
+                ids = rule_ids.derived_for_list(list_name, whole, implied, distinct=True)
+                table = HostTable.build(HostRule.plain_rules(action, patterns, origins, ids), patterns)
+                if table.index.every_name_once() or len(set(whole)) == len(whole):
+                    return table
+                ids = rule_ids.derived_for_list(list_name, whole, implied)
+                return HostTable.build(HostRule.plain_rules(action, patterns, origins, ids), patterns)
         length, entries = self.items(path)
         origins = self.doc.origins_of_items(path, length)
-        list_name = rule_ids.host_list(action, role)
+        # None for a mapping (given as ''), or for a text to judge alone
+        plain = plain_patterns([entry if type(entry) is str else "" for _, entry in entries])
         seen = _Occurrences()
         first_at = seen.first_at
         rules: list[HostRule] = []
-        parse, plain, derived, append = HostPattern.parse, HostRule.plain, rule_ids.derived, rules.append
-        for i, entry in entries:
+        for (i, entry), pattern in zip(entries, plain, strict=True):
             if type(entry) is str:
-                # A bare pattern, nothing else to check: the common case, a million times in a big allowlist,
-                # so it is built here in one step rather than through rule().
-                try:
-                    pattern = parse(entry)
-                except ValueError as err:
-                    self.problem((*path, i), str(err))
-                    continue
+                if pattern is None:
+                    try:
+                        pattern = HostPattern.parse(entry)
+                    except ValueError as err:
+                        self.problem((*path, i), str(err))
+                        continue
                 # One dict operation for a text written for the first time (nearly all of a big list).
                 count = 1 if first_at.setdefault(entry, i) == i else seen.repeat(entry)
-                append(plain(action, pattern, origins[i], derived(list_name, entry, count)))
+                rule_id = rule_ids.given_id(list_name, entry, count, implied=role is None)
+                rules.append(HostRule.plain(action, pattern, origins[i], rule_id))
             else:
                 rule = self.rule((*path, i), action, entry, origins[i], list_name, seen)
                 if rule is not None:
-                    append(rule)
+                    rules.append(rule)
         return HostTable.build(rules)
 
     def rule(self, path: KeyPath, action: str, entry: dict[str, Any], origin: Origin, list_name: str,
@@ -380,7 +401,7 @@ class _Builder:
             self.ids.append((rule_id, self.doc.origin((*path, "id")), (*path, "id")))
         else:
             count = seen.count(pattern.text, path[-1])
-            rule_id = rule_ids.derived(list_name, pattern.text, count)
+            rule_id = rule_ids.given_id(list_name, pattern.text, count, implied=list_name == rule_ids.host_list(action))
         if not ok:
             return None
         paths = raw.get("paths")

@@ -5,9 +5,11 @@ from __future__ import annotations
 import fnmatch
 import operator
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import partial
+from itertools import repeat
 from typing import NamedTuple
 
 import netaddr
@@ -37,12 +39,22 @@ class Origin(NamedTuple):
         return f"{self.source}:{self.line}" if self.line else self.source
 
 
-@dataclass(frozen=True)
-class HostRule:
+class HostRule(NamedTuple):
+    """One host rule: a pattern, its action and its conditions.
+
+    A named tuple, as ``HostPattern`` and ``Origin`` are: a big allowlist is a million of these, and a frozen
+    dataclass sets each field through ``object.__setattr__`` (a slow call, thirteen times a rule), where a named
+    tuple is one allocation, and can be built in bulk by C-level maps (``HostRule.plain_rules``). As immutable
+    (setting a field raises AttributeError); compared and hashed by its fields; ``rule._replace(id=...)`` for a
+    changed copy.
+    """
+
     action: str  # ALLOW or DENY
     pattern: HostPattern
     origin: Origin
-    id: str = ""  # stable across edits above it: the YAML `id:`, else derived (see policy/rule_ids.py)
+    # Stable across edits above it (policy/rule_ids.py): the YAML `id:`, or a derived id that the action and the
+    # pattern alone do not give (a role's list, a repeat's #n); "" when they do: rule_id derives it.
+    id: str = ""
     ports: frozenset[int] | None = None
     schemes: frozenset[str] | None = None
     methods: frozenset[str] | None = None
@@ -55,31 +67,34 @@ class HostRule:
 
     @classmethod
     def plain(cls, action: str, pattern: HostPattern, origin: Origin, id: str) -> HostRule:
-        """A rule with no condition (a bare pattern in a list), equal to ``HostRule(action, pattern, origin, id)``.
+        """A rule with no condition (a bare pattern in a list): ``HostRule(action, pattern, origin, id)``."""
+        return _tuple_new(cls, (action, pattern, origin, id, *_NO_CONDITIONS))
 
-        A big allowlist is a million of these. The generated ``__init__`` of a frozen dataclass writes all
-        thirteen fields through ``object.__setattr__``; this writes the four a bare pattern sets, and the
-        nine conditions are read from the class, where the dataclass keeps every field's default (so the
-        rule compares, hashes, prints and ``replace``s as the constructor's would, in about half the time and
-        memory).
-        """
-        rule = _new(cls)
-        _set(rule, "action", action)
-        _set(rule, "pattern", pattern)
-        _set(rule, "origin", origin)
-        _set(rule, "id", id)
-        return rule
+    @classmethod
+    def plain_rules(cls, action: str, patterns: Iterable[HostPattern], origins: Iterable[Origin],
+                    ids: Iterable[str]) -> list[HostRule]:
+        """``plain`` for each (pattern, origin, id), in order, built by C-level maps: no Python step per rule."""
+        return list(map(partial(_tuple_new, cls), zip(repeat(action), patterns, origins, ids,
+                                                      *map(repeat, _NO_CONDITIONS))))
 
     @property
     def where(self) -> str:
-        """Where the rule was written, for a human: ``policy.yaml:12`` or the flag that added it."""
-        return str(self.origin)
+        """Where the rule was written, for a human: ``policy.yaml:12`` or the flag that added it (``str(origin)``,
+        written out: every verdict a rule makes asks for it)."""
+        origin = self.origin
+        return f"{origin.source}:{origin.line}" if origin.line else origin.source
 
     @property
     def rule_id(self) -> str:
-        """The stable id (metrics, records). The loader gives every rule one; a rule built by hand without one
-        gets the id its list and pattern derive (never ``where``: a file position moves, and labels metrics)."""
-        return self.id or rule_ids.derived(rule_ids.host_list(self.action), self.pattern.text)
+        """The stable id (metrics, records): ``id``, or when that is "" (a first entry of ``hosts.allow`` or
+        ``hosts.deny``, a rule built by hand) the id its list and pattern derive (never ``where``: a file
+        position moves, and labels metrics)."""
+        if self.id:
+            return self.id
+        prefix = _IMPLIED_ID_PREFIX.get(self.action)
+        if prefix is None:
+            return rule_ids.derived(rule_ids.host_list(self.action), self.pattern.text)
+        return prefix + self.pattern.text  # rule_ids.derived's text, without two calls on a verdict's path
 
     @property
     def needs_visible_request(self) -> bool:
@@ -103,8 +118,10 @@ class HostRule:
         return f"{self.action} {self.pattern.text} ({self.origin})"
 
 
-_new, _set = object.__new__, object.__setattr__
-_pattern_of = operator.attrgetter("pattern")  # HostRule.plain, a million times: no attribute lookups
+_tuple_new = tuple.__new__  # the named tuple without its Python __new__ (which takes each field as an argument)
+_NO_CONDITIONS = tuple(HostRule._field_defaults[name] for name in HostRule._fields[4:])
+_IMPLIED_ID_PREFIX = {action: rule_ids.derived(rule_ids.host_list(action), "") for action in (ALLOW, DENY)}
+_pattern_of = operator.itemgetter(1)  # HostRule.pattern, a million times: no attribute lookups
 
 _ESCAPE = re.compile(r"%([0-9A-Fa-f]{2})")
 _ENCODED_SEPARATOR = re.compile(r"%(?:2f|5c)", re.IGNORECASE)
@@ -148,10 +165,13 @@ class HostTable:
     index: HostIndex[HostRule] = field(default_factory=HostIndex)
 
     @classmethod
-    def build(cls, rules: list[HostRule]) -> HostTable:
-        return cls(tuple(rules), HostIndex(zip(map(_pattern_of, rules), rules, strict=True)))
+    def build(cls, rules: list[HostRule], patterns: list[HostPattern] | None = None) -> HostTable:
+        """The table of these rules; ``patterns``: their patterns, in order, when the caller has them already."""
+        rules_tuple = tuple(rules)
+        return cls(rules_tuple, HostIndex.of(list(map(_pattern_of, rules_tuple)) if patterns is None else patterns,
+                                             rules_tuple))
 
-    def candidates(self, host: str) -> Iterator[HostRule]:
+    def candidates(self, host: str) -> list[HostRule]:
         return self.index.candidates(host)
 
     def __len__(self) -> int:

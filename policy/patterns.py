@@ -14,8 +14,10 @@ with the number of labels in the host and not with the number of patterns.
 from __future__ import annotations
 
 import enum
+import operator
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Sequence
+from itertools import compress
 from typing import NamedTuple
 
 from .hosts import FAST_NAME_REGEX, HostFormError, normalise_host
@@ -25,6 +27,10 @@ class PatternKind(enum.Enum):
     EXACT = "exact"
     SUBDOMAINS = "subdomains"  # *.example.com
     DOMAIN = "domain"  # .example.com
+
+    # Members are singletons, equal only to themselves: hashed by identity, in C. (Enum's own __hash__ is a
+    # Python method, a call per lookup: a million of them to index a big allowlist by kind.)
+    __hash__ = object.__hash__
 
 
 class HostPattern(NamedTuple):
@@ -103,74 +109,116 @@ EXACT, SUBDOMAINS, DOMAIN = PatternKind.EXACT, PatternKind.SUBDOMAINS, PatternKi
 # A pattern that is a prefix ('*.' or '.', or none) and a name hosts.fast_name takes as already normal.
 _FAST_PATTERN = re.compile(r"(?:\*\.|\.)?" + FAST_NAME_REGEX).fullmatch
 _tuple_new = tuple.__new__  # HostPattern.parse, a million times: the named tuple without its Python __new__
+_first, _second = operator.itemgetter(0), operator.itemgetter(1)
+_kind_of, _name_of = _first, _second  # HostPattern.kind and .name, by position
 
 
 class HostIndex[T]:
-    """Maps patterns to items; ``candidates(host)`` yields every item whose pattern matches host.
+    """Maps patterns to items; ``candidates(host)`` lists every item whose pattern matches host.
 
     Items come out in the order they were added, so the first rule written is the first rule tried.
     A host is looked up by each of its suffixes, so a match costs the same for ten patterns as for a
-    million. One table maps each name a pattern is anchored at to the position of its one item, or to a
-    list of positions when several patterns share the name (one int per entry, not a list and a tuple: a
-    million-entry index); the pattern's kind, kept by position, says whether the name itself matches
-    (exact, ``.name``) or only names below it (``*.name``, ``.name``).
+    million. One table maps each name a pattern is anchored at to an entry (or to a list of entries when
+    several patterns share the name): one int per pattern, not a list and a tuple, for a million-entry
+    index. An entry is the item's position shifted left by two, with two bits that say what the pattern
+    matches: ``SELF`` the name itself (exact, ``.name``), ``BELOW`` names below it (``*.name``, ``.name``).
+    A lookup then reads nothing but the table and the items it finds (at a million entries, each other
+    place read is a cache miss).
     """
+
+    SELF, BELOW = 1, 2
+    _MATCHES = {PatternKind.EXACT: SELF, PatternKind.SUBDOMAINS: BELOW, PatternKind.DOMAIN: SELF | BELOW}
 
     def __init__(self, entries: Iterable[tuple[HostPattern, T]] = ()) -> None:
         self._items: list[T] = []
-        self._kinds: list[PatternKind] = []  # by position
         self._names: dict[str, int | list[int]] = {}
         self.extend(entries)
 
+    @classmethod
+    def of(cls, patterns: Sequence[HostPattern], items: Iterable[T]) -> HostIndex[T]:
+        """An index of items[i] under patterns[i] (a policy's table, built once): ``HostIndex(zip(patterns,
+        items))`` without a pair per entry. A million entries go in without a Python step per entry: C-level
+        maps make the entries and take the names, and one dict built from the names in reverse maps each to
+        its first entry; only a name written more than once (found by comparing each name's first entry with
+        its own, also in C) is then given its later entries."""
+        index = cls()
+        index._items.extend(items)
+        count = len(index._items)
+        if count != len(patterns):
+            raise ValueError(f"{len(patterns)} patterns for {count} items")
+        entries = list(map(operator.or_, range(0, count << 2, 4),
+                           map(cls._MATCHES.__getitem__, map(_kind_of, patterns))))
+        names = list(map(_name_of, patterns))
+        index._names = first = dict(zip(reversed(names), reversed(entries), strict=True))
+        if len(first) != count:  # some name written more than once
+            for position in compress(range(count), map(operator.ne, map(first.__getitem__, names), entries)):
+                _put(first, names[position], entries[position])
+        return index
+
     def __len__(self) -> int:
         return len(self._items)
+
+    def every_name_once(self) -> bool:
+        """No two patterns anchored at the same name (then no pattern text is written twice either)."""
+        return len(self._names) == len(self._items)
 
     def add(self, pattern: HostPattern, item: T) -> None:
         self.extend(((pattern, item),))
 
     def extend(self, entries: Iterable[tuple[HostPattern, T]]) -> None:
-        """``add`` for each entry, in one loop: a million-entry list is indexed without a call per entry
-        (a name seen for the first time, nearly all of them, costs one ``setdefault``)."""
-        items, kinds, names = self._items, self._kinds, self._names
-        append, append_kind = items.append, kinds.append
-        position = len(items)
+        """``add`` for each entry, in order (a name seen for the first time costs one ``setdefault``)."""
+        items, names, matches = self._items, self._names, self._MATCHES
+        append = items.append
         for (kind, name, _), item in entries:
+            entry = len(items) << 2 | matches[kind]
             append(item)
-            append_kind(kind)
-            if names.setdefault(name, position) != position:
-                _put(names, name, position)
-            position += 1
+            if names.setdefault(name, entry) != entry:
+                _put(names, name, entry)
 
-    def candidates(self, host: str) -> Iterator[T]:
+    def candidates(self, host: str) -> list[T]:
+        """The items whose pattern matches host, in the order they were added: the host itself by an exact or
+        a ``.name`` pattern, each suffix (a name above the host) by a ``*.name`` or ``.name`` one. Written out in
+        one loop, without a call per suffix: every request's decision looks up every table it may match."""
+        names = self._names
+        if not names:
+            return []  # an empty table (often the deny list): no suffix to look up
+        lookup = names.get
         found: list[int] = []
-        names, kinds = self._names, self._kinds
-        _take(found, names.get(host), kinds, SUBDOMAINS)  # the host itself: not by '*.host'
+        held = lookup(host)
+        if held is not None:
+            if type(held) is int:
+                if held & 1:  # SELF
+                    found.append(held)
+            else:
+                found.extend(entry for entry in held if entry & 1)
         suffix = host
-        while (dot := suffix.find(".")) != -1:
-            suffix = suffix[dot + 1 :]
-            _take(found, names.get(suffix), kinds, EXACT)  # a name below: not by an exact pattern
-        if len(found) > 1:
-            found.sort()
+        while True:
+            # Each name above the host: str.partition takes one argument the fast way (find's position arguments
+            # are parsed the old, slow way), a fifth of a lookup.
+            suffix = suffix.partition(".")[2]
+            if not suffix:
+                break
+            held = lookup(suffix)
+            if held is not None:
+                if type(held) is int:
+                    if held & 2:  # BELOW
+                        found.append(held)
+                else:
+                    found.extend(entry for entry in held if entry & 2)
+        if not found:
+            return []
         items = self._items
-        return (items[position] for position in found)
+        if len(found) == 1:
+            return [items[found[0] >> 2]]
+        found.sort()  # by position, the high bits
+        return [items[entry >> 2] for entry in found]
 
 
-def _put(table: dict[str, int | list[int]], name: str, position: int) -> None:
+def _put(table: dict[str, int | list[int]], name: str, entry: int) -> None:
     held = table.get(name)
     if held is None:
-        table[name] = position
+        table[name] = entry
     elif type(held) is int:
-        table[name] = [held, position]
+        table[name] = [held, entry]
     else:
-        held.append(position)
-
-
-def _take(found: list[int], held: int | list[int] | None, kinds: list[PatternKind], unless: PatternKind) -> None:
-    """The positions held, but those whose pattern is of kind ``unless``."""
-    if held is None:
-        return
-    if type(held) is int:
-        if kinds[held] is not unless:
-            found.append(held)
-    else:
-        found.extend(position for position in held if kinds[position] is not unless)
+        held.append(entry)

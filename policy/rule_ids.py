@@ -8,6 +8,9 @@ one derived from the list it is in and its pattern as written:
 * ``roles.ci-runners.allow:.pypi.org`` (a role's own lists);
 * a second rule with the same pattern in the same list gets ``#2`` (``hosts.allow:api.example.com#2``).
 
+A rule of ``hosts.allow`` or ``hosts.deny`` derives its first-occurrence id itself when asked
+(``HostRule.rule_id``): the loader leaves its ``id`` empty, so a million-entry allowlist keeps no id strings.
+
 The default has ``default:deny`` / ``default:allow``, a role's own default ``roles.ci-runners.default:deny``;
 an address rule ``addresses.allow:198.18.0.0/15``. Every other refusal (form, scheme, port, special-purpose
 address, DNS) is already named without a position (``ports.connect``, ``special-purpose 10.0.0.0/8``) and
@@ -29,6 +32,29 @@ def host_list(action: str, role: str | None = None) -> str:
 
 def derived(list_name: str, pattern_text: str, occurrence: int = 1) -> str:
     return f"{list_name}:{pattern_text}" + (f"#{occurrence}" if occurrence > 1 else "")
+
+
+def derived_for_list(list_name: str, texts: list[str], implied: bool = False, distinct: bool = False) -> list[str]:
+    """``derived`` for each pattern text of one list of bare patterns, in order: a text's second entry is ``#2``,
+    its third ``#3``. A list whose texts are all different (a big allowlist) is done by one C-level map.
+
+    ``implied``: the list is a policy's own ``hosts.allow`` or ``hosts.deny``, whose rules derive a text's first
+    id themselves from their action and pattern (``HostRule.rule_id``); that id is then "" here, and a
+    million-entry allowlist holds no id strings at all. ``distinct``: the caller knows no text is written twice
+    (nothing is then counted)."""
+    ids = [""] * len(texts) if implied else list(map(f"{list_name}:".__add__, texts))
+    if not distinct and len(set(texts)) != len(texts):
+        times: dict[str, int] = {}
+        for i, text in enumerate(texts):
+            count = times[text] = times.get(text, 0) + 1
+            if count > 1:
+                ids[i] = derived(list_name, text, count)
+    return ids
+
+
+def given_id(list_name: str, text: str, occurrence: int, implied: bool) -> str:
+    """One entry's id as ``derived_for_list`` gives it: "" for a text's first entry in an ``implied`` list."""
+    return "" if implied and occurrence == 1 else derived(list_name, text, occurrence)
 
 
 def default(action: str, role: str | None = None) -> str:

@@ -7,8 +7,11 @@ value), so that each problem found later can point at the line to fix.
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Iterable
+from functools import partial
+from itertools import repeat
 from typing import Any
 
 import yaml
@@ -29,13 +32,20 @@ class _StrictLoader(yaml.SafeLoader):
     Duplicate keys (YAML would silently keep the last one) are found by ``YamlDocument``.
     """
 
+    text_lists: dict[int, list[str]]  # each list constructed from text scalars only, by id()
 
-    def construct_sequence(self, node: yaml.SequenceNode, deep: bool = False) -> list[Any]:
-        """A list of plain text items (a host allowlist, up to a million of them) without a call per item."""
+    def construct_list(self, node: yaml.SequenceNode) -> Any:
+        """A YAML sequence. One of text items only (a host allowlist, up to a million of them) is built without a
+        Python step per item: the test and the values are taken by C-level maps, and the list is remembered
+        (``text_lists``), so that nothing later has to look at every item again to know it holds only ``str``.
+        (Text cannot refer back to its list, so the list is built at once, not filled afterwards as SafeLoader
+        does to allow for that.) Any other sequence is SafeLoader's."""
         items = node.value
-        if all(type(item) is yaml.ScalarNode and item.tag == _STR for item in items):
-            return [item.value for item in items]
-        return super().construct_sequence(node, deep)
+        if _only_text(items):
+            values = list(map(_value_of, items))
+            self.text_lists[id(values)] = values
+            return values
+        return yaml.constructor.SafeConstructor.construct_yaml_seq(self, node)
 
 
 _STR = "tag:yaml.org,2002:str"
@@ -49,12 +59,65 @@ _StrictLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:t
 _StrictLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?(?:0|[1-9][0-9]*)$"),
                                     list("-+0123456789"))
 
+# The implicit resolvers by a plain scalar's first character ('' for the empty scalar), each list with the
+# wildcard resolvers (key None, tried after the others) behind it, as BaseResolver.resolve tries them.
+_WILDCARD = tuple(_StrictLoader.yaml_implicit_resolvers.get(None, ()))
+_IMPLICIT = {first: (*resolvers, *_WILDCARD) for first, resolvers in _StrictLoader.yaml_implicit_resolvers.items()
+             if first is not None}
+assert not _StrictLoader.yaml_path_resolvers  # _resolve and the C loader's no-op descent rely on there being none
+
+
+def _resolve(self: yaml.resolver.BaseResolver, kind: type[yaml.Node], value: Any,
+             implicit: tuple[bool, bool]) -> str | None:
+    """``BaseResolver.resolve`` for these loaders, the same answer in fewer steps: called once per scalar by the
+    C loader (a million times for a big allowlist), and most host names start with a letter no implicit tag
+    can start with, so they are text after one dict lookup. No path resolvers are registered, so the
+    resolvers of the value's first character (and the wildcard ones) are all there is to try."""
+    if kind is yaml.ScalarNode:
+        if implicit[0]:
+            for tag, regexp in _IMPLICIT.get(value[:1], _WILDCARD):
+                if regexp.match(value):
+                    return tag
+        return _STR
+    if kind is yaml.SequenceNode:
+        return yaml.resolver.BaseResolver.DEFAULT_SEQUENCE_TAG
+    if kind is yaml.MappingNode:
+        return yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG
+    return None
+
+
+_StrictLoader.resolve = _resolve  # type: ignore[method-assign]
+_StrictLoader.add_constructor("tag:yaml.org,2002:seq", _StrictLoader.construct_list)
+
 
 class _StrictCLoader(yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoader):  # type: ignore[misc]
-    """The same rules, with libyaml doing the parsing: a million-entry allowlist composes in seconds."""
+    """The same rules, with libyaml doing the parsing: a million-entry allowlist composes in seconds.
+
+    libyaml's composer calls back into Python for every node: to resolve its tag, and to descend into and
+    ascend from it for path resolvers. There are none, so descending and ascending are C built-ins that do
+    nothing with their arguments (``operator.is_`` compares the parent and index and the answer is dropped;
+    ``tuple()`` returns the empty tuple): two Python calls fewer per scalar.
+    """
+
+    resolve = _resolve
+    descend_resolver = staticmethod(operator.is_)
+    ascend_resolver = staticmethod(tuple)
 
 
 _StrictCLoader.yaml_implicit_resolvers = _StrictLoader.yaml_implicit_resolvers
+_value_of, _tag_of = operator.attrgetter("value"), operator.attrgetter("tag")
+_start_of, _line_of, _column_of = operator.attrgetter("start_mark"), operator.attrgetter("line"), operator.attrgetter(
+    "column")
+
+
+def _only_scalars(nodes: list[yaml.Node]) -> bool:
+    return set(map(type, nodes)) == {yaml.ScalarNode}
+
+
+def _only_text(nodes: list[yaml.Node]) -> bool:
+    """Every node a scalar tagged as text (written plainly or quoted, or with ``!!str``), none of them a list
+    or a mapping. False for no nodes: an empty list is constructed the usual way."""
+    return _only_scalars(nodes) and set(map(_tag_of, nodes)) == {_STR}
 
 
 class YamlDocument:
@@ -64,10 +127,22 @@ class YamlDocument:
     not YAML at all raises ``PolicyError`` from ``parse``.
     """
 
-    def __init__(self, source: str, root: yaml.Node | None, data: Any, problems: list[PolicyProblem]) -> None:
+    def __init__(self, source: str, root: yaml.Node | None, data: Any, problems: list[PolicyProblem],
+                 text_lists: dict[int, list[str]] | None = None) -> None:
         self.source, self.root, self.data = source, root, data
         self.problems = problems
         self.extra_origins: dict[KeyPath, Origin] = {}  # values added by command-line flags
+        # The data's lists that hold only str, as constructed, by id() (held, so that no other list takes the id).
+        self._text_lists = text_lists or {}
+
+    def only_text(self, values: list[Any]) -> bool:
+        """Every item of this list of the data is a ``str``: known without a look at each item when the list was
+        constructed from text scalars and not changed since (``changed``)."""
+        return self._text_lists.get(id(values)) is values or set(map(type, values)) <= {str}
+
+    def changed(self, values: list[Any]) -> None:
+        """A list of the data was changed after the parse (a command-line addition): judge it afresh."""
+        self._text_lists.pop(id(values), None)
 
     @property
     def is_empty(self) -> bool:
@@ -86,13 +161,14 @@ class YamlDocument:
             return cls(source, None, None, [])
         problems = list(_duplicate_keys(root, source))
         loader = _StrictLoader("")
+        loader.text_lists = {}
         try:
             data = loader.construct_document(root)
         except yaml.MarkedYAMLError as err:  # an unhashable (complex) key, an unknown tag such as !!python/...
             raise _yaml_error(source, err, "not valid policy YAML") from None
         finally:
             loader.dispose()
-        return cls(source, root, data, problems)
+        return cls(source, root, data, problems, loader.text_lists)
 
     def origin(self, path: KeyPath) -> Origin:
         if path in self.extra_origins:
@@ -113,11 +189,15 @@ class YamlDocument:
             node = _child(node, step) if node is not None else None
         if not isinstance(node, yaml.SequenceNode) or any(key[:-1] == path for key in self.extra_origins):
             return [self.origin((*path, i)) for i in range(count)]
-        at = dotted(path)
-        source = self.source
-        # A million of these for a big allowlist: the tuple is built directly, without Origin's Python __new__.
-        return [_tuple_new(Origin, (source, (mark := item.start_mark).line + 1, mark.column + 1, f"{at}[{i}]"))
-                for i, item in enumerate(node.value[:count])]
+        # A million of these for a big allowlist: each field is taken by a C-level map (the marks' 0-based line and
+        # column made 1-based, the key path formatted) and each tuple built directly, without Origin's Python
+        # __new__; no Python bytecode runs per item.
+        marks = list(map(_start_of, node.value[:count]))
+        return list(map(partial(_tuple_new, Origin), zip(
+            repeat(self.source),
+            map((1).__add__, map(_line_of, marks)),
+            map((1).__add__, map(_column_of, marks)),
+            _item_paths(dotted(path), len(marks)), strict=False)))
 
     def problem(self, path: KeyPath, message: str) -> PolicyProblem:
         origin = self.origin(path)  # a value added by a flag names the flag, not the file
@@ -136,6 +216,17 @@ class YamlDocument:
 
     def error(self, path: KeyPath, message: str) -> PolicyError:
         return PolicyError.of([self.problem(path, message)])
+
+
+def _item_paths(at: str, count: int) -> list[str]:
+    """``[f"{at}[{i}]" for i in range(count)]``, formatted as one text and split (a third faster than a format per
+    item, for the million item paths of a big allowlist)."""
+    if "\n" in at:
+        return [f"{at}[{i}]" for i in range(count)]
+    item = at.replace("%", "%%") + "[%d]\n"
+    paths = ((item * count) % tuple(range(count))).split("\n")
+    paths.pop()  # the '' after the last line break
+    return paths
 
 
 def dotted(path: Iterable[str | int]) -> str:
@@ -177,7 +268,7 @@ def _duplicate_keys(root: yaml.Node, source: str) -> Iterable[PolicyProblem]:
                 else:
                     seen[name] = key
                 stack.append(value)
-        elif isinstance(node, yaml.SequenceNode):
+        elif isinstance(node, yaml.SequenceNode) and not _only_scalars(node.value):  # a scalar holds no key
             stack.extend(node.value)
 
 

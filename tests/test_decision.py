@@ -20,6 +20,7 @@ from policy.decision import (
     SCHEME,
     Request,
     Resolution,
+    Verdict,
     decide,
     decide_addresses,
     precheck,
@@ -628,11 +629,21 @@ hosts = st.lists(LABELS, min_size=1, max_size=5).map(".".join)
 @settings(max_examples=300)
 @given(st.lists(patterns(), max_size=25), st.lists(hosts, min_size=1, max_size=10))
 def test_host_index_equals_brute_force(pattern_list: list[HostPattern], host_list: list[str]) -> None:
-    index = HostIndex((pattern, i) for i, pattern in enumerate(pattern_list))
-    assert len(index) == len(pattern_list)
-    for host in host_list:
-        expected = [i for i, pattern in enumerate(pattern_list) if pattern.matches(host)]
-        assert list(index.candidates(host)) == expected, host
+    one_by_one = HostIndex((pattern, i) for i, pattern in enumerate(pattern_list))
+    bulk = HostIndex.of(pattern_list, range(len(pattern_list)))  # how a policy's table is built
+    half = len(pattern_list) // 2
+    extended = HostIndex.of(pattern_list[:half], range(half))  # and added to afterwards
+    extended.extend((pattern, half + i) for i, pattern in enumerate(pattern_list[half:]))
+    for index in (one_by_one, bulk, extended):
+        assert len(index) == len(pattern_list)
+        for host in host_list:
+            expected = [i for i, pattern in enumerate(pattern_list) if pattern.matches(host)]
+            assert list(index.candidates(host)) == expected, host
+
+
+def test_host_index_of_wants_a_pattern_per_item() -> None:
+    with pytest.raises(ValueError):
+        HostIndex.of([HostPattern.parse("a.example")], [1, 2])
 
 
 @given(patterns(), patterns(), hosts)
@@ -730,7 +741,7 @@ ports: {connect: [443, 8443], http: [80]}
 
 
 def _ids(pol: Policy) -> dict[str, str]:
-    return {f"{r.pattern.text}:{sorted(r.ports or [])}": r.id for r in pol.all_host_rules()}
+    return {f"{r.pattern.text}:{sorted(r.ports or [])}": r.rule_id for r in pol.all_host_rules()}
 
 
 def test_every_host_rule_has_a_derived_or_written_id() -> None:
@@ -824,3 +835,32 @@ def test_a_written_id_used_twice_is_an_error_naming_both_places() -> None:
         policy(text)
     assert str(info.value) == ("p.yaml:12:15: roles[0].hosts.deny[0].id: duplicate rule id 'same' "
                                "(first used at p.yaml:5:11); ids must be unique")
+
+
+# --- the verdict's own constructor ---------------------------------------------------------------------
+
+
+def test_verdict_constructor_takes_every_field_with_its_default() -> None:
+    """Verdict writes its fields itself (faster than the frozen dataclass's generated __init__): the same
+    parameters, in the same order, with the same defaults, and as frozen afterwards."""
+    import dataclasses
+    import inspect
+
+    parameters = list(inspect.signature(Verdict.__init__).parameters.values())[1:]
+    fields = dataclasses.fields(Verdict)
+    assert [p.name for p in parameters] == [f.name for f in fields]
+    assert [p.default for p in parameters] == [inspect.Parameter.empty if f.default is dataclasses.MISSING
+                                               else f.default for f in fields]
+    verdict = Verdict(True, "host", "policy.yaml:3", "allowed")
+    assert verdict.rule_id == "policy.yaml:3"  # no id given: the rule text is the id
+    assert Verdict(True, "host", "policy.yaml:3", "allowed", rule_id="hosts.allow:a.example").rule_id == (
+        "hosts.allow:a.example")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        verdict.allowed = False  # type: ignore[misc]
+    changed = dataclasses.replace(verdict, session="s1", addresses=("192.0.2.1",))
+    assert (changed.session, changed.addresses, changed.rule, verdict.session) == ("s1", ("192.0.2.1",),
+                                                                                  "policy.yaml:3", None)
+    assert changed == Verdict(True, "host", "policy.yaml:3", "allowed", addresses=("192.0.2.1",), session="s1")
+    assert hash(changed) == hash(Verdict(True, "host", "policy.yaml:3", "allowed", addresses=("192.0.2.1",),
+                                         session="s1"))
+    assert repr(verdict).startswith("Verdict(allowed=True, stage='host', rule='policy.yaml:3'")

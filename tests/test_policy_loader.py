@@ -488,15 +488,12 @@ hosts:
 
 
 def test_bulk_built_rules_equal_rules_built_one_at_a_time() -> None:
-    from dataclasses import MISSING, FrozenInstanceError, fields, replace
-
     from policy.model import HostRule, Origin
     from policy.patterns import HostPattern
 
-    # HostRule.plain sets four fields and leaves the conditions to the class, where a dataclass keeps plain defaults
-    # (a default_factory would leave no class attribute, and plain rules without that field).
-    for f in fields(HostRule)[4:]:
-        assert f.default is not MISSING and getattr(HostRule, f.name) == f.default, f.name
+    # HostRule.plain fills the conditions with the fields' own defaults.
+    assert HostRule.plain(ALLOW, HostPattern.parse("a.example"), Origin("x"), "i") == HostRule(
+        ALLOW, HostPattern.parse("a.example"), Origin("x"), "i")
     policy = parse_policy(BULK, "bulk.yaml")
     texts = [rule.pattern.text for rule in policy.allow.rules]
     assert texts == ["docs.example.com", "*.cdn.example.com", ".example.org", "api.example.net", "api.example.net",
@@ -505,21 +502,22 @@ def test_bulk_built_rules_equal_rules_built_one_at_a_time() -> None:
         line = 7 if i == 4 else 4 + i  # an alias is the node it names: it points where the anchor was written
         origin = Origin("bulk.yaml", line, 7, f"hosts.allow[{i}]")
         pattern = HostPattern(rule.pattern.kind, rule.pattern.text.lstrip("*."), rule.pattern.text)
-        expected = HostRule(ALLOW, pattern, origin, f"hosts.allow:{rule.pattern.text}" + ("#2" if i == 4 else ""))
+        # A first entry of hosts.allow leaves its id to rule_id (no id string per rule); a repeat carries its #n.
+        expected = HostRule(ALLOW, pattern, origin, "hosts.allow:api.example.net#2" if i == 4 else "")
+        assert rule.rule_id == f"hosts.allow:{rule.pattern.text}" + ("#2" if i == 4 else "")
         assert type(rule) is HostRule and type(rule.origin) is Origin and type(rule.pattern) is HostPattern
         assert rule == expected and hash(rule) == hash(expected) and repr(rule) == repr(expected)
         assert rule.origin == origin and hash(rule.origin) == hash(origin) and str(rule.origin) == f"bulk.yaml:{line}"
-        assert replace(rule, id="x") == replace(expected, id="x")
-        with pytest.raises(FrozenInstanceError):
+        assert rule._replace(id="x") == expected._replace(id="x")
+        # Rules, patterns and origins are named tuples (built a million times): immutable.
+        with pytest.raises(AttributeError):
             rule.id = "changed"  # type: ignore[misc]
-        # Patterns and origins are named tuples (built a million times): as immutable, AttributeError being the
-        # base of FrozenInstanceError.
         with pytest.raises(AttributeError):
             rule.pattern.name = "changed"  # type: ignore[misc]
         with pytest.raises(AttributeError):
             rule.origin.line = 1  # type: ignore[misc]
     assert policy.allow.rules[6].ports == frozenset({8443})
-    assert [rule.id for rule in policy.deny.rules] == ["hosts.deny:ads.example.com"]
+    assert [rule.rule_id for rule in policy.deny.rules] == ["hosts.deny:ads.example.com"]
 
 
 def test_the_collector_is_paused_only_while_a_policy_loads() -> None:
@@ -564,7 +562,52 @@ hosts:
   deny:
     - a.example.com
 """, "ids.yaml")
-    assert [rule.id for rule in policy.allow.rules] == [
+    assert [rule.rule_id for rule in policy.allow.rules] == [
         "hosts.allow:a.example.com", "hosts.allow:b.example.com", "hosts.allow:a.example.com#2", "named",
         "hosts.allow:a.example.com#3", "hosts.allow:b.example.com#2"]
-    assert [rule.id for rule in policy.deny.rules] == ["hosts.deny:a.example.com"]  # each list counts its own
+    assert [rule.id for rule in policy.allow.rules] == [  # what rule_id cannot derive from action and pattern
+        "", "", "hosts.allow:a.example.com#2", "named", "hosts.allow:a.example.com#3", "hosts.allow:b.example.com#2"]
+    assert [rule.rule_id for rule in policy.deny.rules] == ["hosts.deny:a.example.com"]  # each list counts its own
+
+
+def test_a_list_built_in_bulk_equals_the_same_list_built_entry_by_entry() -> None:
+    """A list of plainly normal bare patterns is built in bulk; one entry that is not (a mapping, a text to
+    judge alone) sends the list through the loop, entry by entry. Both give the same rules."""
+    entries = ["a.example.com", "*.a.example.com", ".b.example.org", "a.example.com", "c.example.net.",
+               ".b.example.org", "d.example.com"]
+    head = "version: 1\nhosts:\n  allow:\n" + "".join(f"    - '{e}'\n" for e in entries)
+    bulk = parse_policy(head, "p.yaml").allow.rules
+    for tail in ("    - {host: e.example.com}\n", "    - E.example.com\n", "    - xn--p1ai.example\n"):
+        assert parse_policy(head + tail, "p.yaml").allow.rules[:len(entries)] == bulk, tail
+    assert [rule.rule_id for rule in bulk] == [
+        "hosts.allow:a.example.com", "hosts.allow:*.a.example.com", "hosts.allow:.b.example.org",
+        "hosts.allow:a.example.com#2", "hosts.allow:c.example.net.", "hosts.allow:.b.example.org#2",
+        "hosts.allow:d.example.com"]
+    shared = parse_policy("version: 1\nhosts:\n  allow: [a.example.com, '*.a.example.com', .a.example.com]\n",
+                          "p.yaml").allow.rules  # one name, three texts: no #n
+    assert [(rule.id, rule.rule_id) for rule in shared] == [
+        ("", "hosts.allow:a.example.com"), ("", "hosts.allow:*.a.example.com"), ("", "hosts.allow:.a.example.com")]
+    in_role = parse_policy(head.replace("hosts:\n  allow:", "roles:\n  - name: r\n    clients: [10.0.0.0/8]\n"
+                                        "    hosts:\n      allow:").replace("    - '", "        - '"), "p.yaml")
+    assert [rule.id for rule in in_role.roles[0].allow.rules] == [  # a role's list names the role: written out
+        rule.rule_id.replace("hosts.allow:", "roles.r.allow:") for rule in bulk]
+    assert [(rule.origin.line, rule.origin.column, rule.origin.path) for rule in bulk] == [
+        (4 + i, 7, f"hosts.allow[{i}]") for i in range(len(entries))]
+    assert [rule.pattern.kind for rule in bulk] == [PatternKind.EXACT, PatternKind.SUBDOMAINS, PatternKind.DOMAIN,
+                                                    PatternKind.EXACT, PatternKind.EXACT, PatternKind.DOMAIN,
+                                                    PatternKind.EXACT]
+
+
+def test_derived_ids_for_a_list_number_repeats() -> None:
+    from policy.rule_ids import derived, derived_for_list, given_id
+
+    texts = ["a.example", "b.example", "a.example", "a.example", "c.example", "b.example"]
+    written = [derived("hosts.allow", "a.example"), derived("hosts.allow", "b.example"), "hosts.allow:a.example#2",
+               "hosts.allow:a.example#3", "hosts.allow:c.example", "hosts.allow:b.example#2"]
+    assert derived_for_list("hosts.allow", texts) == written
+    assert derived_for_list("hosts.allow", texts, implied=True) == ["", ""] + written[2:4] + ["", written[5]]
+    counts = [1, 1, 2, 3, 1, 2]
+    for implied in (False, True):
+        assert [given_id("hosts.allow", text, count, implied) for text, count in zip(texts, counts, strict=True)] == (
+            derived_for_list("hosts.allow", texts, implied))
+    assert derived_for_list("roles.ci.deny", []) == []

@@ -1,0 +1,128 @@
+"""policy.yamldoc: the strict loader's shortcuts (tag resolution, no path-resolver steps, origins and lists taken
+in bulk) give exactly what PyYAML's own steps give."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from policy.errors import PolicyError
+from policy.model import Origin
+from policy.yamldoc import YamlDocument, _resolve, _StrictCLoader, _StrictLoader
+
+
+class _Reference(yaml.SafeLoader):
+    """The pure-Python loader with the same implicit tags and PyYAML's own resolve, descend and ascend."""
+
+
+class _ReferenceC(yaml.CSafeLoader):
+    """libyaml's loader the same way: what _StrictCLoader is without its shortcuts."""
+
+
+_Reference.yaml_implicit_resolvers = _ReferenceC.yaml_implicit_resolvers = _StrictLoader.yaml_implicit_resolvers
+
+# Scalars near every implicit tag: numbers, floats, booleans, null, merge and value keys, the YAML-only
+# indicators, and text that starts like them.
+scalar_text = st.one_of(
+    st.text(alphabet="0123456789.-+_eExXoOabfilnrstuNTFY~<=!&* :", max_size=8),
+    st.sampled_from(["", "~", "null", "Null", "NULL", "true", "False", "yes", "no", "on", "0", "-0", "+12", "0443",
+                     "1_000", ".5", "-.inf", ".NaN", "1e3", "1.0e+3", "<<", "=", "!", "&", "*", "2024-01-01", "1:30"]),
+)
+
+
+@given(st.sampled_from([yaml.ScalarNode, yaml.SequenceNode, yaml.MappingNode]), scalar_text, st.booleans(),
+       st.booleans())
+@example(yaml.ScalarNode, "", True, False)
+@example(yaml.ScalarNode, "true", False, True)  # quoted: text, whatever it spells
+def test_property_resolve_gives_pyyaml_resolves_answer(kind, value, plain, quoted) -> None:
+    expected = yaml.resolver.BaseResolver.resolve(_Reference(""), kind, value, (plain, quoted))
+    assert _resolve(_StrictCLoader(""), kind, value, (plain, quoted)) == expected
+
+
+def _shape(node: yaml.Node) -> object:
+    marks = (node.start_mark.line, node.start_mark.column, node.end_mark.line, node.end_mark.column)
+    if isinstance(node, yaml.ScalarNode):
+        return ("scalar", node.tag, node.value, marks)
+    if isinstance(node, yaml.SequenceNode):
+        return ("seq", node.tag, [_shape(item) for item in node.value], marks)
+    return ("map", node.tag, [(_shape(k), _shape(v)) for k, v in node.value], marks)
+
+
+def _written(value: str, style: int) -> str:
+    """The value plain (0), single-quoted (1) or double-quoted (2)."""
+    if style == 1 or not value:
+        return "'" + value.replace("'", "''") + "'"
+    if style == 2:
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return value
+
+
+@given(st.lists(st.tuples(scalar_text, st.integers(0, 2)), max_size=8), st.booleans())
+@example([("!", 0), ("", 0), ("~", 0), ("1", 0), ("1", 1), ("true", 2), ("<<", 0)], False)
+def test_property_the_c_loader_composes_what_it_composes_without_the_shortcuts(items, flow) -> None:
+    """libyaml with the shortcuts builds the same tree, tags and marks as libyaml with PyYAML's own steps."""
+    texts = [_written(value, style) for value, style in items]
+    body = ("  allow: [" + ", ".join(texts) + "]\n") if flow else "  allow:\n" + "".join(f"    - {t}\n" for t in texts)
+    text = "hosts:\n" + body + "  deny: {a: 1, b: [x, {c: d}]}\n"
+    try:
+        expected = yaml.compose(text, Loader=_ReferenceC)
+    except yaml.YAMLError:  # a plain scalar YAML cannot hold ('*', ': ', ...): refused with the shortcuts too
+        with pytest.raises(yaml.YAMLError):
+            yaml.compose(text, Loader=_StrictCLoader)
+        return
+    assert _shape(yaml.compose(text, Loader=_StrictCLoader)) == _shape(expected)
+
+
+def test_origins_of_items_are_each_items_origin() -> None:
+    doc = YamlDocument.parse("hosts:\n  allow:\n    - a.example\n    - &x 'b.example'\n    - *x\n"
+                             "    - [c, d]\n  deny: [e.example,\n    f.example]\n", "o.yaml")
+    for path, count in ((("hosts", "allow"), 4), (("hosts", "deny"), 2)):
+        bulk = doc.origins_of_items(path, count)
+        assert bulk == [doc.origin((*path, i)) for i in range(count)]
+        assert all(type(origin) is Origin for origin in bulk)
+    assert doc.origins_of_items(("hosts", "deny"), 2) == [Origin("o.yaml", 7, 10, "hosts.deny[0]"),
+                                                           Origin("o.yaml", 8, 5, "hosts.deny[1]")]
+    assert doc.data["hosts"]["allow"] == ["a.example", "b.example", "b.example", ["c", "d"]]
+
+
+def test_a_key_written_twice_is_found_inside_lists() -> None:
+    text = "hosts:\n  allow:\n    - a.example\n    - [b, {host: c.example, host: d.example}]\n"
+    doc = YamlDocument.parse(text, "d.yaml")
+    assert [(p.line, p.column, p.message.split(" (")[0]) for p in doc.problems] == [(4, 29, "duplicate key")]
+
+
+def test_a_list_of_text_is_constructed_as_text_only_when_every_item_is() -> None:
+    doc = YamlDocument.parse("a: [x, 'y', !!str 3, 4]\nb: [x, y]\nc: []\n", "t.yaml")
+    assert doc.data == {"a": ["x", "y", "3", 4], "b": ["x", "y"], "c": []}
+    try:
+        YamlDocument.parse("a: [x, !!python/name:os.system y]\n", "p.yaml")
+    except PolicyError as err:
+        assert "p.yaml:1:8" in str(err)
+    else:
+        raise AssertionError("a Python tag was constructed")
+
+
+def test_a_list_of_text_is_known_as_such_until_it_changes() -> None:
+    doc = YamlDocument.parse("a: [x, 'y']\nb: [x, 1]\nc: []\nd: [x, {k: v}]\ne: &e [p, q]\nf: *e\n", "k.yaml")
+    a, b, c, d, e, f = (doc.data[key] for key in "abcdef")
+    # Known from the parse (the very list in the data, an alias's too), not from a look at each item:
+    assert all(doc._text_lists.get(id(known)) is known for known in (a, e, f)) and e is f
+    assert len(doc._text_lists) == 2
+    assert doc.only_text(a) and doc.only_text(c)  # c: empty, judged by a look at its (no) items
+    assert not doc.only_text(b) and not doc.only_text(d)
+    assert doc.only_text(list(a)) and not doc.only_text([*a, 3])  # a list the parse did not make: looked at
+    a.append({"host": "z"})
+    doc.changed(a)
+    assert not doc.only_text(a)
+
+
+@given(st.text(max_size=12), st.integers(0, 30))
+@example("hosts.allow", 3)
+@example("a%d%%b", 2)  # a '%' in the path is text, not a format
+@example("a\nb", 2)  # a line break in the path: formatted one by one
+def test_property_item_paths_are_each_items_path(at: str, count: int) -> None:
+    from policy.yamldoc import _item_paths
+
+    assert _item_paths(at, count) == [f"{at}[{i}]" for i in range(count)]
