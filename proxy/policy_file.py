@@ -136,7 +136,9 @@ def _read_once(path: Path, unsettled: Unsettled | None) -> PolicyText:
     ident = FileIdentity(os.path.realpath(path), after.st_ino, after.st_size, after.st_mtime_ns)
     changed_while_read = (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns) or (
         after.st_size != len(data))
-    if data and (not data.endswith(b"\n") or changed_while_read):
+    # An empty file counts as unfinished too: a writer that truncates and then writes (most editors, and
+    # shell redirection) leaves it empty for a moment, and an empty read then is not the file's content.
+    if not data.endswith(b"\n") or changed_while_read:
         _check_settled(source, ident, changed_while_read, unsettled)
     return PolicyText(text, source, ident)
 

@@ -102,3 +102,13 @@ def start_proxy(tmp_path, transport):
         leaks = [e for e in proxy.outbound() + proxy.datagrams()
                  if not e["host"].startswith("127.") and e["host"] != "::1"]
         assert not leaks, f"the proxy tried to connect outside the lab: {leaks}"
+
+
+@pytest.fixture
+def internal_saw_nothing(lab):
+    """No internal stand-in received a connection during the test (a module uses it with
+    ``pytestmark = pytest.mark.usefixtures("internal_saw_nothing")``)."""
+    before = len(lab.internal.connections) + len(lab.internal_tls.connections)
+    yield
+    assert len(lab.internal.connections) + len(lab.internal_tls.connections) == before, \
+        "an internal stand-in received a connection"

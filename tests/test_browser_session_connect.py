@@ -216,8 +216,12 @@ labels = st.from_regex(r"\A[a-z][a-z0-9]{0,8}\Z")
 sites = st.tuples(labels, st.sampled_from(["example", "co.uk", "com", "github.io"]))
 
 
-@given(st.lists(st.tuples(st.lists(labels, max_size=2), sites, st.from_regex(r"\A(/[a-z0-9]{0,6}){1,3}\Z")),
-                min_size=1, max_size=4), sites, st.sampled_from(["same-site", "none"]))
+# Paths with no empty segment but a trailing one ('/a//b' has no canonical form and is never granted).
+paths = st.from_regex(r"\A(/[a-z0-9]{1,6}){0,2}/[a-z0-9]{0,6}\Z")
+
+
+@given(st.lists(st.tuples(st.lists(labels, max_size=2), sites, paths), min_size=1, max_size=4), sites,
+       st.sampled_from(["same-site", "none"]))
 def test_a_browse_session_admits_each_url_it_was_given_and_no_other_site(pages, other, subresources):
     urls = [f"https://{'.'.join([*sub, name, suffix])}{path}" for sub, (name, suffix), path in pages]
     spec = browse_grants(urls, subresources, 300).spec

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 from proxyproc import both_transports
+from rawclient import read_all
 from tls_build import ECH, client_hello, extension
 
 from policy.loader import parse_policy
@@ -39,14 +40,8 @@ def test_an_open_web_policy_with_a_deny_rule_refuses_ech_on_both_transports(lab,
     sock, status, _ = proxy.connect(f"public.lab.example:{lab.public_tls.port}")
     assert status == 200
     with sock:
-        sock.settimeout(10)
         sock.sendall(client_hello(b"public.lab.example", extra=(extension(ECH, bytes(48)),)))
-        answer = b""
-        try:
-            while chunk := sock.recv(4096):
-                answer += chunk
-        except (TimeoutError, ConnectionResetError):
-            pass
+        answer = read_all(sock)
     assert answer[:1] in (b"\x15", b""), answer[:20]  # a TLS alert, or closed: never the origin's answer
     refusals = [r for r in proxy.audit() if r.get("rule") == "tls:ech" and r["verdict"] == "refuse"]
     assert len(refusals) == 1 and refusals[0]["host"] == "public.lab.example", proxy.audit()

@@ -30,6 +30,8 @@ from audit_watch import AuditWatch, decisions
 from dnslab import Behaviour, DnsLab, Record
 from labnet import PUBLIC_IP
 
+from proxy.policy_file import SETTLE_SECONDS
+
 pytestmark = pytest.mark.integration
 
 
@@ -196,7 +198,9 @@ def test_policy_file_fault_keeps_the_last_good_policy(lab, start_proxy, fault):
     proxy = start_proxy(text)
     _enforcing_the_good_policy(proxy, lab)
     FILE_FAULTS[fault](proxy.policy_path)
-    wait_for(lambda: metric(proxy, 'egresswall_policy_reloads_total{result="failure"}') >= 1)
+    # (an empty file is refused once it has stayed empty for SETTLE_SECONDS: it may be a write just begun)
+    wait_for(lambda: metric(proxy, 'egresswall_policy_reloads_total{result="failure"}') >= 1,
+             timeout=SETTLE_SECONDS + 3)
     proxy.signal(signal.SIGHUP)  # an explicit reload meets the same fault
     wait_for(lambda: metric(proxy, 'egresswall_policy_reloads_total{result="failure"}') >= 2)
     started = time.monotonic()

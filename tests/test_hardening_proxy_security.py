@@ -14,6 +14,7 @@ import pytest
 from hostile import SwitchesProtocols
 from labnet import PUBLIC_IP
 from proxyproc import ROOT, TRANSPORTS, ProxyProcess, parse_response, read_response
+from rawclient import read_all, tunnel
 from tls_build import ECH, client_hello, extension, real_client_hello, server_name_body
 
 pytestmark = pytest.mark.integration
@@ -58,27 +59,7 @@ def records_for(proxy: ProxyProcess, predicate, timeout: float = 10) -> list[dic
     return []
 
 
-def tunnel(proxy: ProxyProcess, authority: str) -> socket.socket:
-    sock = socket.create_connection((proxy.host, proxy.port), timeout=10)
-    sock.sendall(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
-    head = b""
-    while b"\r\n\r\n" not in head:
-        chunk = sock.recv(1)
-        assert chunk, head
-        head += chunk
-    assert head.startswith(b"HTTP/1.1 200"), head
-    return sock
 
-
-def read_all(sock: socket.socket, timeout: float = 10) -> bytes:
-    sock.settimeout(timeout)
-    data = b""
-    try:
-        while chunk := sock.recv(65536):
-            data += chunk
-    except (ConnectionResetError, TimeoutError):
-        pass
-    return data
 
 
 # ---- 1. hop-by-hop headers ------------------------------------------------------------------------

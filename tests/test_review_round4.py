@@ -46,6 +46,7 @@ from hypothesis import strategies as st
 from labnet import PUBLIC_IP
 from mitmproxy.test import tflow
 from proxyproc import TRANSPORTS, ProxyProcess, both_transports, parse_response, read_response
+from rawclient import read_all, tunnel
 from test_review_uvloop import SpeakFirstUpstream, _nothing_arrives, _open_tunnel, _policy, _recv_until
 from tls_build import client_hello
 
@@ -58,7 +59,7 @@ from proxy.gate import Gate
 from proxy.metrics import Metrics
 from proxy.reload import PolicyHolder
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("internal_saw_nothing")]
 
 HEADER_TIMEOUT, FIRST_BYTE_TIMEOUT, IDLE_TIMEOUT, BODY_LIMIT = 2, 2, 6, 1000
 DENIED_PATH = "/admin/"
@@ -84,14 +85,6 @@ def proxy(lab, tmp_path_factory, request):
     assert not [e for e in process.outbound() if e["host"] != PUBLIC_IP], process.outbound()
 
 
-@pytest.fixture(autouse=True)
-def internal_saw_nothing(lab):
-    before = len(lab.internal.connections) + len(lab.internal_tls.connections)
-    yield
-    assert len(lab.internal.connections) + len(lab.internal_tls.connections) == before, \
-        "an internal stand-in received a connection"
-
-
 @pytest.fixture
 def speaker():
     server = SpeakFirstUpstream()
@@ -105,25 +98,7 @@ def exchange(proxy: ProxyProcess, data: bytes, timeout: float = 5) -> bytes:
         return read_all(sock, timeout)
 
 
-def read_all(sock: socket.socket, timeout: float = 5) -> bytes:
-    sock.settimeout(timeout)
-    got = b""
-    with contextlib.suppress(TimeoutError, ConnectionResetError):
-        while chunk := sock.recv(65536):
-            got += chunk
-    return got
 
-
-def tunnel(proxy: ProxyProcess, authority: str) -> socket.socket:
-    sock = socket.create_connection((proxy.host, proxy.port), timeout=5)
-    sock.sendall(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
-    head = b""
-    while b"\r\n\r\n" not in head:
-        chunk = sock.recv(1)
-        assert chunk, head
-        head += chunk
-    assert head.startswith(b"HTTP/1.1 200"), head
-    return sock
 
 
 def seen_since(lab, before: int) -> list[str]:
@@ -179,7 +154,7 @@ def test_a_get_with_a_body_inside_a_tunnel_to_a_plain_http_port_is_refused_too(l
     before = len(lab.public.requests)
     with tunnel(proxy, authority) as sock:
         sock.sendall(_with_body("GET", "/in-tunnel", authority, "length", _hidden(port)))
-        status, headers, _ = parse_response(read_all(sock))
+        status, headers, _ = parse_response(read_all(sock, 5))
     assert status == 400 and headers["x-egresswall-rule"] == "http:unexpected-body"
     assert seen_since(lab, before) == []
 
@@ -423,7 +398,7 @@ def test_a_body_sent_after_its_head_in_a_later_write_is_read_and_forwarded(lab, 
         sock.sendall(head + b"\r\n\r\n")
         time.sleep(0.3)  # the proxy has read the head alone
         sock.sendall(body)
-        status, _, answer = parse_response(read_all(sock))
+        status, _, answer = parse_response(read_all(sock, 5))
     assert (status, answer) == (200, b"got 12 bytes")
     assert seen_since(lab, before) == [f"/later-{framing}"]
 
@@ -438,7 +413,7 @@ def test_a_connect_inside_a_tunnel_to_a_plain_http_port_is_refused_once(lab, pro
     with tunnel(proxy, f"public.lab.example:{port}") as sock:
         sock.sendall(f"CONNECT internal.lab.example:{port} HTTP/1.1\r\nHost: internal.lab.example:{port}\r\n\r\n"
                      .encode())
-        status, _, _ = parse_response(read_all(sock))
+        status, _, _ = parse_response(read_all(sock, 5))
     assert status == 400
     (refused,) = refusals(audit.wait_for(lambda r: refusals(r)))
     assert refused["rule"] == "http:invalid-request" and refused["url"] == f"internal.lab.example:{port}"
@@ -541,7 +516,7 @@ def test_a_chunked_body_over_the_limit_in_tiny_chunks_and_tiny_writes_gets_413_a
         with contextlib.suppress(OSError):  # the 413 may come, and the connection close, before the end
             for start in range(0, len(body), 3):
                 sock.sendall(body[start:start + 3])
-        answer = read_all(sock)
+        answer = read_all(sock, 5)
     assert parse_response(answer)[0] == 413, answer[:600]
     assert seen_since(lab, before) == []
     (refused,) = refusals(audit.wait_for(lambda r: refusals(r)))

@@ -18,6 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from labnet import PUBLIC_IP
 from proxyproc import ProxyProcess, parse_response, read_response
+from rawclient import read_all
 from session_client import TOKEN, api, connect, create, get, token_file
 from test_upstream_proxy import (
     PASSWORD,
@@ -329,23 +330,12 @@ def test_an_extended_session_goes_on_inside_a_tunnel_opened_before(lab, sessions
 
 # ---- budgets: pipelined, concurrent, inside a tunnel ---------------------------------------------
 
-def _read_all(sock: socket.socket, timeout: float = 5) -> bytes:
-    sock.settimeout(timeout)
-    data = b""
-    try:
-        while chunk := sock.recv(65536):
-            data += chunk
-    except (TimeoutError, ConnectionResetError):
-        pass
-    return data
-
-
 def test_pipelined_requests_before_the_first_answer_never_exceed_the_request_budget(lab, sessions_proxy):
     path = "/budget/pipelined"
     session = create(sessions_proxy.admin_port, {"hosts": ["public.lab.example"]}, budgets={"requests": 2})
     with socket.create_connection((sessions_proxy.host, sessions_proxy.port), timeout=10) as sock:
         sock.sendall(b"".join(_plain(lab, f"{path}?n={n}", session) for n in range(6)))  # one write
-        answers = _read_all(sock)
+        answers = read_all(sock, 5)
     assert answers.count(b"HTTP/1.1 200") == 2 and b"session:budget-requests" in answers
     assert len([p for p in _origin_paths(lab) if p.startswith(path)]) == 2
 
@@ -356,7 +346,7 @@ def test_pipelined_requests_inside_a_tunnel_count_against_the_budget(lab, sessio
     session = create(sessions_proxy.admin_port, {"hosts": ["public.lab.example"]}, budgets={"requests": 3})
     with _tunnel(sessions_proxy, lab, session) as sock:
         sock.sendall(b"".join(_inside(lab, f"{path}?n={n}") for n in range(6)))
-        answers = _read_all(sock)
+        answers = read_all(sock, 5)
     assert answers.count(b"HTTP/1.1 200") == 2 and b"session:budget-requests" in answers
     assert len([p for p in _origin_paths(lab) if p.startswith(path)]) == 2
 
@@ -619,6 +609,6 @@ def test_requests_pipelined_behind_the_connect_before_its_answer_are_each_judged
     with socket.create_connection((sessions_proxy.host, sessions_proxy.port), timeout=10) as sock:
         sock.sendall(connect_head + _inside(lab, "/pipe/ok") + _inside(lab, "/pipe/other?q=exfiltrated")
                      + _inside(lab, "/pipe/ok"))
-        answers = _read_all(sock)
+        answers = read_all(sock, 5)
     assert answers.startswith(b"HTTP/1.1 200") and b"session:not-granted" in answers
     assert [p for _, p, _ in lab.public.requests[before:]] in (["/pipe/ok"], ["/pipe/ok", "/pipe/ok"])

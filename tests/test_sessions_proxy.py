@@ -15,7 +15,7 @@ from metrics_page import value as metric_value
 from proxyproc import TRANSPORTS, ProxyProcess, both_transports, read_response
 from session_client import TOKEN, api, connect, create, get, token_file
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("internal_saw_nothing")]
 
 
 @pytest.fixture(scope="module", params=list(TRANSPORTS))
@@ -35,13 +35,6 @@ def proxy(lab, tmp_path_factory, request):
     process.stop()
     assert not [e for e in process.outbound() if e["host"] != PUBLIC_IP], process.outbound()
     assert TOKEN not in process.log_path.read_text()
-
-
-@pytest.fixture(autouse=True)
-def internal_saw_nothing(lab):
-    before = len(lab.internal.connections) + len(lab.internal_tls.connections)
-    yield
-    assert len(lab.internal.connections) + len(lab.internal_tls.connections) == before
 
 
 def fresh_name(lab) -> str:
