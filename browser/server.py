@@ -43,6 +43,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from policy.addresses import cap_group
 from policy.credentials import Credentials
 
 from .caps import CapRefusal, Caps
@@ -100,16 +101,15 @@ def _option(field_name: str) -> str:
 
 
 def client_key(connection) -> str:
-    """What the per-client caps count by: the peer's address. Session grants, when clients have them,
-    key by the session here instead (the caps take any string)."""
+    """What the per-client caps count by: the peer's address, an IPv6 one by its /64 (``cap_group``).
+    Session grants, when clients have them, key by the session here instead (the caps take any string)."""
     address = connection.remote_address
     host = str(address[0]) if address else "unknown"
     try:
         parsed = ipaddress.ip_address(host)
     except ValueError:
         return host
-    mapped = getattr(parsed, "ipv4_mapped", None)
-    return str(mapped or parsed)
+    return cap_group(str(parsed))
 
 
 def check_bind_address(host: str, allow_non_loopback: bool) -> None:

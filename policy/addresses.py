@@ -243,6 +243,25 @@ def parse_client_address(text: str) -> str:
     return unwrap_mapped(_text(address))
 
 
+def cap_group(client: str) -> str:
+    """What a per-client cap counts by: an IPv4 address itself; for IPv6, the /64 it is in.
+
+    One IPv6 host is routinely given a whole /64 (SLAAC, privacy addresses, a container's prefix), so a
+    client can pick a fresh address for every connection; counting by exact address would let it multiply
+    its cap by 2**64. ``::1`` stays itself. Anything that is not an address (a session key) is unchanged."""
+    if ":" not in client:
+        return client
+    try:
+        address = ipaddress.IPv6Address(client.split("%", 1)[0])
+    except ValueError:
+        return client
+    if address.ipv4_mapped is not None:
+        return str(address.ipv4_mapped)
+    if address.is_loopback:
+        return str(address)
+    return str(ipaddress.IPv6Network((int(address) >> 64 << 64, 64)))
+
+
 _MAPPED = netaddr.IPNetwork("::ffff:0:0/96")
 _GLOBAL_UNICAST_V6 = netaddr.IPNetwork("2000::/3")
 

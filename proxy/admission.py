@@ -2,7 +2,9 @@
 
 A connection counts against its client's cap and the total from accept until it closes, whether it
 has sent a byte or not: a client that opens sockets and stays silent holds at most its own share
-(``limits.max_connections_per_client``) and cannot shut other clients out. With N workers on one
+(``limits.max_connections_per_client``) and cannot shut other clients out. An IPv6 client is counted by
+the /64 it is in (``policy.addresses.cap_group``): one host may hold a whole /64 and take a fresh address
+for every connection. With N workers on one
 port each worker enforces 1/N of each cap (the kernel spreads connections evenly).
 
 The front (``proxy/front.py``) admits every connection of ``egresswall run``; a connection it hands
@@ -16,6 +18,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from policy.addresses import cap_group
 from policy.model import Limits
 
 
@@ -43,19 +46,22 @@ class Admission:
                               f"egresswall has {self.total} open connections, its limit is {max_total}"
                               + self._per_worker(limits.max_connections))
         max_per_client = -(-limits.max_connections_per_client // self.share)
-        if self.per_client[client] >= max_per_client:
+        group = cap_group(client)
+        if self.per_client[group] >= max_per_client:
+            who = f"client {client} has" if group == client else f"clients in {group} (counted as one) have"
             return CapRefusal(429, "limits.max_connections_per_client",
-                              f"client {client} has {self.per_client[client]} open connections, its limit is "
+                              f"{who} {self.per_client[group]} open connections, the limit is "
                               f"{max_per_client}" + self._per_worker(limits.max_connections_per_client))
         self.total += 1
-        self.per_client[client] += 1
+        self.per_client[group] += 1
         return None
 
     def release(self, client: str) -> None:
+        group = cap_group(client)
         self.total -= 1
-        self.per_client[client] -= 1
-        if self.per_client[client] <= 0:
-            del self.per_client[client]
+        self.per_client[group] -= 1
+        if self.per_client[group] <= 0:
+            del self.per_client[group]
 
     def _per_worker(self, limit: int) -> str:
         return f" (this worker's share of {limit} over {self.share} workers)" if self.share > 1 else ""

@@ -98,6 +98,18 @@ def test_admission_counts_at_accept_and_refuses_past_each_cap(make_gate):
     assert gate.metrics.value("egresswall_open_connections") == 3
 
 
+def test_the_gate_refuses_a_third_connection_from_one_64_and_admits_another_64(make_gate):
+    gate = make_gate(limits="limits:\n  max_connections_per_client: 2\n")
+    assert gate.admit("2001:db8:1:2::a") is None and gate.admit("2001:db8:1:2::b") is None
+    refusal = gate.admit("2001:db8:1:2:ffff::c")
+    assert refusal.rule == "limits.max_connections_per_client" and refusal.status == 429
+    assert "2001:db8:1:2::/64" in refusal.reason and "counted as one" in refusal.reason
+    assert gate.admit("2001:db8:1:3::a") is None
+    gate.release("2001:db8:1:2::b")  # released by its own address, counted back to its /64
+    assert gate.admit("2001:db8:1:2::d") is None
+    assert gate.admission.per_client["2001:db8:1:2::/64"] == 2
+
+
 def test_a_tunnel_start_is_judged_on_whole_messages_only(lab, make_gate):
     gate = make_gate()
     tunnel = asyncio.run(gate.decide_connect("10.0.0.1", f"public.lab.example:{lab.public_tls.port}")).tunnel
