@@ -108,6 +108,8 @@ class Gate:
         self.recorder = Recorder(audit, self.metrics, lambda: self.holder.policy, self._start_audit_probe)
         self.admission = Admission(share)
         self.self_endpoints: set[tuple[str, int]] = set()  # (ip or "*", port) egresswall itself listens on
+        # (ip, port) of the shared session store: a client that reached it could grant itself sessions
+        self.store_endpoints: set[tuple[str, int]] = set()
         self._resolver = resolver
         self._resolver_for: Policy | None = None
         self._audit_probe: asyncio.Task | None = None
@@ -140,14 +142,23 @@ class Gate:
             self.metrics.observe_dns(time.monotonic() - started)
         if verdict.stage == "resolve" and verdict.rule.startswith("dns:"):
             self.metrics.dns_error(verdict.rule[4:])
-        if verdict.allowed and verdict.pinned and self.is_self(verdict.pinned, request.target.port):
-            verdict = self_refusal(verdict.pinned, request.target.port, verdict)
+        if verdict.allowed and verdict.pinned:
+            own = self.own_endpoint(verdict.pinned, request.target.port)
+            if own is not None:
+                verdict = self_refusal(verdict.pinned, request.target.port, own, verdict)
         return verdict, resolution
 
+    def own_endpoint(self, address: str, port: int) -> str | None:
+        """What of egresswall's own answers at (address, port) — a listener or its session store — or None."""
+        if (address, port) in self.self_endpoints or (
+                ("*", port) in self.self_endpoints and is_local_address(address)):
+            return "egresswall's own listener"
+        if (address, port) in self.store_endpoints:
+            return "egresswall's session store"
+        return None
+
     def is_self(self, address: str, port: int) -> bool:
-        if (address, port) in self.self_endpoints:
-            return True
-        return ("*", port) in self.self_endpoints and is_local_address(address)
+        return self.own_endpoint(address, port) is not None
 
     # ---- admission ---------------------------------------------------------------------------------
 
@@ -254,8 +265,9 @@ class Gate:
         checked = self.policy.addresses.check(pinned)
         if not checked.allowed:
             return f"refused connect to {pinned}: {checked.reason}"
-        if self.is_self(pinned, port):
-            return f"refused connect to {pinned}:{port}: it is egresswall's own listener"
+        own = self.own_endpoint(pinned, port)
+        if own is not None:
+            return f"refused connect to {pinned}:{port}: it is {own}"
         return None
 
     def guard_upstream(self, host: str, port: int) -> str | None:
@@ -438,9 +450,9 @@ def refusal_for(status: int, verdict: Verdict, target: Target | None, accept: It
     return Refusal(status, verdict, host, port, json=prefers_json(tuple(accept)))
 
 
-def self_refusal(pinned: str, port: int, verdict: Verdict) -> Verdict:
-    return Verdict(False, "address", "self", f"{pinned}:{port} is egresswall's own listener; a request to the proxy "
-                                             "itself is refused", role=verdict.role, addresses=verdict.addresses)
+def self_refusal(pinned: str, port: int, own: str, verdict: Verdict) -> Verdict:
+    return Verdict(False, "address", "self", f"{pinned}:{port} is {own}; a request to the proxy itself is refused",
+                   role=verdict.role, addresses=verdict.addresses)
 
 
 def ech_allowed(policy: Policy) -> bool:

@@ -35,7 +35,8 @@ def hint_for(verdict: Verdict, host: str | None = None, port: int | None = None)
         return f"port {shown} is not in ports.connect/ports.http ({rule} decided); add it to {rule} to allow it"
     if stage == "address":
         if rule == "self":
-            return "this is egresswall's own listener; a request to the proxy itself is never forwarded"
+            return ("this is egresswall's own (a listener or its session store); a request to the proxy itself is "
+                    "never forwarded")
         if rule.startswith("cloud-metadata"):
             return ("this is a cloud metadata address and is never allowed; addresses.allow does not re-admit "
                     "it (only addresses.refuse_cloud_metadata: false does)")

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from .mitm_core import Master, core_addons  # isort: skip  (first: before mitmproxy.master is imported)
 from mitmproxy import options as mitm_options
 
+from policy.addresses import unwrap_mapped
+
 from . import mitm_patches
 from .addons import egresswall_addons, patch_state_for
 from .admin import AdminServer
@@ -33,7 +35,7 @@ from .reload import PolicyHolder
 from .run_config import RunConfig
 from .sessions.api import SessionApi, read_token_file
 from .sessions.service import SessionService
-from .sessions.store_url import open_store
+from .sessions.store_url import open_store, store_endpoint
 from .upstream import basic_authorization, read_credentials
 
 log = logging.getLogger("egresswall")
@@ -97,6 +99,7 @@ class ProxyRunner:
         if self.config.reuse_port:
             _listen_with_reuse_port()
         mitm_patches.install(self.patch_state)
+        await self._learn_store_addresses()  # before anything listens: no request may reach the store
         opts = mitm_options.Options()
         self.master = Master(opts, event_loop=asyncio.get_running_loop())
         # mitmproxy's NextLayer comes before egresswall's addons: their next_layer hook has the final say.
@@ -170,6 +173,7 @@ class ProxyRunner:
         from .sessions.store import StoreUnavailable
 
         while True:
+            await self._learn_store_addresses()
             if self.sessions.enabled(self.holder.policy):
                 try:
                     if await self.sessions.store.ping():
@@ -177,6 +181,22 @@ class ProxyRunner:
                 except StoreUnavailable:
                     pass
             await asyncio.sleep(every)
+
+    async def _learn_store_addresses(self) -> None:
+        """The session store's addresses become egresswall's own endpoints (refused to every client, rule
+        ``self``): one that reached Redis through the proxy could write itself a session. A name is looked
+        up again every few seconds (``_watch_sessions``) and every address it ever had stays refused."""
+        endpoint = store_endpoint(self.config.session_store)
+        if endpoint is None:
+            return
+        host, port = endpoint
+        try:
+            found = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError) as err:
+            log.warning("the session store %s:%s did not resolve (%s); it is refused once it does", host, port, err)
+            return
+        for *_, sockaddr in found:
+            self.gate.store_endpoints.add((unwrap_mapped(str(sockaddr[0]).split("%", 1)[0]), port))
 
     async def _wait_listening(self, master_task: asyncio.Task) -> bool:
         """True once mitmproxy's internal listener is up; False when it stopped first (a stop asked for

@@ -127,7 +127,7 @@ def _deny_rule(pattern: str) -> HostRule:
      "a.example", 80, "this address is refused by the address deny rule address-deny 198.18.0.0/15 (p.yaml:4); "
                       "only editing that rule admits it"),
     (Verdict(False, "address", "self", "r"), "a.example", 3128,
-     "this is egresswall's own listener; a request to the proxy itself is never forwarded"),
+     "this is egresswall's own (a listener or its session store); a request to the proxy itself is never forwarded"),
     (Verdict(False, "resolve", "dns:nxdomain", "r"), "a.example", 443,
      "the name did not resolve (dns:nxdomain); check the name and the nameservers in resolver, or retry later"),
     (Verdict(False, "limits", "limits.max_connections_per_client", "r"), None, None, "retry later"),

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from labnet import PUBLIC_IP
 from metrics_page import value
-from proxyproc import ProxyProcess
+from proxyproc import ProxyProcess, both_transports
+from rawclient import read_all
 from session_client import api, create, get, token_file
 
 pytestmark = [pytest.mark.integration,
@@ -27,16 +28,17 @@ pytestmark = [pytest.mark.integration,
 class RedisServer:
     """A redis-server of the test's own: loopback only, no persistence, its files in a temp dir."""
 
-    def __init__(self, folder: Path, port: int | None = None) -> None:
+    def __init__(self, folder: Path, port: int | None = None, host: str = "127.0.0.1") -> None:
         self.folder = folder
+        self.host = host
         self.port = port or _free_port()
-        self.process = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+        self.process = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", host,
                                          "--save", "", "--appendonly", "no", "--dir", str(folder)],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
+                with socket.create_connection((host, self.port), timeout=1) as sock:
                     sock.sendall(b"PING\r\n")
                     if sock.recv(64).startswith(b"+PONG"):
                         return
@@ -46,7 +48,14 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{self.host}:{self.port}/0"
+
+    def command(self, *words: str) -> bytes:
+        """One command straight to the server (not through the proxy), its raw reply."""
+        with socket.create_connection((self.host, self.port), timeout=5) as sock:
+            sock.sendall(b"".join(b"$%d\r\n%s\r\n" % (len(w), w.encode()) for w in words)
+                         .join([b"*%d\r\n" % len(words), b""]))
+            return sock.recv(4096)
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -175,3 +184,36 @@ def test_workers_with_sessions_in_memory_are_refused_at_start(lab, tmp_path):
     done = subprocess.run([sys.executable, "-m", "proxy.cli", "run", "--policy", str(policy), "--workers", "2",
                            "--admin-token-file", str(token)], cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert done.returncode != 0 and "--session-store redis://" in done.stderr
+
+
+@both_transports
+@pytest.mark.parametrize("authority", [PUBLIC_IP, "public.lab.example"])
+def test_the_session_store_is_egresswall_s_own_endpoint_even_where_the_policy_admits_its_address(
+        lab, tmp_path, start_proxy, authority):
+    """A client that reached Redis through the proxy could write itself a session. The store sits at an
+    address and port this policy admits (the lab's public address, its port in ports.connect and
+    ports.http), and is still refused with rule ``self``, by CONNECT and by plain HTTP."""
+    store = RedisServer(tmp_path, host=PUBLIC_IP)
+    try:
+        text = lab.policy_text().replace("  connect: [", f"  connect: [{store.port}, ").replace(
+            "  http: [", f"  http: [{store.port}, ")
+        proxy = start_proxy(text, "--session-store", store.url)
+        target = f"{authority}:{store.port}"
+        with socket.create_connection((proxy.host, proxy.port), timeout=10) as sock:
+            sock.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+            head = sock.recv(4096)
+            if head.startswith(b"HTTP/1.1 200"):
+                sock.sendall(b"*3\r\n$3\r\nSET\r\n$5\r\npwned\r\n$1\r\n1\r\n")
+                read_all(sock, timeout=2)
+        assert head.startswith(b"HTTP/1.1 403"), head
+        with socket.create_connection((proxy.host, proxy.port), timeout=10) as sock:
+            sock.sendall(f"POST http://{target}/ HTTP/1.1\r\nHost: {target}\r\nContent-Length: 34\r\n\r\n"
+                         "*3\r\n$3\r\nSET\r\n$5\r\npwned\r\n$1\r\n2\r\n\r\n".encode())
+            plain = read_all(sock, timeout=5)
+        assert plain.startswith(b"HTTP/1.1 403"), plain
+        assert store.command("EXISTS", "pwned") == b":0\r\n"
+        refused = [r for r in proxy.decisions() if r["verdict"] == "refuse"]
+        assert [r["rule"] for r in refused] == ["self", "self"], refused
+        assert all("egresswall's session store" in r["reason"] for r in refused)
+    finally:
+        store.stop()

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit
+
 from .store import MemoryStore, SessionStore
+
+REDIS_PORT = 6379
 
 
 def check_store_url(text: str) -> str:
@@ -26,3 +30,14 @@ def open_store(url: str | None) -> SessionStore:
     from .redis_store import RedisStore  # only a deployment that asks for Redis imports its client
 
     return RedisStore(check_store_url(url))
+
+
+def store_endpoint(url: str | None) -> tuple[str, int] | None:
+    """(host, port) a Redis store is reached at over TCP — egresswall's own endpoint, which no client may
+    reach through the proxy (it could grant itself sessions) — or None (memory, a unix socket)."""
+    if url in (None, "memory") or url.startswith("unix://"):
+        return None
+    parts = urlsplit(check_store_url(url))
+    if not parts.hostname:
+        return None
+    return parts.hostname, parts.port or REDIS_PORT
