@@ -335,7 +335,7 @@ class _Builder:
             patterns: list[HostPattern] = plain_patterns(whole)  # type: ignore[assignment]  # no None: checked
             if None not in patterns:
                 origins = self.doc.origins_of_items(path, len(whole))
-                implied = role is None
+                implied = rule_ids.implied(list_name)
                 # Built first as if no text were written twice (then no entry has a #n). A text written twice is a
                 # name written twice: when the index holds every name once, or the texts turn out all different
                 # after all ('a.example' and '.a.example' share a name), that was so. Otherwise, rare, the ids
@@ -363,7 +363,7 @@ class _Builder:
                         continue
                 # One dict operation for a text written for the first time (nearly all of a big list).
                 count = 1 if first_at.setdefault(entry, i) == i else seen.repeat(entry)
-                rule_id = rule_ids.given_id(list_name, entry, count, implied=role is None)
+                rule_id = rule_ids.given_id(list_name, entry, count, rule_ids.implied(list_name))
                 rules.append(HostRule.plain(action, pattern, origins[i], rule_id))
             else:
                 rule = self.rule((*path, i), action, entry, origins[i], list_name, seen)
@@ -401,7 +401,7 @@ class _Builder:
             self.ids.append((rule_id, self.doc.origin((*path, "id")), (*path, "id")))
         else:
             count = seen.count(pattern.text, path[-1])
-            rule_id = rule_ids.given_id(list_name, pattern.text, count, implied=list_name == rule_ids.host_list(action))
+            rule_id = rule_ids.given_id(list_name, pattern.text, count, rule_ids.implied(list_name))
         if not ok:
             return None
         paths = raw.get("paths")

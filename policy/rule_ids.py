@@ -52,6 +52,12 @@ def derived_for_list(list_name: str, texts: list[str], implied: bool = False, di
     return ids
 
 
+def implied(list_name: str) -> bool:
+    """A policy's own ``hosts.allow`` and ``hosts.deny`` (not a role's list): there a text's first id is "" in
+    ``HostRule.id``, and ``HostRule.rule_id`` derives it from the rule's action and pattern."""
+    return list_name.startswith("hosts.")
+
+
 def given_id(list_name: str, text: str, occurrence: int, implied: bool) -> str:
     """One entry's id as ``derived_for_list`` gives it: "" for a text's first entry in an ``implied`` list."""
     return "" if implied and occurrence == 1 else derived(list_name, text, occurrence)

@@ -64,7 +64,8 @@ _StrictLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?
 _WILDCARD = tuple(_StrictLoader.yaml_implicit_resolvers.get(None, ()))
 _IMPLICIT = {first: (*resolvers, *_WILDCARD) for first, resolvers in _StrictLoader.yaml_implicit_resolvers.items()
              if first is not None}
-assert not _StrictLoader.yaml_path_resolvers  # _resolve and the C loader's no-op descent rely on there being none
+if _StrictLoader.yaml_path_resolvers:  # _resolve and the C loader's no-op descent rely on there being none
+    raise RuntimeError("policy YAML loader: path resolvers are registered; _resolve does not apply them")
 
 
 def _resolve(self: yaml.resolver.BaseResolver, kind: type[yaml.Node], value: Any,
@@ -106,8 +107,7 @@ class _StrictCLoader(yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoa
 
 _StrictCLoader.yaml_implicit_resolvers = _StrictLoader.yaml_implicit_resolvers
 _value_of, _tag_of = operator.attrgetter("value"), operator.attrgetter("tag")
-_start_of, _line_of, _column_of = operator.attrgetter("start_mark"), operator.attrgetter("line"), operator.attrgetter(
-    "column")
+_start_of, _line_of, _column_of = map(operator.attrgetter, ("start_mark", "line", "column"))
 
 
 def _only_scalars(nodes: list[yaml.Node]) -> bool:

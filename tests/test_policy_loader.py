@@ -599,7 +599,7 @@ def test_a_list_built_in_bulk_equals_the_same_list_built_entry_by_entry() -> Non
 
 
 def test_derived_ids_for_a_list_number_repeats() -> None:
-    from policy.rule_ids import derived, derived_for_list, given_id
+    from policy.rule_ids import derived, derived_for_list, given_id, host_list, implied
 
     texts = ["a.example", "b.example", "a.example", "a.example", "c.example", "b.example"]
     written = [derived("hosts.allow", "a.example"), derived("hosts.allow", "b.example"), "hosts.allow:a.example#2",
@@ -607,7 +607,10 @@ def test_derived_ids_for_a_list_number_repeats() -> None:
     assert derived_for_list("hosts.allow", texts) == written
     assert derived_for_list("hosts.allow", texts, implied=True) == ["", ""] + written[2:4] + ["", written[5]]
     counts = [1, 1, 2, 3, 1, 2]
-    for implied in (False, True):
-        assert [given_id("hosts.allow", text, count, implied) for text, count in zip(texts, counts, strict=True)] == (
-            derived_for_list("hosts.allow", texts, implied))
+    for first_implied in (False, True):
+        assert [given_id("hosts.allow", text, count, first_implied)
+                for text, count in zip(texts, counts, strict=True)] == derived_for_list("hosts.allow", texts,
+                                                                                        first_implied)
     assert derived_for_list("roles.ci.deny", []) == []
+    assert [implied(host_list(action, role)) for action in ("allow", "deny") for role in (None, "ci")] == [
+        True, False, True, False]
