@@ -22,6 +22,7 @@ from proxy.addons.body_limit import BodyLimit
 from proxy.addons.connections import ConnectionTable
 from proxy.addons.decision import TARGET, VERDICT, DecisionAddon
 from proxy.addons.hop_by_hop import HopByHop
+from proxy.addons.response_hygiene import ResponseHygiene
 from proxy.addons.tunnel_layers import TunnelStart
 from proxy.addons.tunnel_watch import TunnelWatch
 from proxy.audit import AuditLog
@@ -78,6 +79,37 @@ def test_a_refused_flow_is_left_alone():
     del flow.metadata[VERDICT]
     HopByHop().requestheaders(flow)
     assert "Proxy-Authorization" in flow.request.headers  # nothing is forwarded anyway
+
+
+def responded(status: int, *fields: tuple[bytes, bytes]) -> http.HTTPFlow:
+    flow = allowed_flow()
+    flow.response = tflow.tresp(status_code=status)
+    flow.response.headers.fields = fields
+    return flow
+
+
+def test_an_origin_s_hop_by_hop_headers_go_and_its_close_is_kept():
+    flow = responded(200, (b"Connection", b"close, X-Hop"), (b"X-Hop", b"1"), (b"Keep-Alive", b"timeout=5"),
+                     (b"Proxy-Authenticate", b"Basic"), (b"Content-Length", b"5"), (b"X-Kept", b"y"))
+    ResponseHygiene().responseheaders(flow)
+    assert flow.response.headers.fields == ((b"Content-Length", b"5"), (b"X-Kept", b"y"), (b"Connection", b"close"))
+
+
+def test_an_obs_fold_becomes_a_space_and_a_204_loses_its_framing():
+    flow = responded(204, (b"X-Folded", b"a\r\n b\r\n\tc"), (b"Content-Length", b"7"),
+                     (b"Transfer-Encoding", b"chunked"))
+    ResponseHygiene().responseheaders(flow)
+    assert flow.response.headers.fields == ((b"X-Folded", b"a b c"),)
+
+
+def test_an_upgrade_and_our_own_refusal_are_left_as_they_are():
+    upgrade = responded(101, (b"Connection", b"Upgrade"), (b"Upgrade", b"websocket"))
+    ResponseHygiene().responseheaders(upgrade)
+    assert upgrade.response.headers.fields == ((b"Connection", b"Upgrade"), (b"Upgrade", b"websocket"))
+    refusal = responded(403, (b"Connection", b"close, X-Egresswall-Rule"), (b"X-Egresswall-Rule", b"x"))
+    del refusal.metadata[VERDICT]
+    ResponseHygiene().responseheaders(refusal)
+    assert len(refusal.response.headers.fields) == 2
 
 
 def test_chunked_bodies_are_buffered_under_the_limit_and_others_stream(gate):

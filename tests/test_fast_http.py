@@ -20,13 +20,16 @@ BOTH_WAYS = b"HTTP/1.1 200 OK\r\nContent-Length: 40\r\nTransfer-Encoding: chunke
 AFTERWARDS = (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"
               b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\nX-Smuggled: 1\r\n\r\nsmuggled")
 FOLDED = b"HTTP/1.1 200 OK\r\nX-Folded: a\r\n b\r\nContent-Length: 5\r\n\r\nhello"
+HOP_BY_HOP = (b"HTTP/1.1 200 OK\r\nConnection: X-Origin-Hop, keep-alive\r\nX-Origin-Hop: secret\r\n"
+              b"Keep-Alive: timeout=5\r\nProxy-Authenticate: Basic realm=origin\r\nX-End-To-End: kept\r\n"
+              b"Content-Length: 5\r\n\r\nhello")
 DIFFERENT_LENGTHS = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 3\r\n\r\nhello"
 
 
 @pytest.fixture(scope="module")
 def origins():
     servers = {"both": Scripted(BOTH_WAYS), "after": Scripted(AFTERWARDS), "folded": Scripted(FOLDED),
-               "lengths": Scripted(DIFFERENT_LENGTHS)}
+               "lengths": Scripted(DIFFERENT_LENGTHS), "hop": Scripted(HOP_BY_HOP)}
     yield servers
     for server in servers.values():
         server.close()
@@ -113,9 +116,21 @@ def test_bytes_an_origin_sends_after_its_response_never_answer_the_next_request(
     assert len(origins["after"].heads) - before == 3  # each request reached the origin as itself
 
 
+def test_an_origin_s_hop_by_hop_headers_never_reach_the_client(proxy, origins):
+    """RFC 9110 7.6.1 holds for responses too: what the origin's Connection names, Keep-Alive and
+    Proxy-Authenticate belong to egresswall's connection to it, not to the client's."""
+    with socket.create_connection((proxy.host, proxy.port), timeout=10) as sock:
+        answers = []
+        for i in range(2):  # kept alive: the second response comes on the same connection
+            sock.sendall(_get(origins["hop"].port, f"/hop{i}"))
+            answers += _responses(sock, 1)
+    assert [(status, body) for status, _, body in answers] == [(200, b"hello")] * 2
+    for _, headers, _ in answers:
+        assert not {b"x-origin-hop", b"keep-alive", b"proxy-authenticate"} & set(headers), headers
+        assert headers[b"x-end-to-end"] == b"kept"
+
+
 def test_a_folded_response_header_reaches_the_client_unfolded_or_not_at_all(proxy, origins):
-    if proxy.transport == "mitmproxy":
-        pytest.xfail("mitmproxy forwards an upstream's obs-fold as it came (a gap of the mitmproxy path)")
     with socket.create_connection((proxy.host, proxy.port), timeout=10) as sock:
         sock.sendall(_get(origins["folded"].port, "/f", "Connection: close\r\n"))
         raw = read_response(sock)

@@ -19,6 +19,7 @@ from .decision import DecisionAddon
 from .hop_by_hop import HopByHop
 from .options import LimitsOptions
 from .pinning import Pinning
+from .response_hygiene import ResponseHygiene
 from .tunnel_watch import TunnelWatch
 from .upstream import UpstreamForwarding
 from .upstream_pool import UpstreamPool
@@ -32,7 +33,7 @@ def egresswall_addons(gate: Gate, fronted: bool = False, upstream_credentials: s
     forwarding = [UpstreamForwarding(gate, table, upstream_credentials)] if gate.policy.upstream else []
     return [LimitsOptions(gate), AdmissionAddon(gate, table, fronted), DecisionAddon(gate, table), HopByHop(),
             *forwarding, BodyLimit(gate), Pinning(gate, table), UpstreamPool(), TunnelWatch(gate, table),
-            AuditTrail(gate)]
+            AuditTrail(gate), ResponseHygiene()]
 
 
 def patch_state_for(gate: Gate, first_byte_timer: bool) -> mitm_patches.PatchState:

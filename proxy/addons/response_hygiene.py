@@ -1,0 +1,43 @@
+"""An origin's response head made safe to relay, on mitmproxy's path as the fast front does it.
+
+- Hop-by-hop headers (RFC 9110 7.6.1) belong to the origin's connection, not the client's: ``Connection``,
+  every header it names, ``Keep-Alive``, ``Proxy-Authenticate`` and the rest are removed (a ``Connection:
+  close`` is put back when the origin said it, which mitmproxy reads for its own connection handling).
+- An obs-fold (RFC 9112 5.2) is replaced by a space: mitmproxy keeps the fold inside the value and would
+  write it out as it came, a header a client may split into a second one.
+- A 204 has no body whatever its head says (RFC 9110 8.6): a Content-Length relayed with it makes a
+  kept-alive client read the first bytes of the next response as this one's body.
+
+A ``101 Switching Protocols`` is left alone: ``AuditTrail`` refuses one the decision did not allow, and
+an allowed WebSocket upgrade needs its ``Connection`` and ``Upgrade``.
+"""
+
+from __future__ import annotations
+
+import re
+
+from mitmproxy import http
+from mitmproxy.net.http.http1 import connection_close
+
+from ..http_hygiene import hop_by_hop_names
+from .decision import VERDICT
+
+_OBS_FOLD = re.compile(rb"[ \t]*\r?\n[ \t]*")
+
+
+class ResponseHygiene:
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        response = flow.response
+        if response is None or VERDICT not in flow.metadata or response.status_code == 101:
+            return  # our own refusal, or an upgrade AuditTrail has judged
+        headers = response.headers
+        closing = connection_close(response.http_version, headers)
+        for name in hop_by_hop_names(headers.get_all("connection")):
+            headers.pop(name, None)
+        if closing:
+            headers["Connection"] = "close"
+        if response.status_code == 204:
+            headers.pop("content-length", None)
+            headers.pop("transfer-encoding", None)
+        if any(b"\n" in value for _, value in headers.fields):
+            headers.fields = tuple((name, _OBS_FOLD.sub(b" ", value)) for name, value in headers.fields)
