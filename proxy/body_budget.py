@@ -68,7 +68,7 @@ class BodyBudget:
             return BudgetRefusal(429, RULE, f"client {client} is already buffering {held} bytes of request bodies, "
                                             f"its share is {per_client} (a quarter of {RULE}"
                                             f"{self._per_worker(limits)}, or one body at limits.max_request_body "
-                                            "if that is more); this request's body would take {size} "
+                                            f"if that is more); this request's body would take {size} "
                                             "more: retry when its other uploads have gone")
         self.total += size
         self.per_client[client] += size

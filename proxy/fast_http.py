@@ -373,6 +373,10 @@ class FastHttp:
                 fed += len(chunk)
                 server.receive_data(chunk)
             elif isinstance(event, h11.Data):
+                if size + len(event.data) > limit:  # the data alone is over (its framing is more): decided now
+                    body.clear()
+                    await self._refuse_body(conn, client, request, target, accept, flow_id, 413, "limits",
+                                            "limits.max_request_body", body_over_limit_reason(limit))
                 refused = hold.add(len(event.data), limits)
                 if refused is not None:
                     body.clear()
