@@ -45,7 +45,7 @@ from policy.model import Policy
 
 from .body_budget import BodyHold
 from .dial import connect_pinned
-from .gate import Gate, HttpAsk, body_over_limit_reason, plain_target, refusal_for
+from .gate import Gate, HttpAsk, body_line_too_long_reason, body_over_limit_reason, plain_target, refusal_for
 from .head_reader import HeadProblem, answer_then_drain, read_head
 from .http_head import PlainRequest, take_head
 from .http_hygiene import ALWAYS_HOP_BY_HOP, hop_by_hop_names, tokens
@@ -355,9 +355,14 @@ class FastHttp:
             try:
                 event = server.next_event()
             except h11.RemoteProtocolError as err:  # nothing went upstream yet: the client is told why
+                if len(server.trailing_data[0]) > limits.max_header_bytes:
+                    # h11 holds one unfinished line (a size with its extensions, or a trailer) longer than
+                    # a head may be: said in egresswall's words, as mitmproxy's path says it.
+                    reason = body_line_too_long_reason(limits.max_header_bytes)
+                else:
+                    reason = "egresswall: " + f"the request body cannot be parsed: {err}"[:300]
                 await self._refuse_body(conn, client, request, target, accept, flow_id, 400, "form",
-                                        "http:bad-chunked",
-                                        "egresswall: " + f"the request body cannot be parsed: {err}"[:300])
+                                        "http:bad-chunked", reason)
             if event is h11.NEED_DATA:
                 if fed > limit:
                     await self._refuse_body(conn, client, request, target, accept, flow_id, 413, "limits",

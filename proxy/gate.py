@@ -435,6 +435,13 @@ def body_over_limit_reason(limit: int) -> str:
             "as sent: chunk size lines, chunk extensions and line ends as well as its data)")
 
 
+def body_line_too_long_reason(limit: int) -> str:
+    """Why a chunked body was refused 400 ``http:bad-chunked`` for a line that did not end (both
+    transports): a chunk size line with its extensions, or a trailer, is bounded as a head is."""
+    return (f"egresswall: a line of the chunked request body (a chunk size with its extensions, or a trailer) is "
+            f"over {limit} bytes (limits.max_header_bytes) and has not ended")
+
+
 def plain_target(ask: HttpAsk) -> Target:
     """The target of a plain-HTTP request (not inside a tunnel) as both transports hand it over: scheme,
     host, port and path as the transport split them, read again by policy.hosts (HostFormError: refused)."""

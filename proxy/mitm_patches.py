@@ -15,9 +15,11 @@ gate's owner builds — installing a second, different state is an error, never 
   ``limits.max_request_body``, before the upstream sees anything. The limit counts the body's wire bytes
   (chunk size lines, extensions, line ends, data), which only the reading side sees: ``read_body`` notes
   them on the request for the stream, so chunk extensions cannot carry bytes without end; and mitmproxy's
-  chunk reader buffers a size line that never ends without limit, so that is checked after each read
-  too. Each buffered piece is also reserved in the budget for buffered bodies (``on_body_buffered``:
-  503/429 ``limits.max_buffered_request_bodies`` when it is full). Tests:
+  chunk reader buffers a line that never ends (a size with its extensions, a trailer) without limit, so
+  that is checked after each read too: against the body limit, and against ``limits.max_header_bytes``
+  (400 ``http:bad-chunked``, as h11 refuses it on the fast path). Each buffered piece is also reserved
+  in the budget for buffered bodies (``on_body_buffered``: 503/429 ``limits.max_buffered_request_bodies``
+  when it is full). Tests:
   test_hardening_proxy_security.py::test_a_chunked_body_over_the_limit_gets_413_and_the_upstream_sees_nothing,
   test_body_budget_proxy.py.
 * **Head size and time** (``Http1Server.read_headers``, ``Http1Client.read_headers``): mitmproxy buffers
@@ -86,6 +88,7 @@ BODY_LIMIT = "egresswall_body_limit"  # flow.metadata: bytes a buffered (chunked
 _BODY_FED = "egresswall_body_fed"  # bytes received since its head ended (all of them body, until it ends)
 _BODY_WIRE = "egresswall_body_wire"  # its wire bytes read so far (what the stream checks against the limit)
 _BODY_REFUSED = "egresswall_body_refused"  # the stream refused it: what still comes is read and dropped
+_BODY_LONG_LINE = "egresswall_body_long_line"  # a line of it (size and extensions, or a trailer) never ended
 
 
 class RecentIds:
@@ -124,6 +127,9 @@ class PatchState:
     # A buffered body's next piece, of this many bytes, is about to be held: None, or the refusal to answer
     # (the budget for buffered bodies is full).
     on_body_buffered: Callable[[http.HTTPFlow, int], Refusal | None] = lambda flow, size: None
+    # A buffered body's line (a chunk size with its extensions, or a trailer) passed this many bytes
+    # (limits.max_header_bytes) unfinished: the refusal to answer.
+    on_body_line_too_long: Callable[[http.HTTPFlow, int], Refusal | None] = lambda flow, limit: None
     idle_closed: RecentIds = field(default_factory=RecentIds)  # client connections mitmproxy's watchdog closed
     first_byte_timer: bool = True  # False when the front already enforced limits.first_byte_timeout
 
@@ -225,7 +231,11 @@ def _consume_request_body(self: HttpStream, event: events.Event):
         # The wire bytes as the reading side counted them (they include the data: the larger is taken in
         # case a body came some other way than through Http1Server.read_body).
         wire = max(getattr(self.flow.request, _BODY_WIRE, 0), len(self.request_body_buf) + data)
-        refusal = state().on_body_over_limit(self.flow, limit) if wire > limit else None
+        long_line = getattr(self.flow.request, _BODY_LONG_LINE, None)
+        if long_line is not None:
+            refusal = state().on_body_line_too_long(self.flow, long_line)
+        else:
+            refusal = state().on_body_over_limit(self.flow, limit) if wire > limit else None
         if refusal is None and data:
             refusal = state().on_body_buffered(self.flow, data)
         if refusal is not None:
@@ -277,14 +287,23 @@ def _server_read_body(self: Http1Server, event: events.Event):
             original.close()
             self.buf = ReceiveBuffer()
             return
-    limit = state().limits().max_request_body
-    if self.state == self.read_body and getattr(request, _BODY_FED, 0) > limit and not request.stream:
+    if self.state != self.read_body or request.stream:
+        return
+    limits = state().limits()
+    if len(self.buf) > limits.max_header_bytes:
+        # What the reader left is one unfinished line (it takes every whole line and all data it can):
+        # a size line with its extensions, or a trailer, longer than a head may be. h11, which reads the
+        # fast path's bodies, refuses such a line at the same bound (proxy/fast_http.py).
+        setattr(request, _BODY_LONG_LINE, limits.max_header_bytes)
+    elif getattr(request, _BODY_FED, 0) > limits.max_request_body:
         # The body has not ended, so every byte received is the body's, yet no piece of data came out of
         # them (a size line or extension that does not end: mitmproxy's reader buffers it without limit).
-        # An empty piece makes the stream look at the count. (Only a buffered body's stream gets it:
-        # ``request.stream`` is False for every chunked body, proxy/addons/body_limit.py.)
         setattr(request, _BODY_WIRE, getattr(request, _BODY_FED, 0))
-        yield ReceiveHttp(RequestData(self.stream_id, b""))
+    else:
+        return
+    # An empty piece makes the stream look at the count. (Only a buffered body's stream gets it:
+    # ``request.stream`` is False for every chunked body, proxy/addons/body_limit.py.)
+    yield ReceiveHttp(RequestData(self.stream_id, b""))
 
 
 # ---- heads: size, time, first byte ----------------------------------------------------------------

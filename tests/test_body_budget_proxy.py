@@ -336,3 +336,39 @@ def test_the_refusals_leave_the_same_records_on_both_transports(lab, start_proxy
     assert re.search(r"client 127\.0\.0\.52 is already buffering 1800 bytes .* would take 300 more", fast[1]["reason"])
     assert re.search(r"already buffering 7200 bytes of request bodies, its limit is 8000 .* would take 900 more",
                      fast[2]["reason"])
+
+
+def _endless_line(proxy: ProxyProcess, lab, line: bytes) -> tuple[int, dict[str, str], list[dict]]:
+    audit = AuditWatch(proxy.log_path).mark()
+    sock = upload(proxy, lab, "127.0.0.61", "/endless", line)
+    with sock:
+        with contextlib.suppress(OSError):
+            for _ in range(100):
+                if select.select([sock], [], [], 0)[0]:
+                    break
+                sock.sendall(b"a" * 1000)
+                time.sleep(0.002)
+        status, headers, _ = parse_response(read_all(sock, 10))
+    wait_held(proxy, 0)
+    records = audit.wait_for(lambda r: refusals(r))
+    return status, headers, [{k: v for k, v in r.items() if k not in VOLATILE} for r in refusals(records)]
+
+
+@pytest.mark.parametrize("line", [b"1;", b"5\r\nhello\r\n0\r\nX-Trailer: "], ids=["size-line", "trailer"])
+def test_a_chunked_body_line_longer_than_a_head_is_refused_400_alike_on_both_transports(lab, start_proxy, line):
+    """Under the body limit but over limits.max_header_bytes, a line that never ends (a size line's extension,
+    a trailer): h11 refuses it on the fast path, and mitmproxy's reader, which held it without limit, now
+    does too at the same bound; the same 400 and record on both."""
+    text = lab.policy_text(limits="limits:\n  max_request_body: 1000000\n  max_header_bytes: 4096\n")
+    seen = {}
+    for name, flags in TRANSPORTS.items():
+        proxy = start_proxy(text, *flags, name=f"policy-{name}.yaml")
+        status, headers, records = _endless_line(proxy, lab, line)
+        assert (status, headers.get("x-egresswall-rule")) == (400, "http:bad-chunked"), name
+        seen[name] = records
+        proxy.stop()
+    (fast,) = seen["fast"]
+    assert seen["mitmproxy"] == [fast]
+    assert (fast["status"], fast["rule"], fast["event"]) == (400, "http:bad-chunked", "response")
+    assert "over 4096 bytes (limits.max_header_bytes) and has not ended" in fast["reason"], fast
+    assert not [p for _, p, _ in lab.public.requests if p == "/endless"]

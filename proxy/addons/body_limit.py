@@ -16,7 +16,7 @@ from __future__ import annotations
 from mitmproxy import connection, http
 
 from ..body_budget import BodyHold
-from ..gate import Gate, body_over_limit_reason
+from ..gate import Gate, body_line_too_long_reason, body_over_limit_reason
 from ..mitm_patches import BODY_LIMIT
 from ..peers import peer_of
 from ..refusals import Refusal
@@ -28,6 +28,11 @@ BODY_HOLD = "egresswall_body_hold"  # flow.metadata: what the flow's buffered bo
 def refuse_body_over_limit(gate: Gate, flow: http.HTTPFlow, limit: int) -> Refusal:
     """A buffered body went over the limit (proxy/mitm_patches.py calls this): the 413 and its record."""
     return _refuse_body(gate, flow, 413, "limits.max_request_body", body_over_limit_reason(limit))
+
+
+def refuse_body_line_too_long(gate: Gate, flow: http.HTTPFlow, limit: int) -> Refusal:
+    """A line of a buffered body passed limits.max_header_bytes unfinished (proxy/mitm_patches.py): 400."""
+    return _refuse_body(gate, flow, 400, "http:bad-chunked", body_line_too_long_reason(limit), stage="form")
 
 
 def reserve_body(gate: Gate, flow: http.HTTPFlow, size: int) -> Refusal | None:
@@ -42,7 +47,8 @@ def reserve_body(gate: Gate, flow: http.HTTPFlow, size: int) -> Refusal | None:
     return _refuse_body(gate, flow, refused.status, refused.rule, refused.reason)
 
 
-def _refuse_body(gate: Gate, flow: http.HTTPFlow, status: int, rule: str, reason: str) -> Refusal:
+def _refuse_body(gate: Gate, flow: http.HTTPFlow, status: int, rule: str, reason: str,
+                 stage: str = "limits") -> Refusal:
     """The refusal of a body being buffered. The record is the flow's closing one, so the allowed verdict is
     dropped and no response record follows; what the body held is given back."""
     hold = flow.metadata.pop(BODY_HOLD, None)
@@ -50,7 +56,7 @@ def _refuse_body(gate: Gate, flow: http.HTTPFlow, status: int, rule: str, reason
         hold.release()
     flow.metadata.pop(VERDICT, None)
     refusal = gate.refuse(peer_of(flow.client_conn.peername), flow.request.method, flow.metadata.get(TARGET), status,
-                          "limits", rule, reason, flow_id=flow.metadata.get(FLOW_ID), event="response",
+                          stage, rule, reason, flow_id=flow.metadata.get(FLOW_ID), event="response",
                           accept=accept_of(flow))
     flow.response = to_response(refusal)
     return refusal
