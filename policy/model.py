@@ -204,6 +204,10 @@ class Limits:
     connect_timeout: float = 10.0
     idle_timeout: float = 120.0
     max_request_body: int = 10 * 1024 * 1024
+    # Every chunked request body being buffered (read whole before it goes upstream), all clients
+    # together: bytes (proxy/body_budget.py; a client may hold a quarter of it, with N workers each
+    # worker 1/N of it).
+    max_buffered_request_bodies: int = 256 * 1024 * 1024
     tunnel_grace: float = 10.0
     # A request or response head (start line and headers) may be at most this big and must arrive
     # within header_timeout of its first byte: mitmproxy itself bounds neither (proxy/mitm_patches.py).

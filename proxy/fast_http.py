@@ -10,8 +10,9 @@ Then, request by request on the kept-alive connection:
    consumed): at a request boundary the connection is handed over as if mitmproxy had accepted it;
 2. the gate decides it (``Gate.decide_request``: the same call the mitmproxy addons make, so the same
    checks, refusals and decision record);
-3. a chunked body is read whole, bounded by ``limits.max_request_body``, before anything is sent
-   upstream; a Content-Length body (already checked against the limit) is streamed;
+3. a chunked body is read whole, bounded by ``limits.max_request_body`` (counted on its wire bytes) and by
+   the budget for buffered bodies (``proxy/body_budget.py``), before anything is sent upstream; a
+   Content-Length body (already checked against the limit) is streamed;
 4. the connect goes to the pinned address only, re-checked by ``Gate.guard``; an upstream connection is
    reused by the next request only if that one is pinned to the same address and port, the previous
    exchange ended cleanly on both sides and the upstream sent nothing beyond its response;
@@ -34,6 +35,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NoReturn
 
 import h11
 
@@ -41,8 +43,9 @@ from policy.decision import Verdict
 from policy.hosts import HostFormError, Target
 from policy.model import Policy
 
+from .body_budget import BodyHold
 from .dial import connect_pinned
-from .gate import Gate, HttpAsk, plain_target, refusal_for
+from .gate import Gate, HttpAsk, body_line_too_long_reason, body_over_limit_reason, plain_target, refusal_for
 from .head_reader import HeadProblem, answer_then_drain, read_head
 from .http_head import PlainRequest, take_head
 from .http_hygiene import ALWAYS_HOP_BY_HOP, hop_by_hop_names, tokens
@@ -66,8 +69,9 @@ class Ended(Exception):
 
 
 class UnreadableBody(Ended):
-    """The client's request body is not valid framing (a chunk size h11 will not read, no CRLF after a
-    chunk's data): a chunked body, read before anything goes upstream, is answered 400 with this reason."""
+    """The client's streamed (Content-Length) request body is not what h11 will read: the exchange ends with
+    this reason. (A chunked body that cannot be read, read before anything goes upstream, is answered 400
+    ``http:bad-chunked`` by ``_read_chunked``.)"""
 
 
 @dataclass
@@ -252,12 +256,16 @@ class FastHttp:
         status: int | None = None
         answered = False
         watch: ClientWatch | None = None
+        # A chunked body's bytes are counted against the budget while they are held (given back once the
+        # upstream took them, or however the exchange ends: the finally below).
+        hold = gate.body_budget.hold(client)
         try:
             if rest:  # h11 reads b"" as the client having closed: a body still to come would be "incomplete"
                 server.receive_data(rest)
             body: list[bytes] = []
             if request.chunked:  # read whole and bounded before the upstream sees anything
-                up = await self._read_chunked(conn, client, server, request, target, accept, body, ask.flow_id)
+                up = await self._read_chunked(conn, client, server, request, target, accept, body, ask.flow_id,
+                                              hold)
             pinned = verdict.pinned
             if pinned is None:
                 raise Ended("no checked address to connect to")
@@ -275,6 +283,7 @@ class FastHttp:
                 upstream = Upstream(sock, key, h11.Connection(
                     h11.CLIENT, max_incomplete_event_size=gate.policy.limits.max_header_bytes))
             up = await self._send_request(conn, server, request, upstream, body, up)
+            hold.release()  # the body is the upstream's now (_send_request dropped each piece it sent)
             watch = ClientWatch(conn, server.trailing_data[0], gate.policy.limits.max_header_bytes, upstream.sock)
             try:
                 status, down, tail = await self._relay_response(conn, client, server, request, target, accept,
@@ -307,6 +316,8 @@ class FastHttp:
             gate.response_closed(ask.flow_id, client, request.method, target, verdict, started, up, down, status,
                                  f"the exchange failed: {getattr(err, 'strerror', None) or err}")
             return False, b"", upstream
+        finally:  # every way out: sent, refused, reset, timed out, cancelled
+            hold.release()
         gate.response_closed(ask.flow_id, client, request.method, target, verdict, started, up, down, status, None)
         assert watch is not None
         try:
@@ -323,29 +334,65 @@ class FastHttp:
         return refusal_for(502, Verdict(False, "connect", "connect", reason, role=verdict.role), target, accept)
 
     async def _read_chunked(self, conn: socket.socket, client: str, server: h11.Connection, request: PlainRequest,
-                            target: Target, accept: tuple[str, ...], body: list[bytes], flow_id: str) -> int:
-        limit = self.gate.policy.limits.max_request_body
+                            target: Target, accept: tuple[str, ...], body: list[bytes], flow_id: str,
+                            hold: BodyHold) -> int:
+        """Read a chunked body whole into ``body`` (its data's size is returned), within
+        limits.max_request_body counted on the wire bytes and the budget for buffered bodies (``hold``).
+
+        The limit counts the body as sent — chunk size lines, extensions, line ends, data, the last chunk
+        and the end — not its data alone: with only the data counted, a client sending one-byte chunks with
+        long extensions (``1;aaaa...`` CRLF ``x`` CRLF again and again) streams bytes without end inside one
+        request, each read and dropped. h11 does not say how many bytes it consumed, so the wire bytes are
+        the bytes given to it: while the body has not ended (h11 needs data) every one of them is the
+        body's, and it is checked there, at each read; at the end, what h11 left unread (the next request,
+        pipelined) is taken off once."""
+        loop = asyncio.get_running_loop()
+        limits = self.gate.policy.limits
+        limit = limits.max_request_body
+        fed = len(server.trailing_data[0])  # what came with the head, or was fed already (``rest``)
         size = 0
         while True:
             try:
-                event = await self._client_event(conn, server)
-            except UnreadableBody as unreadable:  # nothing went upstream yet: the client is told why
-                refusal = self.gate.refuse(client, request.method, target, 400, "form", "http:bad-chunked",
-                                           f"egresswall: {unreadable.error}", flow_id=flow_id, event="response",
-                                           accept=accept)
-                await self._refuse(conn, refusal, True)
-                raise Ended("") from None
-            if isinstance(event, h11.Data):
+                event = server.next_event()
+            except h11.RemoteProtocolError as err:  # nothing went upstream yet: the client is told why
+                if len(server.trailing_data[0]) > limits.max_header_bytes:
+                    # h11 holds one unfinished line (a size with its extensions, or a trailer) longer than
+                    # a head may be: said in egresswall's words, as mitmproxy's path says it.
+                    reason = body_line_too_long_reason(limits.max_header_bytes)
+                else:
+                    reason = "egresswall: " + f"the request body cannot be parsed: {err}"[:300]
+                await self._refuse_body(conn, client, request, target, accept, flow_id, 400, "form",
+                                        "http:bad-chunked", reason)
+            if event is h11.NEED_DATA:
+                if fed > limit:
+                    await self._refuse_body(conn, client, request, target, accept, flow_id, 413, "limits",
+                                            "limits.max_request_body", body_over_limit_reason(limit))
+                idle = limits.idle_timeout
+                try:
+                    chunk = await asyncio.wait_for(loop.sock_recv(conn, READ), idle)
+                except TimeoutError:
+                    raise Ended(f"nothing moved for limits.idle_timeout ({idle:g}s) into the request body, and "
+                                "egresswall closed the connection") from None
+                if not chunk:
+                    raise Ended("the client closed the connection before its request body was complete")
+                fed += len(chunk)
+                server.receive_data(chunk)
+            elif isinstance(event, h11.Data):
+                if size + len(event.data) > limit:  # the data alone is over (its framing is more): decided now
+                    body.clear()
+                    await self._refuse_body(conn, client, request, target, accept, flow_id, 413, "limits",
+                                            "limits.max_request_body", body_over_limit_reason(limit))
+                refused = hold.add(len(event.data), limits)
+                if refused is not None:
+                    body.clear()
+                    await self._refuse_body(conn, client, request, target, accept, flow_id, refused.status,
+                                            "limits", refused.rule, refused.reason)
                 size += len(event.data)
-                if size > limit:
-                    refusal = self.gate.refuse(client, request.method, target, 413, "limits", "limits.max_request_body",
-                                               f"the request body is over the limit of {limit} bytes "
-                                               "(limits.max_request_body)", flow_id=flow_id, event="response",
-                                               accept=accept)
-                    await self._refuse(conn, refusal, True)
-                    raise Ended("")  # the 413 is sent and recorded: nothing more for this flow
                 body.append(event.data)
             elif isinstance(event, h11.EndOfMessage):
+                if fed > limit and fed - len(server.trailing_data[0]) > limit:
+                    await self._refuse_body(conn, client, request, target, accept, flow_id, 413, "limits",
+                                            "limits.max_request_body", body_over_limit_reason(limit), pending=False)
                 if event.headers:
                     refusal = self.gate.refuse(client, request.method, target, 400, "form", "http:trailers",
                                                "the chunked request body ends with trailer fields; egresswall's "
@@ -354,6 +401,16 @@ class FastHttp:
                     await self._refuse(conn, refusal, False)
                     raise Ended("")
                 return size
+
+    async def _refuse_body(self, conn: socket.socket, client: str, request: PlainRequest, target: Target,
+                           accept: tuple[str, ...], flow_id: str, status: int, stage: str, rule: str, reason: str,
+                           pending: bool = True) -> NoReturn:
+        """A chunked body refused while it is read: the refusal is the flow's closing record, sent (the rest
+        of the body read and dropped for a moment when ``pending``), and the exchange ends."""
+        refusal = self.gate.refuse(client, request.method, target, status, stage, rule, reason, flow_id=flow_id,
+                                   event="response", accept=accept)
+        await self._refuse(conn, refusal, pending)
+        raise Ended("")  # the refusal is sent and recorded: nothing more for this flow
 
     async def _client_event(self, conn: socket.socket, server: h11.Connection, flush: Upstream | None = None,
                             out: bytearray | None = None):
@@ -384,11 +441,18 @@ class FastHttp:
                             upstream: Upstream, body: list[bytes], up: int) -> int:
         """The head, then the body: a chunked one read already, a Content-Length one as it arrives (each
         piece sent before waiting for the next). Returns the body's bytes."""
+        idle = self.gate.policy.limits.idle_timeout
         out = bytearray(upstream.parser.send(h11.Request(method=request.method, target=request.path,
                                                          headers=_forwarded_request_headers(request))))
         if request.chunked:
-            for piece in body:
+            # Sent a read's worth at a time, each piece dropped once framed: the body is never held twice.
+            for index, piece in enumerate(body):
                 out += upstream.parser.send(h11.Data(data=piece))
+                body[index] = b""
+                if len(out) >= READ:
+                    await send_while_moving(upstream.sock, bytes(out), idle, _upstream_stalled(idle))
+                    out.clear()
+            body.clear()
         else:
             while True:
                 event = await self._client_event(conn, server, upstream, out)
@@ -398,7 +462,6 @@ class FastHttp:
                     up += len(event.data)
                     out += upstream.parser.send(h11.Data(data=event.data))
         out += upstream.parser.send(h11.EndOfMessage())
-        idle = self.gate.policy.limits.idle_timeout
         await send_while_moving(upstream.sock, bytes(out), idle, _upstream_stalled(idle))
         return up
 

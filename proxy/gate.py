@@ -5,6 +5,8 @@ are adapters: they turn what they parsed into a call on the gate and carry out i
 holds, once each:
 
 * admission (``proxy/admission.py``): connection caps, checked at accept;
+* the budget for buffered request bodies (``proxy/body_budget.py``): every chunked body being read
+  whole, all clients together, whichever transport reads it;
 * the decision: the policy in force, the resolver, and the check that a pin is not egresswall itself;
 * the connect-time guard: the pinned address re-checked against the policy in force at connect time;
 * the first bytes of a tunnel: a whole ClientHello whose SNI names the CONNECT host, or HTTP where the
@@ -32,6 +34,7 @@ from policy.sessions import Session
 from .accept import prefers_json
 from .admission import Admission, CapRefusal
 from .audit import AuditLog
+from .body_budget import BodyBudget
 from .first_bytes import FirstBytes, classify_tunnel_start
 from .http_hygiene import UNEXPECTED_BODY, unexpected_body
 from .metrics import Metrics
@@ -107,6 +110,7 @@ class Gate:
         self.sessions = sessions or SessionService(metrics=self.metrics)
         self.recorder = Recorder(audit, self.metrics, lambda: self.holder.policy, self._start_audit_probe)
         self.admission = Admission(share)
+        self.body_budget = BodyBudget(share, on_change=self.metrics.buffered_request_bodies)
         self.self_endpoints: set[tuple[str, int]] = set()  # (ip or "*", port) egresswall itself listens on
         # (ip, port) of the shared session store: a client that reached it could grant itself sessions
         self.store_endpoints: set[tuple[str, int]] = set()
@@ -433,6 +437,21 @@ class Gate:
     async def _probe_audit(self) -> None:
         while not self.audit.probe():
             await asyncio.sleep(1)
+
+
+def body_over_limit_reason(limit: int) -> str:
+    """Why a chunked body was refused 413 (both transports: the same words in the same record). A chunked
+    body counts as sent — chunk size lines, extensions, line ends and data — so a client cannot stream
+    bytes without end through chunk extensions that carry no data."""
+    return (f"the request body is over the limit of {limit} bytes (limits.max_request_body; a chunked body counts "
+            "as sent: chunk size lines, chunk extensions and line ends as well as its data)")
+
+
+def body_line_too_long_reason(limit: int) -> str:
+    """Why a chunked body was refused 400 ``http:bad-chunked`` for a line that did not end (both
+    transports): a chunk size line with its extensions, or a trailer, is bounded as a head is."""
+    return (f"egresswall: a line of the chunked request body (a chunk size with its extensions, or a trailer) is "
+            f"over {limit} bytes (limits.max_header_bytes) and has not ended")
 
 
 def plain_target(ask: HttpAsk) -> Target:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from policy.decision import Verdict
 
-CAPS = frozenset({"limits.max_connections", "limits.max_connections_per_client", "shutdown"})
+CAPS = frozenset({"limits.max_connections", "limits.max_connections_per_client", "limits.max_buffered_request_bodies",
+                  "shutdown"})
 RETRY_LATER = "retry later"
 
 

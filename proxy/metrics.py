@@ -55,6 +55,10 @@ class Metrics:
         self._fast_http = Counter("egresswall_fast_http_requests", "Plain-HTTP requests relayed by the fast path, "
                                   "not mitmproxy.", registry=r)
         self._open_connections = Gauge("egresswall_open_connections", "Client connections open now.", registry=r)
+        self._buffered_bodies = Gauge("egresswall_buffered_request_body_bytes",
+                                      "Bytes of chunked request bodies buffered now "
+                                      "(limits.max_buffered_request_bodies).",
+                                      registry=r)
         relayed = Counter("egresswall_bytes", "Bytes relayed, by direction.", ["direction"], registry=r)
         self._bytes_up, self._bytes_down = relayed.labels("up"), relayed.labels("down")
         self._dns = Histogram("egresswall_dns_lookup_seconds", "DNS lookup latency (a refused lookup included).",
@@ -138,6 +142,9 @@ class Metrics:
 
     def connections_open(self, count: int) -> None:
         self._open_connections.set(count)
+
+    def buffered_request_bodies(self, size: int) -> None:
+        self._buffered_bodies.set(size)
 
     # ---- the policy and the audit log --------------------------------------------------------------
 

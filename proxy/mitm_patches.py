@@ -10,10 +10,18 @@ gate's owner builds — installing a second, different state is an error, never 
   in ``requestheaders`` only after reading the whole body (and sends ``100 Continue`` first). A marked
   flow is answered and closed instead. Test:
   test_proxy_enforce.py::test_expect_continue_to_refused_target_is_refused_before_the_body.
-* **Chunked body limit** (``HttpStream.state_consume_request_body``): a body without Content-Length is
-  buffered (never streamed) and refused with 413 once over ``limits.max_request_body``, before the
-  upstream sees anything. Test:
-  test_hardening_proxy_security.py::test_a_chunked_body_over_the_limit_gets_413_and_the_upstream_sees_nothing.
+* **Chunked body limit** (``HttpStream.state_consume_request_body``, ``Http1Server.read_body``): a body
+  without Content-Length is buffered (never streamed) and refused with 413 once over
+  ``limits.max_request_body``, before the upstream sees anything. The limit counts the body's wire bytes
+  (chunk size lines, extensions, line ends, data), which only the reading side sees: ``read_body`` notes
+  them on the request for the stream, so chunk extensions cannot carry bytes without end; and mitmproxy's
+  chunk reader buffers a line that never ends (a size with its extensions, a trailer) without limit, so
+  that is checked after each read too: against the body limit, and against ``limits.max_header_bytes``
+  (400 ``http:bad-chunked``, as h11 refuses it on the fast path). Each buffered piece is also reserved
+  in the budget for buffered bodies (``on_body_buffered``: 503/429 ``limits.max_buffered_request_bodies``
+  when it is full). Tests:
+  test_hardening_proxy_security.py::test_a_chunked_body_over_the_limit_gets_413_and_the_upstream_sees_nothing,
+  test_body_budget_proxy.py.
 * **Head size and time** (``Http1Server.read_headers``, ``Http1Client.read_headers``): mitmproxy buffers
   a head without limit ("FIXME: protect against header size DoS"). A head over
   ``limits.max_header_bytes`` gets 431 (502 upstream); a head incomplete ``limits.header_timeout`` after
@@ -54,6 +62,8 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
 import mitmproxy.proxy.server
+from h11._readers import ChunkedReader  # mitmproxy's own chunked body reader (as _http1 imports it)
+from h11._receivebuffer import ReceiveBuffer
 from mitmproxy import connection, http
 from mitmproxy.net.http import http1
 from mitmproxy.proxy import commands, events
@@ -62,6 +72,7 @@ from mitmproxy.proxy.layers.http._base import ReceiveHttp
 from mitmproxy.proxy.layers.http._events import (
     ErrorCode,
     RequestData,
+    RequestEndOfMessage,
     RequestProtocolError,
     ResponseProtocolError,
 )
@@ -73,6 +84,11 @@ from .refusals import Refusal, refusal_bytes
 
 REFUSE_BEFORE_BODY = "egresswall_refuse_before_body"
 BODY_LIMIT = "egresswall_body_limit"  # flow.metadata: bytes a buffered (chunked) body may have
+# On the http.Request (the one object the reading layer and the flow share), for a chunked body:
+_BODY_FED = "egresswall_body_fed"  # bytes received since its head ended (all of them body, until it ends)
+_BODY_WIRE = "egresswall_body_wire"  # its wire bytes read so far (what the stream checks against the limit)
+_BODY_REFUSED = "egresswall_body_refused"  # the stream refused it: what still comes is read and dropped
+_BODY_LONG_LINE = "egresswall_body_long_line"  # a line of it (size and extensions, or a trailer) never ended
 
 
 class RecentIds:
@@ -108,6 +124,12 @@ class PatchState:
     on_refusal: Callable[[connection.Connection, int, str, str], None]
     # A buffered body went over the limit: the flow, and the limit. Returns the refusal to answer.
     on_body_over_limit: Callable[[http.HTTPFlow, int], Refusal]
+    # A buffered body's next piece, of this many bytes, is about to be held: None, or the refusal to answer
+    # (the budget for buffered bodies is full).
+    on_body_buffered: Callable[[http.HTTPFlow, int], Refusal | None] = lambda flow, size: None
+    # A buffered body's line (a chunk size with its extensions, or a trailer) passed this many bytes
+    # (limits.max_header_bytes) unfinished: the refusal to answer.
+    on_body_line_too_long: Callable[[http.HTTPFlow, int], Refusal | None] = lambda flow, limit: None
     idle_closed: RecentIds = field(default_factory=RecentIds)  # client connections mitmproxy's watchdog closed
     first_byte_timer: bool = True  # False when the front already enforced limits.first_byte_timeout
 
@@ -129,7 +151,7 @@ def install(state: PatchState) -> None:
     if _originals:
         return
     _originals.update(start_request_stream=HttpStream.start_request_stream,
-                      consume=HttpStream.state_consume_request_body,
+                      consume=HttpStream.state_consume_request_body, server_read_body=Http1Server.read_body,
                       server_read_headers=Http1Server.read_headers, server_wait=Http1Server.wait,
                       server_handle_event=Http1Server._handle_event,
                       client_read_headers=Http1Client.read_headers, server_send=Http1Server.send,
@@ -138,6 +160,7 @@ def install(state: PatchState) -> None:
                       asyncio_module=mitmproxy.proxy.server.asyncio)
     HttpStream.start_request_stream = _start_request_stream
     HttpStream.state_consume_request_body = _consume_request_body
+    Http1Server.read_body = _server_read_body
     Http1Server.read_headers = _server_read_headers
     Http1Server.wait = _server_wait
     Http1Server._handle_event = _server_handle_event
@@ -159,6 +182,7 @@ def uninstall() -> None:
     if _originals:
         HttpStream.start_request_stream = _originals["start_request_stream"]
         HttpStream.state_consume_request_body = _originals["consume"]
+        Http1Server.read_body = _originals["server_read_body"]
         Http1Server.read_headers = _originals["server_read_headers"]
         Http1Server.wait = _originals["server_wait"]
         Http1Server._handle_event = _originals["server_handle_event"]
@@ -202,19 +226,84 @@ def _start_request_stream(self: HttpStream):
 
 def _consume_request_body(self: HttpStream, event: events.Event):
     limit = self.flow.metadata.get(BODY_LIMIT)
-    if limit is not None and isinstance(event, RequestData) and len(self.request_body_buf) + len(event.data) > limit:
-        refusal = state().on_body_over_limit(self.flow, limit)
-        self.request_body_buf.clear()
-        self.client_state = self.state_errored
-        self.server_state = self.state_errored
-        self.flow.live = False
-        yield commands.SendData(self.context.client, refusal_bytes(refusal))
-        # Half close: the client may still be sending its body; what it sends is read and dropped
-        # (state_errored) until it closes or the idle timeout, so its kernel does not answer our 413
-        # with a reset that would destroy the answer before the client read it.
-        yield commands.CloseTcpConnection(self.context.client, half_close=True)
-        return
+    if limit is not None and isinstance(event, (RequestData, RequestEndOfMessage)):
+        data = len(event.data) if isinstance(event, RequestData) else 0
+        # The wire bytes as the reading side counted them (they include the data: the larger is taken in
+        # case a body came some other way than through Http1Server.read_body).
+        wire = max(getattr(self.flow.request, _BODY_WIRE, 0), len(self.request_body_buf) + data)
+        long_line = getattr(self.flow.request, _BODY_LONG_LINE, None)
+        if long_line is not None:
+            refusal = state().on_body_line_too_long(self.flow, long_line)
+        else:
+            refusal = state().on_body_over_limit(self.flow, limit) if wire > limit else None
+        if refusal is None and data:
+            refusal = state().on_body_buffered(self.flow, data)
+        if refusal is not None:
+            yield from _refuse_buffered_body(self, refusal)
+            return
     yield from _originals["consume"](self, event)
+
+
+def _refuse_buffered_body(self: HttpStream, refusal: Refusal):
+    setattr(self.flow.request, _BODY_REFUSED, True)
+    self.request_body_buf.clear()
+    self.client_state = self.state_errored
+    self.server_state = self.state_errored
+    self.flow.live = False
+    yield commands.SendData(self.context.client, refusal_bytes(refusal))
+    # Half close: the client may still be sending its body; what it sends is read and dropped
+    # (_server_read_body) until it closes or the idle timeout, so its kernel does not answer our answer
+    # with a reset that would destroy it before the client read it.
+    yield commands.CloseTcpConnection(self.context.client, half_close=True)
+
+
+def _server_read_body(self: Http1Server, event: events.Event):
+    """A request body as mitmproxy reads it; a chunked one's wire bytes are counted on the request for the
+    stream (``_consume_request_body``), which alone knows the flow and its limit."""
+    request = self.request
+    if request is None or not isinstance(self.body_reader, ChunkedReader):
+        yield from _originals["server_read_body"](self, event)
+        return
+    if getattr(request, _BODY_REFUSED, False) and isinstance(event, events.DataReceived):
+        self.buf = ReceiveBuffer()  # refused and answered: read and dropped, never parsed or held
+        return
+    if isinstance(event, events.DataReceived):
+        fed = getattr(request, _BODY_FED, None)
+        # The first call comes from read_headers with the head taken out of the buffer: what is left came
+        # with the head. After that each event's data was added to the buffer before this call.
+        setattr(request, _BODY_FED, len(self.buf) if fed is None else fed + len(event.data))
+    original = _originals["server_read_body"](self, event)
+    value = None
+    while True:
+        try:
+            command = original.send(value)
+        except StopIteration:
+            break
+        if isinstance(command, ReceiveHttp) and isinstance(command.event, (RequestData, RequestEndOfMessage)):
+            # What h11 consumed of the buffer so far is the body's (the reader has taken this piece out).
+            setattr(request, _BODY_WIRE, getattr(request, _BODY_FED, 0) - len(self.buf))
+        value = yield command
+        if getattr(request, _BODY_REFUSED, False):
+            original.close()
+            self.buf = ReceiveBuffer()
+            return
+    if self.state != self.read_body or request.stream:
+        return
+    limits = state().limits()
+    if len(self.buf) > limits.max_header_bytes:
+        # What the reader left is one unfinished line (it takes every whole line and all data it can):
+        # a size line with its extensions, or a trailer, longer than a head may be. h11, which reads the
+        # fast path's bodies, refuses such a line at the same bound (proxy/fast_http.py).
+        setattr(request, _BODY_LONG_LINE, limits.max_header_bytes)
+    elif getattr(request, _BODY_FED, 0) > limits.max_request_body:
+        # The body has not ended, so every byte received is the body's, yet no piece of data came out of
+        # them (a size line or extension that does not end: mitmproxy's reader buffers it without limit).
+        setattr(request, _BODY_WIRE, getattr(request, _BODY_FED, 0))
+    else:
+        return
+    # An empty piece makes the stream look at the count. (Only a buffered body's stream gets it:
+    # ``request.stream`` is False for every chunked body, proxy/addons/body_limit.py.)
+    yield ReceiveHttp(RequestData(self.stream_id, b""))
 
 
 # ---- heads: size, time, first byte ----------------------------------------------------------------

@@ -1,30 +1,63 @@
-"""``limits.max_request_body`` for bodies without a Content-Length (chunked).
+"""``limits.max_request_body`` for bodies without a Content-Length (chunked), and the budget they are
+buffered in (``limits.max_buffered_request_bodies``, ``proxy/body_budget.py``).
 
 A declared length over the limit is refused by the gate before anything is read. A chunked body is
 buffered — never streamed — so the upstream sees nothing of a request that turns out to be over the
-limit (proxy/mitm_patches.py answers 413 as soon as the buffer passes it). Every other body is
+limit (proxy/mitm_patches.py answers 413 as soon as the body, counted as sent, passes it). Every piece
+buffered is reserved in the gate's budget first (503/429 when it is full); the reservation is given back
+when the flow ends — its response is in, or it failed, or was refused — or, whatever else happened, when
+its client connection closes. On this path the flow keeps the whole body (``flow.request.content``, which
+the response record counts) until its response is in, so it is held until then. Every other body is
 streamed as it arrives.
 """
 
 from __future__ import annotations
 
-from mitmproxy import http
+from mitmproxy import connection, http
 
-from ..gate import Gate
+from ..body_budget import BodyHold
+from ..gate import Gate, body_line_too_long_reason, body_over_limit_reason
 from ..mitm_patches import BODY_LIMIT
 from ..peers import peer_of
 from ..refusals import Refusal
 from .decision import FLOW_ID, TARGET, VERDICT, accept_of, to_response
 
+BODY_HOLD = "egresswall_body_hold"  # flow.metadata: what the flow's buffered body holds of the budget
+
 
 def refuse_body_over_limit(gate: Gate, flow: http.HTTPFlow, limit: int) -> Refusal:
-    """A buffered body went over the limit (proxy/mitm_patches.py calls this): the 413 and its record. The
-    record is the flow's closing one, so the allowed verdict is dropped and no response record follows."""
+    """A buffered body went over the limit (proxy/mitm_patches.py calls this): the 413 and its record."""
+    return _refuse_body(gate, flow, 413, "limits.max_request_body", body_over_limit_reason(limit))
+
+
+def refuse_body_line_too_long(gate: Gate, flow: http.HTTPFlow, limit: int) -> Refusal:
+    """A line of a buffered body passed limits.max_header_bytes unfinished (proxy/mitm_patches.py): 400."""
+    return _refuse_body(gate, flow, 400, "http:bad-chunked", body_line_too_long_reason(limit), stage="form")
+
+
+def reserve_body(gate: Gate, flow: http.HTTPFlow, size: int) -> Refusal | None:
+    """``size`` more bytes of a buffered body (proxy/mitm_patches.py calls this before holding them): None,
+    or the refusal when the budget for buffered bodies (or the client's share of it) is full."""
+    hold = flow.metadata.get(BODY_HOLD)
+    if hold is None:
+        return None
+    refused = hold.add(size, gate.policy.limits)
+    if refused is None:
+        return None
+    return _refuse_body(gate, flow, refused.status, refused.rule, refused.reason)
+
+
+def _refuse_body(gate: Gate, flow: http.HTTPFlow, status: int, rule: str, reason: str,
+                 stage: str = "limits") -> Refusal:
+    """The refusal of a body being buffered. The record is the flow's closing one, so the allowed verdict is
+    dropped and no response record follows; what the body held is given back."""
+    hold = flow.metadata.pop(BODY_HOLD, None)
+    if hold is not None:
+        hold.release()
     flow.metadata.pop(VERDICT, None)
-    refusal = gate.refuse(peer_of(flow.client_conn.peername), flow.request.method, flow.metadata.get(TARGET), 413,
-                          "limits", "limits.max_request_body",
-                          f"the request body is over the limit of {limit} bytes (limits.max_request_body)",
-                          flow_id=flow.metadata.get(FLOW_ID), event="response", accept=accept_of(flow))
+    refusal = gate.refuse(peer_of(flow.client_conn.peername), flow.request.method, flow.metadata.get(TARGET), status,
+                          stage, rule, reason, flow_id=flow.metadata.get(FLOW_ID), event="response",
+                          accept=accept_of(flow))
     flow.response = to_response(refusal)
     return refusal
 
@@ -32,6 +65,7 @@ def refuse_body_over_limit(gate: Gate, flow: http.HTTPFlow, limit: int) -> Refus
 class BodyLimit:
     def __init__(self, gate: Gate) -> None:
         self.gate = gate
+        self.holds: dict[str, set[BodyHold]] = {}  # client connection id → the holds of its flows
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None or VERDICT not in flow.metadata:
@@ -39,5 +73,31 @@ class BodyLimit:
         if "transfer-encoding" in flow.request.headers:
             flow.request.stream = False
             flow.metadata[BODY_LIMIT] = self.gate.policy.limits.max_request_body
+            hold = self.gate.body_budget.hold(peer_of(flow.client_conn.peername))
+            flow.metadata[BODY_HOLD] = hold
+            self.holds.setdefault(flow.client_conn.id, set()).add(hold)
         else:
             flow.request.stream = True
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        self._release(flow)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self._release(flow)
+
+    def client_disconnected(self, client: connection.Client) -> None:
+        """Whatever became of its flows (a reset mid-body, an idle close, a refusal), nothing they held
+        outlives the connection."""
+        for hold in self.holds.pop(client.id, ()):
+            hold.release()
+
+    def _release(self, flow: http.HTTPFlow) -> None:
+        hold = flow.metadata.pop(BODY_HOLD, None)
+        if hold is None:
+            return
+        hold.release()
+        holds = self.holds.get(flow.client_conn.id)
+        if holds is not None:
+            holds.discard(hold)
+            if not holds:
+                del self.holds[flow.client_conn.id]
