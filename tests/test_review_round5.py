@@ -283,6 +283,22 @@ def test_a_request_hidden_in_a_body_the_origin_does_not_read_never_reaches_it(la
     assert "GET /admin/secret HTTP/1.1" not in origin.lines[served:], origin.lines[served:]
 
 
+# ---- the asterisk form ---------------------------------------------------------------------------------
+
+def test_an_asterisk_form_request_is_refused_with_a_reason_that_names_it(lab, proxy):
+    """OPTIONS * was refused with "port: the port is not decimal" (the '*' was read glued to the Host
+    header's port), a reason that sends a reader after the wrong thing."""
+    authority = f"public.lab.example:{lab.public.port}"
+    audit = AuditWatch(proxy.log_path).mark()
+    before = len(lab.public.requests)
+    status, headers, _ = parse_response(exchange(proxy, f"OPTIONS * HTTP/1.1\r\nHost: {authority}\r\n"
+                                                        "Connection: close\r\n\r\n".encode()))
+    assert status == 403 and headers["x-egresswall-rule"] == "form:asterisk"
+    assert seen_since(lab, before) == []
+    (refused,) = refusals(audit.wait_for(lambda r: refusals(r)))
+    assert refused["rule"] == "form:asterisk" and "asterisk form" in refused["reason"]
+
+
 # ---- held: regression tests --------------------------------------------------------------------------------
 
 def test_a_connect_to_an_ip_literal_with_the_sni_of_an_allowed_name_is_refused(lab, proxy):
