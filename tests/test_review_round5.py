@@ -36,6 +36,8 @@ from rawclient import read_all, tunnel
 from tls_build import client_hello
 
 from policy.model import HostRule, without_parameters
+from proxy.first_bytes import classify_tunnel_start
+from proxy.tls_hello import MAX_HELLO_RECORDS
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("internal_saw_nothing")]
 
@@ -297,6 +299,52 @@ def test_an_asterisk_form_request_is_refused_with_a_reason_that_names_it(lab, pr
     assert seen_since(lab, before) == []
     (refused,) = refusals(audit.wait_for(lambda r: refusals(r)))
     assert refused["rule"] == "form:asterisk" and "asterisk form" in refused["reason"]
+
+
+# ---- a ClientHello in many tiny records ------------------------------------------------------------------
+
+def _tiny_records(total: int = 32_000) -> bytes:
+    """Handshake records of one byte each, of a ClientHello that says it is 16 MiB: never whole."""
+    payload = b"\x01\xff\xff\xff\x03\x03" + b"\x00" * (total // 6)
+    return b"".join(b"\x16\x03\x01\x00\x01" + payload[i:i + 1] for i in range(len(payload)))[:total]
+
+
+def test_judging_a_hello_in_one_byte_records_again_and_again_stays_cheap():
+    """The transports judge a tunnel's first bytes again on every read until the hello is whole, and
+    mitmproxy's reassembly walked and copied every record each time: 30 ms a read for 32 KiB of one-byte
+    records, so one client writing a few bytes at a time held the event loop for about a minute (every
+    other client waiting). Now a hello in more than 256 records is refused, after reading 256 headers."""
+    data = _tiny_records()
+    started = time.perf_counter()
+    for end in range(len(data) - 200 * 6, len(data), 6):
+        judged = classify_tunnel_start(data[:end], "public.lab.example", http_inside=False, ech_allowed=True)
+        assert judged.refused and judged.rule == "tls:hello-records", judged
+    assert time.perf_counter() - started < 1.0  # was about 6 s
+
+
+def test_a_hello_in_up_to_256_records_is_still_read():
+    """The lab's hello is 82 bytes of handshake, 82 records of one byte; padded to 300 bytes, 300 records."""
+    small = client_hello(b"public.lab.example", record_size=1)
+    padded = client_hello(b"public.lab.example", extra=(b"\x00\x15\x00\xda" + bytes(218),), record_size=1)
+    assert small.count(b"\x16\x03\x01\x00\x01") <= MAX_HELLO_RECORDS < padded.count(b"\x16\x03\x01\x00\x01")
+    judged = classify_tunnel_start(small, "public.lab.example", http_inside=False, ech_allowed=True)
+    assert (judged.refused, judged.sni) == (False, "public.lab.example")
+    judged = classify_tunnel_start(padded, "public.lab.example", http_inside=False, ech_allowed=True)
+    assert judged.refused and judged.rule == "tls:hello-records"
+
+
+def test_a_hello_in_too_many_records_is_refused_at_once_through_the_proxy(lab, proxy):
+    audit = AuditWatch(proxy.log_path).mark()
+    sock, status, _ = proxy.connect(f"public.lab.example:{lab.public_tls.port}")
+    with sock:
+        assert status == 200
+        started = time.monotonic()
+        sock.sendall(_tiny_records(2000))
+        answer = read_all(sock, HEADER_TIMEOUT + 3)
+        took = time.monotonic() - started
+    assert answer[:1] == b"\x15" and took < HEADER_TIMEOUT, (answer, took)  # not the header timeout's close
+    (refused,) = refusals(audit.wait_for(lambda r: refusals(r)))
+    assert refused["rule"] == "tls:hello-records" and "256 TLS records" in refused["reason"]
 
 
 # ---- held: regression tests --------------------------------------------------------------------------------
