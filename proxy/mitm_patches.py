@@ -364,10 +364,16 @@ def _drop_interim_heads(buf) -> bool:
     got it as the answer to its request, and the real one was thrown away as "unexpected data". They are
     not passed on (as on the fast path), and the final response follows."""
     dropped = False
-    while _INTERIM.match(data := bytes(buf)) and _HEAD_END.search(data):
-        buf.maybe_extract_lines()
+    while _INTERIM.match(_start_of(buf)) and buf.maybe_extract_lines() is not None:  # None: not whole yet
         dropped = True
     return dropped
+
+
+def _start_of(buf, size: int = 16) -> bytes:
+    """The first bytes of an h11 ReceiveBuffer without copying all of it on every read (an upstream that
+    drips a long head would make that quadratic); ``maybe_extract_lines`` searches incrementally itself."""
+    data = getattr(buf, "_data", None)
+    return bytes(data[:size]) if data is not None else bytes(buf)[:size]
 
 
 # ---- mitmproxy's own answers -------------------------------------------------------------------------
