@@ -22,6 +22,9 @@ Defects found and fixed:
   (``tls:hello-records``), judged on the record headers alone;
 * ``OPTIONS *`` was refused with the reason "port: the port is not decimal"; now ``form:asterisk``, with a
   reason that names the asterisk form.
+* the admin listener registered only its first socket as egresswall's own, though ``--admin NAME:PORT``
+  binds every address the name resolves to (``localhost``: 127.0.0.1 and ::1 on most systems): a name
+  resolving to the other one, under a policy that re-admits it, reached the admin port through the proxy.
 
 Found and not fixed (xfail strict): a request hidden in the body of a DELETE or OPTIONS reaches an origin
 that does not read such bodies (CL.0 as round 4 fixed it for GET, HEAD and TRACE); refusing those bodies is
@@ -36,6 +39,7 @@ request lines that are not an authority.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import socket
 import time
@@ -49,6 +53,7 @@ from rawclient import read_all, tunnel
 from tls_build import client_hello
 
 from policy.model import HostRule, without_parameters
+from proxy.admin import AdminServer
 from proxy.first_bytes import classify_tunnel_start
 from proxy.tls_hello import MAX_HELLO_RECORDS
 
@@ -358,6 +363,31 @@ def test_a_hello_in_too_many_records_is_refused_at_once_through_the_proxy(lab, p
     assert answer[:1] == b"\x15" and took < HEADER_TIMEOUT, (answer, took)  # not the header timeout's close
     (refused,) = refusals(audit.wait_for(lambda r: refusals(r)))
     assert refused["rule"] == "tls:hello-records" and "256 TLS records" in refused["reason"]
+
+
+# ---- the admin listener on more than one address ----------------------------------------------------------
+
+def test_the_admin_listener_names_every_address_it_listens_on():
+    """``--admin localhost:3131`` binds every address the name resolves to (127.0.0.1 and ::1 on most
+    systems; this machine's /etc/hosts has only 127.0.0.1, so the run itself cannot show it), but only the
+    first socket's address was registered as egresswall's own: a name resolving to ::1, under a policy that
+    re-admits ::1, reached the admin port through the proxy. Every socket's address is registered now
+    (proxy/runner.py, and the supervisor's for its workers)."""
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+    async def listen() -> tuple[tuple[str, int], list[tuple[str, int]]]:
+        server = AdminServer({"/healthz": lambda: (200, "text/plain", "ok\n")})
+        first = await server.start(["127.0.0.1", "::1"], port)  # what a name with two addresses binds
+        try:
+            return first, server.addresses
+        finally:
+            await server.stop()
+
+    first, addresses = asyncio.run(listen())
+    assert first in addresses and sorted(addresses) == [("127.0.0.1", port), ("::1", port)]
 
 
 # ---- held: regression tests --------------------------------------------------------------------------------
