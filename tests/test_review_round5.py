@@ -22,6 +22,8 @@ Defects found and fixed:
   (``tls:hello-records``), judged on the record headers alone;
 * ``OPTIONS *`` was refused with the reason "port: the port is not decimal"; now ``form:asterisk``, with a
   reason that names the asterisk form.
+* the front searched a request head's whole buffer for its end after every read: a 64 KiB head written a
+  byte at a time cost seconds of the event loop per connection; each byte is searched once now;
 * the admin listener registered only its first socket as egresswall's own, though ``--admin NAME:PORT``
   binds every address the name resolves to (``localhost``: 127.0.0.1 and ::1 on most systems): a name
   resolving to the other one, under a policy that re-admits it, reached the admin port through the proxy.
@@ -52,7 +54,8 @@ from proxyproc import TRANSPORTS, ProxyProcess, parse_response
 from rawclient import read_all, tunnel
 from tls_build import client_hello
 
-from policy.model import HostRule, without_parameters
+from policy.model import HostRule, Limits, without_parameters
+from proxy import head_reader
 from proxy.admin import AdminServer
 from proxy.first_bytes import classify_tunnel_start
 from proxy.tls_hello import MAX_HELLO_RECORDS
@@ -363,6 +366,53 @@ def test_a_hello_in_too_many_records_is_refused_at_once_through_the_proxy(lab, p
     assert answer[:1] == b"\x15" and took < HEADER_TIMEOUT, (answer, took)  # not the header timeout's close
     (refused,) = refusals(audit.wait_for(lambda r: refusals(r)))
     assert refused["rule"] == "tls:hello-records" and "256 TLS records" in refused["reason"]
+
+
+# ---- a request head that arrives a few bytes at a time --------------------------------------------------
+
+class CountingSearch:
+    """HEAD_END with the bytes each search looks at counted (the real regex does the searching)."""
+
+    def __init__(self, pattern: re.Pattern[bytes]) -> None:
+        self.pattern, self.scanned, self.calls = pattern, 0, 0
+
+    def search(self, data: bytes, pos: int = 0) -> re.Match[bytes] | None:
+        self.calls += 1
+        self.scanned += len(data) - pos
+        return self.pattern.search(data, pos)
+
+
+def test_a_head_written_a_byte_at_a_time_is_searched_once_not_once_per_read(monkeypatch):
+    """The front searched the whole buffer for the head's end after every read: a 64 KiB head written a
+    byte at a time cost seconds of the event loop per connection (every other client waiting). Each
+    byte is searched once now (bar the two before each read's end)."""
+    counting = CountingSearch(head_reader.HEAD_END)
+    monkeypatch.setattr(head_reader, "HEAD_END", counting)
+    head = (b"GET http://public.lab.example/ HTTP/1.1\r\nHost: public.lab.example\r\nX-Long: " + b"a" * 8000
+            + b"\r\n\r\n")
+
+    async def drip() -> bytes:
+        reader, writer = socket.socketpair()
+        reader.setblocking(False)
+        writer.setblocking(False)
+
+        async def write() -> None:
+            for i in range(len(head)):
+                writer.send(head[i:i + 1])
+                await asyncio.sleep(0)
+
+        task = asyncio.get_running_loop().create_task(write())
+        try:
+            got, _ = await head_reader.read_head(reader, Limits(header_timeout=20, max_header_bytes=65536))
+        finally:
+            await task
+            reader.close()
+            writer.close()
+        return got
+
+    assert asyncio.run(drip()) == head
+    assert counting.calls > 100  # it did come in many reads
+    assert counting.scanned <= 3 * len(head), (counting.scanned, counting.calls)
 
 
 # ---- the admin listener on more than one address ----------------------------------------------------------
