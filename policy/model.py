@@ -112,7 +112,11 @@ class HostRule(NamedTuple):
             # '/docs/../admin' starts with '/docs/' but the server serves /admin: a path the server may
             # read as another path is never admitted by an allow rule, and is refused by a deny rule.
             return self.action == DENY
-        return any(path_pattern_matches(p, canonical) for p in self.paths)
+        # Tomcat, Jetty and Spring drop a segment's ';' parameters ('/admin;x/secret' is /admin/secret
+        # there), other servers keep them: a deny rule matches either reading, an allow rule both.
+        readings = (canonical, without_parameters(canonical))
+        matched = (any(path_pattern_matches(p, reading) for p in self.paths) for reading in readings)
+        return any(matched) if self.action == DENY else all(matched)
 
     def describe(self) -> str:
         return f"{self.action} {self.pattern.text} ({self.origin})"
@@ -148,6 +152,14 @@ def canonical_path(path: str) -> str | None:
     if "" in segments[1:-1]:  # '//', or a segment of ';' parameters only (Tomcat drops those: '/;x/admin/')
         return None
     return path
+
+
+def without_parameters(path: str) -> str:
+    """The path with every segment's ';' parameters removed, as servers that read path parameters serve
+    it ('/admin;jsessionid=1/x' -> '/admin/x', '/a/b;v=2' -> '/a/b')."""
+    if ";" not in path:
+        return path
+    return "/".join(segment.split(";", 1)[0] for segment in path.split("/"))
 
 
 def path_pattern_matches(pattern: str, path: str) -> bool:

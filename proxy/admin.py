@@ -33,6 +33,9 @@ class AdminServer:
         self.runner: web.AppRunner | None = None
         self.server: asyncio.Server | None = None
         self.open_connections = 0
+        # Every (address, port) it listens on: a host name binds each address it resolves to ("localhost"
+        # is 127.0.0.1 and ::1 on most systems), and each is egresswall itself to the connect guard.
+        self.addresses: list[tuple[str, int]] = []
 
     def application(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY)
@@ -48,8 +51,8 @@ class AdminServer:
         assert self.runner.server is not None
         self.server = await asyncio.get_running_loop().create_server(
             self._bounded(self.runner.server), host, port, reuse_address=True)
-        address = self.server.sockets[0].getsockname()
-        return address[0], address[1]
+        self.addresses = [sock.getsockname()[:2] for sock in self.server.sockets]
+        return self.addresses[0]
 
     def _bounded(self, protocol_factory: web.Server) -> Callable[[], asyncio.Protocol]:
         """aiohttp's protocol for each connection, with a lifetime and a cap on how many are open."""

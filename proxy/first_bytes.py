@@ -77,6 +77,13 @@ def _http_head(data: bytes, max_head: int) -> FirstBytes:
         return FirstBytes.more()
     if not isinstance(event, h11.Request):
         return FirstBytes.refuse("http:not-http", "the tunnel does not start with an HTTP request")
+    if event.http_version not in (b"1.0", b"1.1") or event.method == b"PRI":
+        # h11 reads the HTTP/2 connection preface ("PRI * HTTP/2.0") as a request head; what follows it is
+        # HTTP/2 frames, which nothing here reads request by request.
+        return FirstBytes.refuse("http:not-http", f"the tunnel goes to a plain-HTTP port but starts with an HTTP/"
+                                                  f"{event.http_version.decode('ascii', 'replace')} "
+                                                  f"{'connection preface' if event.method == b'PRI' else 'request'}; "
+                                                  "egresswall reads only HTTP/1.0 and HTTP/1.1 inside a tunnel")
     return FirstBytes(kind="http")
 
 

@@ -458,6 +458,11 @@ def plain_target(ask: HttpAsk) -> Target:
     """The target of a plain-HTTP request (not inside a tunnel) as both transports hand it over: scheme,
     host, port and path as the transport split them, read again by policy.hosts (HostFormError: refused)."""
     scheme = {"http": "ws", "https": "wss"}.get(ask.scheme, ask.scheme) if ask.websocket else ask.scheme
+    if ask.path and not ask.path.startswith("/"):
+        # "OPTIONS * HTTP/1.1": glued to the port below it read as a port that is not decimal.
+        raise HostFormError("asterisk", f"the request target {safe_text(ask.path, 40)!r} is not a path (the asterisk "
+                                        "form asks the server it is sent to about itself); egresswall forwards "
+                                        "requests for a URL")
     bracketed = f"[{ask.host}]" if ":" in ask.host else ask.host
     return parse_url(f"{scheme}://{bracketed}:{ask.port}{ask.path}")
 

@@ -43,8 +43,9 @@ async def read_head(conn: socket.socket, limits: Limits, first_byte: float | Non
         raise HeadProblem(0, "http:tls-to-proxy", "the client started TLS with the proxy itself; egresswall's "
                                                   "port speaks HTTP/1.1 (send CONNECT)")
     deadline = loop.time() + header
+    searched = 0  # where the search for the head's end starts: bytes before it hold none (each read is searched once)
     while True:
-        found = HEAD_END.search(data)
+        found = HEAD_END.search(data, searched)
         end = found.end() if found else -1
         if 0 <= end <= limits.max_header_bytes:
             return data[:end], data[end:]
@@ -70,6 +71,7 @@ async def read_head(conn: socket.socket, limits: Limits, first_byte: float | Non
         if not chunk:
             raise HeadProblem(0, "http:incomplete-head", f"the connection was closed by the client into a "
                                                          f"request head that never ended ({len(data)} bytes)")
+        searched = max(0, len(data) - 2)  # the end ("\n\r\n" at most) may begin in the last bytes already read
         data += chunk
 
 

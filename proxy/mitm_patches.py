@@ -28,6 +28,11 @@ gate's owner builds — installing a second, different state is an error, never 
   its first byte gets 408 — by a wakeup timer, so a client that sends half a head and waits is cut off
   too (502 for an upstream). Tests: test_hardening_adversarial.py (slowloris),
   test_hardening_proxy_security.py::test_half_a_second_head_on_a_kept_alive_connection_gets_408.
+* **Interim responses** (``Http1Client.read_headers``): mitmproxy reads an upstream's ``100 Continue`` or
+  ``103 Early Hints`` as the final response (the client got it as its answer, and the real response was
+  dropped as unexpected data). Whole 1xx heads other than 101 are dropped, as on the fast path, and the
+  final head is still due within ``limits.header_timeout`` of the first one's first byte (a flood of them
+  gets 502). Test: test_review_round5.py::test_an_origins_interim_response_is_not_the_answer.
 * **First byte** (``Http1Server._handle_event``): a connection that has sent nothing is closed after
   ``limits.first_byte_timeout`` (the front does this for ``egresswall run``; this is for mitmdump).
 * **Pipelined bytes** (``Http1Server.wait``): bytes a client sends while its request waits for a response
@@ -136,6 +141,7 @@ class PatchState:
 
 _state: PatchState | None = None
 _HEAD_END = re.compile(rb"\n\r?\n")  # what h11's ReceiveBuffer accepts as the end of a head
+_INTERIM = re.compile(rb"HTTP/1\.[01] 1(?!01)[0-9]{2}[ \r\n]")  # a 1xx status line, not 101 Switching Protocols
 _STARTED = "_egresswall_head_started"
 _TIMER = "_egresswall_timer"
 _TIMER_FOR = "_egresswall_timer_for"  # which head the timer is for
@@ -432,11 +438,31 @@ def _client_read_headers(self: Http1Client, event: events.Event):
             yield ReceiveHttp(ResponseProtocolError(self.stream_id, f"egresswall: {problem[1]}",
                                                     ErrorCode.GENERIC_SERVER_ERROR))
             return
+    interim = isinstance(event, events.DataReceived) and _drop_interim_heads(self.buf)
     yield from _originals["client_read_headers"](self, event)
-    if self.state != self.read_headers or not len(self.buf):
+    if self.state != self.read_headers or (not len(self.buf) and not interim):
         # The head is in (a whole response may even have come and gone within this one event, leaving a
-        # kept-alive connection back in read_headers): the next response gets a fresh clock.
+        # kept-alive connection back in read_headers): the next response gets a fresh clock. Not after
+        # an interim one: its final response is still to come, within the same limits.header_timeout.
         self.__dict__.pop(_STARTED, None)
+
+
+def _drop_interim_heads(buf) -> bool:
+    """Remove the whole 1xx heads (other than 101) at the start of an upstream's response buffer; True if
+    any were. mitmproxy reads a ``100 Continue`` or ``103 Early Hints`` as the final response: the client
+    got it as the answer to its request, and the real one was thrown away as "unexpected data". They are
+    not passed on (as on the fast path), and the final response follows."""
+    dropped = False
+    while _INTERIM.match(_start_of(buf)) and buf.maybe_extract_lines() is not None:  # None: not whole yet
+        dropped = True
+    return dropped
+
+
+def _start_of(buf, size: int = 16) -> bytes:
+    """The first bytes of an h11 ReceiveBuffer without copying all of it on every read (an upstream that
+    drips a long head would make that quadratic); ``maybe_extract_lines`` searches incrementally itself."""
+    data = getattr(buf, "_data", None)
+    return bytes(data[:size]) if data is not None else bytes(buf)[:size]
 
 
 # ---- mitmproxy's own answers -------------------------------------------------------------------------

@@ -141,7 +141,8 @@ class ProxyRunner:
                         self.admin_address = await self.admin.start(*self.config.admin)
                     except OSError as err:
                         raise ListenError(ADMIN, self.config.admin, err) from err
-                    self.gate.self_endpoints.add((_endpoint_host(self.admin_address[0]), self.admin_address[1]))
+                    for address in self.admin.addresses:  # a name may have bound more than one
+                        self.gate.self_endpoints.add((_endpoint_host(address[0]), address[1]))
                 self._close_internal_listener()
                 self.holder.start_watching(self.config.watch_interval)
                 self._session_watch = asyncio.get_running_loop().create_task(self._watch_sessions())

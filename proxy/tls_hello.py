@@ -22,6 +22,7 @@ from mitmproxy.tls import ClientHello
 from policy.hosts import HostFormError, normalise_host
 
 MAX_HELLO_BYTES: Final = 32 * 1024  # Chromium's, with post-quantum key shares, is under 2 KiB
+MAX_HELLO_RECORDS: Final = 256  # browsers and TLS libraries send one (two past 16 KiB); DPI evaders split more
 SERVER_NAME, ENCRYPTED_CLIENT_HELLO = 0x0000, 0xFE0D
 HANDSHAKE_CLIENT_HELLO = 0x01
 NEED_MORE: Final = None
@@ -47,6 +48,10 @@ def read_client_hello(data: bytes) -> ClientHelloInfo | None:
         return NEED_MORE
     if not starts_like_tls_record(data):
         raise HelloError("tls:not-tls", "the tunnel does not start with a TLS handshake record")
+    if not _hello_is_whole(data):
+        if len(data) > MAX_HELLO_BYTES:
+            raise HelloError("tls:hello-too-large", f"the ClientHello is larger than {MAX_HELLO_BYTES} bytes")
+        return NEED_MORE
     try:
         handshake = get_client_hello(data)
     except ValueError as err:
@@ -68,6 +73,36 @@ def read_client_hello(data: bytes) -> ClientHelloInfo | None:
     sni = _server_name(names[0]) if names else None
     ech = any(kind == ENCRYPTED_CLIENT_HELLO for kind, _ in extensions)
     return ClientHelloInfo(sni, ech, _records_length(data, len(handshake)))
+
+
+def _hello_is_whole(data: bytes) -> bool:
+    """Whether the records at the start of ``data`` hold the whole first handshake message, read from the
+    record headers alone. The transports judge the tunnel's bytes again on every read until the hello is
+    whole, and mitmproxy's reassembly walks (and copies) every record each time: a hello sent in one-byte
+    records, a few bytes per write, cost a minute of the event loop per connection (every client waits).
+    So the records are counted here first, and a hello in more than MAX_HELLO_RECORDS is refused."""
+    offset, payload, head, records = 0, 0, b"", 0
+    while offset + 5 <= len(data):
+        header = data[offset:offset + 5]
+        if not starts_like_tls_record(header):
+            raise HelloError("tls:invalid-hello", "a TLS record other than a handshake record came before the "
+                                                  "ClientHello was whole")
+        size = int.from_bytes(header[3:5], "big")
+        if size == 0:
+            raise HelloError("tls:invalid-hello", "an empty TLS record came before the ClientHello was whole")
+        if offset + 5 + size > len(data):
+            return False
+        records += 1
+        if records > MAX_HELLO_RECORDS:
+            raise HelloError("tls:hello-records", f"the ClientHello is split into more than {MAX_HELLO_RECORDS} TLS "
+                                                  "records")
+        if len(head) < 4:
+            head += data[offset + 5:offset + 5 + min(size, 4 - len(head))]
+        payload += size
+        offset += 5 + size
+        if len(head) == 4 and payload >= 4 + int.from_bytes(head[1:4], "big"):
+            return True
+    return False
 
 
 def _server_name(body: bytes) -> str:

@@ -164,7 +164,8 @@ class Supervisor:
         when one reports a failure or dies, or when a stop signal arrives."""
         # The session API is the supervisor's (on its admin listener, over the shared store); workers only judge.
         config = dataclasses.replace(self.config, listen=self.listen, admin=("127.0.0.1", 0), reuse_port=True,
-                                     worker_count=self.count, extra_self_endpoints=(admin,) if admin else (),
+                                     worker_count=self.count,
+                                     extra_self_endpoints=tuple(self.admin.addresses) if admin else (),
                                      admin_token_file=None)
         self.workers = [Worker(i, config) for i in range(self.count)]
         for worker in self.workers:
