@@ -19,7 +19,7 @@ import netaddr
 
 from policy.addresses import AddressRules, parse_cidr
 from policy.loader import PolicyError, parse_policy
-from policy.model import ALLOW, DENY, Policy
+from policy.model import ALLOW, DENY, HostTable, Policy
 
 from . import addrsets
 from .acls import (
@@ -404,8 +404,8 @@ class _Importer:
             # role and the global section refuses.
             sizes = [sum(space.clients[i].addresses.size for i in group) for _, group in scopes]
             for chosen in sorted(range(len(built)), key=lambda i: -sizes[i]):
-                if all(self._unaffected(space, gates, spec, other, built[chosen].deny, scopes[i][1][0], address,
-                                        made[i][1]) for i, other in enumerate(built) if i != chosen):
+                if all(self._unaffected(space, gates, spec, other, built[chosen].deny, scopes[i][1][0], address)
+                       for i, other in enumerate(built) if i != chosen):
                     built[chosen].name, built[chosen].clients = None, []
                     scopes[chosen] = (None, scopes[chosen][1])
                     break
@@ -415,17 +415,26 @@ class _Importer:
         return spec, scopes
 
     @staticmethod
-    def _unaffected(space: Space, gates: Gates, spec: PolicySpec, scope: ScopeSpec, extra: list, client_index: int,
-                    address: str, twins: dict[str, str]) -> bool:
-        """Would these extra deny rules leave the scope's decisions as they are?"""
-        if not extra:
+    def _unaffected(space: Space, gates: Gates, spec: PolicySpec, scope: ScopeSpec, extra: list,
+                    client_index: int, address: str) -> bool:
+        """Would these extra deny rules (another scope's) leave this scope's decisions as they are?
+
+        Every region whose host one of them names is decided before and after, copies of a template
+        included: the scope built its copies like their template, but the extra rules were built for
+        another scope, where the copy and the template may differ (a deny rule for the copy's name and
+        none for the template's). A region no extra rule names cannot change (deny rules are looked up
+        by host), so it is not decided again."""
+        if not extra or not gates.cells:
             return True
         client = str(space.clients[client_index].representative)
+        named = HostTable.build([rule.host_rule(DENY) for rule in extra])
         before = spec.scope_policy(scope)
         after = spec.scope_policy(ScopeSpec(scope.name, scope.default, allow=scope.allow, deny=scope.deny + extra))
+        sample = min(gates.cells)
         for region in space.regions:
-            if region.key in twins:
-                continue  # decided like its twin, which is checked
+            request = egress_probe(region, sample, client, address).request
+            if request is None or not named.candidates(request.target.host):
+                continue  # a host form refused outright, or a host no extra rule names
             for cell in gates.cells:
                 probe = egress_probe(region, cell, client, address)
                 if admits(before, probe) != admits(after, probe):
@@ -542,15 +551,21 @@ class _Importer:
         losses: list[Loss] = []
         undecided: dict[AccessRule, int] = defaultdict(int)
         regions = {region.key: region for region in space.regions}
+        in_role = {i for name, group in scopes if name is not None for i in group}
         for i, client in enumerate(space.clients):
             twins = self.twins.get(i, {})
             checked: dict[str, int] = defaultdict(int)  # copies of a template checked with decide themselves
             seen: dict[tuple[str, Cell], tuple[bool, Loss | None]] = {}
             for region in space.regions:
                 template = twins.get(region.key)
+                # A role's copies are built like their template from the role's own rules; the global deny
+                # rules apply to the role too, and were built for other clients: a copy one of them names is
+                # decided in full, whatever the count.
+                shortcut = template is not None and checked[template] >= COPIES_CHECKED and not (
+                    i in in_role and _named_by(policy.deny, region, space, str(client.representative), address))
                 for cell in space.cells:
                     outcome = answers[(i, region.key, cell)]
-                    if template is not None and checked[template] >= COPIES_CHECKED:
+                    if shortcut:
                         # A copy of a template squid and the construction treat alike: its answer is the
                         # template's (a few copies of each are decided in full, below, to keep that honest).
                         admitted, loss = seen[(template, cell)]
@@ -604,6 +619,12 @@ def probe_address(rules: AddressRules, space: Space, admissible: netaddr.IPSet) 
             if text not in anchors and rules.check(text).allowed:
                 return text
     return "192.0.2.1"  # nothing is admitted: any address is refused
+
+
+def _named_by(table: HostTable, region: Region, space: Space, client: str, address: str) -> bool:
+    """Does a rule of this table name the region's host (its representative)?"""
+    request = egress_probe(region, space.cells[0], client, address).request
+    return request is not None and bool(table.candidates(request.target.host))
 
 
 def _decided(outcome: Outcome | None, program: Program) -> str:
