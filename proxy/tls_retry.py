@@ -64,7 +64,7 @@ def classify_server_first(data: bytes) -> str:
             if header and (header[0] != HANDSHAKE or (len(header) > 1 and header[1] != 3)):
                 raise HelloError(SERVER_RULE, "the server's ServerHello continues in a record that is not a TLS "
                                               "handshake record")
-            return NEED_MORE
+            break  # the next record's header is not all here: judge what is
         if not starts_like_tls_record(header):
             raise HelloError(SERVER_RULE, f"the server's answer starts a record {header[:3].hex()} that is not a TLS "
                                           f"handshake record")
