@@ -7,7 +7,8 @@ nothing, ``limits.header_timeout`` from the first byte, ``limits.max_header_byte
 * relays it itself: a ``CONNECT`` to a host that is not intercepted, on a port that is not a
   plain-HTTP port — the shape nearly all of a browser's traffic has — decided by the gate, connected
   to the pinned address (or, when the policy names an upstream proxy, through a CONNECT to it:
-  ``proxy/upstream_connect.py``), its ClientHello judged whole by the gate, then copied socket to
+  ``proxy/upstream_connect.py``), its ClientHello judged whole by the gate (and a second one, should
+  the server answer with a HelloRetryRequest: ``proxy/tls_retry.py``), then copied socket to
   socket with counted bytes, without mitmproxy's per-chunk event machinery (``relay_tunnels``, the
   default); or a plain-HTTP request the fast path takes (``proxy/fast_http.py``: strict framing, no
   upgrade, not intercepted, no upstream proxy), and the kept-alive requests after it (``relay_http``,
