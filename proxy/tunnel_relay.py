@@ -247,8 +247,11 @@ class _Question:
             self.finish()
         elif self.timed_phase != self.watch.phase and (self.watch.phase != AWAIT_SERVER or self.watch.server_held):
             self._arm()
-        if not _client_held(tunnel) and client.transport is not None and server.transport is not None \
-                and not client.transport.is_closing() and not server.writing_paused:
+        if client.transport is None or client.transport.is_closing():
+            return
+        if _client_held(tunnel):
+            client.transport.pause_reading()  # (a loop that read anyway, uvloop after connection_made, stops here)
+        elif server.transport is not None and not server.writing_paused:
             client.transport.resume_reading()
 
     def _arm(self) -> None:
