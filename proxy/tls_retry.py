@@ -23,8 +23,7 @@ are read by hand (their headers checked with mitmproxy's ``starts_like_tls_recor
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
-from typing import Final
+from typing import Final, NamedTuple
 
 from mitmproxy.net.tls import starts_like_tls_record
 
@@ -57,6 +56,30 @@ def classify_server_first(data: bytes) -> str:
         return NEED_MORE
     if data[0] != HANDSHAKE:
         return NOT_RETRY
+    prefix = _handshake_prefix(data)
+    if prefix[:1] and prefix[0] != HANDSHAKE_SERVER_HELLO:
+        return NOT_RETRY
+    if len(prefix) >= 4 and int.from_bytes(prefix[1:4], "big") < MIN_SERVER_HELLO_BODY:
+        raise HelloError(SERVER_RULE, "the server's ServerHello is too short to be one")
+    if len(prefix) >= 6 and not (prefix[4] == 3 and prefix[5] <= 3):
+        raise HelloError(SERVER_RULE, f"the server's ServerHello has legacy_version {prefix[4:6].hex()}, not a TLS "
+                                      f"version")
+    if len(prefix) < SERVER_HELLO_PREFIX:
+        return NEED_MORE
+    if prefix[6:] != HELLO_RETRY_RANDOM:
+        return NOT_RETRY
+    if prefix[4:6] != b"\x03\x03":
+        raise HelloError(SERVER_RULE, "the server's HelloRetryRequest has a legacy_version other than TLS 1.2's")
+    return HELLO_RETRY
+
+
+def _handshake_prefix(data: bytes) -> bytes:
+    """The first SERVER_HELLO_PREFIX bytes of the handshake data in ``data``'s records (fewer, while they are
+    not all here), each record header checked."""
+    size = int.from_bytes(data[3:5], "big")
+    if SERVER_HELLO_PREFIX <= size <= MAX_PLAINTEXT_RECORD and len(data) >= 5 + SERVER_HELLO_PREFIX \
+            and starts_like_tls_record(data):
+        return data[5:5 + SERVER_HELLO_PREFIX]  # all in the first record: the usual case, read in one slice
     prefix, offset = b"", 0
     while len(prefix) < SERVER_HELLO_PREFIX:
         header = data[offset:offset + 5]
@@ -77,20 +100,7 @@ def classify_server_first(data: bytes) -> str:
         if len(body) < size:
             break  # the record is not all here: what is, is all there is to read
         offset += 5 + size
-    if prefix[:1] and prefix[0] != HANDSHAKE_SERVER_HELLO:
-        return NOT_RETRY
-    if len(prefix) >= 4 and int.from_bytes(prefix[1:4], "big") < MIN_SERVER_HELLO_BODY:
-        raise HelloError(SERVER_RULE, "the server's ServerHello is too short to be one")
-    if len(prefix) >= 6 and not (prefix[4] == 3 and prefix[5] <= 3):
-        raise HelloError(SERVER_RULE, f"the server's ServerHello has legacy_version {prefix[4:6].hex()}, not a TLS "
-                                      f"version")
-    if len(prefix) < SERVER_HELLO_PREFIX:
-        return NEED_MORE
-    if prefix[6:] != HELLO_RETRY_RANDOM:
-        return NOT_RETRY
-    if prefix[4:6] != b"\x03\x03":
-        raise HelloError(SERVER_RULE, "the server's HelloRetryRequest has a legacy_version other than TLS 1.2's")
-    return HELLO_RETRY
+    return prefix
 
 
 def read_retry_hello(data: bytes) -> ClientHelloInfo | None:
@@ -140,8 +150,7 @@ def _named(sni: str | None) -> str:
     return f"server {sni}" if sni is not None else "no server"
 
 
-@dataclass(frozen=True)
-class Released:
+class Released(NamedTuple):  # (a tuple: made once per tunnel on the common path, and cheap to make)
     """What one step of the watch lets go: bytes to forward each way, or the refusal that ends the tunnel."""
 
     to_client: bytes = b""
@@ -174,14 +183,16 @@ class RetryWatch:
     def from_server(self, data: bytes) -> Released:
         if self.phase != AWAIT_SERVER:
             return Released(to_client=data)
-        self.server_held += data
+        if self.server_held:
+            data = self.server_held + data
         try:
-            answer = classify_server_first(self.server_held)
+            answer = classify_server_first(data)
         except HelloError as err:
             return self._refuse(err)
         if answer == NEED_MORE:
+            self.server_held = data
             return NOTHING
-        to_client, self.server_held = self.server_held, b""
+        to_client, self.server_held = data, b""
         if answer == NOT_RETRY:
             self.phase = DONE
             to_server, self.client_held = self.client_held, b""

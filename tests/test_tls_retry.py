@@ -18,6 +18,7 @@ from proxy.tls_retry import (
     AWAIT_SERVER,
     COMPAT_CHANGE_CIPHER_SPEC,
     HELLO_RETRY,
+    HELLO_RETRY_RANDOM,
     MAX_SERVER_FIRST_BYTES,
     NEED_MORE,
     NOT_RETRY,
@@ -136,6 +137,23 @@ def test_a_record_header_then_any_bytes_is_answered_without_waiting_past_the_bou
         assert classify_server_first(data) in (HELLO_RETRY, NOT_RETRY)
     except HelloError as err:
         assert err.reason
+
+
+def _outcome(data: bytes) -> str:
+    try:
+        return classify_server_first(data)
+    except HelloError as err:
+        return err.rule
+
+
+@settings(max_examples=300)
+@given(st.sampled_from([b"\x02", b"\x01", b"\x0b"]), st.integers(min_value=0, max_value=80),
+       st.sampled_from([b"\x03\x03", b"\x03\x01", b"\x7f\x17"]), st.booleans(), st.binary(max_size=60),
+       st.integers(min_value=1, max_value=50))
+def test_a_message_read_in_one_record_or_in_many_gets_the_same_answer(kind, length, version, retry_random, tail, size):
+    random = HELLO_RETRY_RANDOM if retry_random else bytes(32)
+    message = kind + length.to_bytes(3, "big") + version + random + tail
+    assert _outcome(records(message, len(message))) == _outcome(records(message, size))
 
 
 # ---- the client's second ClientHello -------------------------------------------------------------------
