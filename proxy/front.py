@@ -41,7 +41,7 @@ from .gate import Gate, Tunnel, refusal_for
 from .head_reader import HeadProblem, answer_then_drain, read_head
 from .peers import client_key
 from .refusals import refusal_bytes
-from .tls_hello import MAX_HELLO_BYTES
+from .tls_hello import MAX_HELLO_BYTES, TLS_ALERT_UNRECOGNIZED_NAME
 from .tls_retry import RetryWatch
 from .tunnel_relay import relay
 from .upstream_connect import connect_via_upstream
@@ -49,7 +49,6 @@ from .upstream_connect import connect_via_upstream
 HALF_CLOSED_IDLE = 5.0  # once one side has finished, the other gets this long of silence before the tunnel ends
 OVER_CAP_WAIT = 2.0  # how long a connection refused by a cap may take to say where it wanted to go
 MAX_OVER_CAP_PENDING = 256  # beyond this many at once, refused connections are closed unheard (fds are finite)
-TLS_ALERT_UNRECOGNIZED_NAME = bytes([21, 3, 3, 0, 2, 2, 112])
 # (the socket, the bytes already read, ``done``): mitmproxy takes the connection; ``done`` gives its admission
 # back and must be called once, when mitmproxy has finished with it (or could not take it).
 Handoff = Callable[[socket.socket, bytes, Callable[[], None]], None]

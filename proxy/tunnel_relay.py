@@ -31,13 +31,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .tls_hello import TLS_ALERT_UNRECOGNIZED_NAME
 from .tls_retry import AWAIT_SERVER, Released, RetryWatch
 
 UP, DOWN = "up", "down"
 CHECK_OPEN, CHECK_HALF_CLOSED = 5.0, 1.0  # how often the idle clock is read (seconds)
-# A TLS 1.2 record: alert (21), version 3.3, length 2, level fatal (2), unrecognized_name (112) — what a refused
-# first ClientHello gets too.
-TLS_ALERT_UNRECOGNIZED_NAME = bytes([21, 3, 3, 0, 2, 2, 112])
 Refused = Callable[[str, str, int, int], None]  # (rule, reason, bytes up, bytes down): the tunnel's refusal record
 
 

@@ -19,10 +19,8 @@ from mitmproxy.proxy.layers.tcp import TCPLayer
 from mitmproxy.proxy.utils import expect
 
 from ..first_bytes import FirstBytes
+from ..tls_hello import TLS_ALERT_UNRECOGNIZED_NAME
 from ..tls_retry import AWAIT_SERVER, Released, RetryWatch
-
-# A TLS 1.2 record: alert (21), version 3.3, length 2, level fatal (2), unrecognized_name (112).
-TLS_ALERT_UNRECOGNIZED_NAME = bytes([21, 3, 3, 0, 2, 2, 112])
 
 Judge = Callable[[bytes], FirstBytes]
 Choose = Callable[[FirstBytes], layer.Layer]
