@@ -7,9 +7,11 @@ from __future__ import annotations
 import contextlib
 import socket
 import ssl
+import threading
 import time
 
 import pytest
+from labnet import PUBLIC_IP
 from proxyproc import both_transports
 from rawclient import read_all, tunnel
 from retry_origin import RetryOrigin
@@ -151,3 +153,32 @@ def test_a_client_that_sends_no_second_hello_is_cut_at_the_header_timeout(lab, s
     assert time.monotonic() - started < 8
     refusals = _records_with(proxy, "limits.header_timeout")
     assert len(refusals) == 1 and "second ClientHello" in refusals[0]["reason"], proxy.audit()
+
+
+@pytest.fixture
+def unreadable_origin():
+    """An origin that answers any ClientHello with a handshake record that cannot be read (length 0)."""
+    server = socket.create_server((PUBLIC_IP, 0))
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b"\x16\x03\x03\x00\x00" + b"\x02" * 40)
+                conn.recv(65536)  # until the proxy closes
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield server.getsockname()[1]
+    server.close()
+
+
+@both_transports
+def test_a_server_answer_that_cannot_be_read_as_tls_refuses_the_tunnel(lab, start_proxy, unreadable_origin):
+    proxy = start_proxy(_policy(lab))
+    with tunnel(proxy, f"{NAME}:{unreadable_origin}") as sock:
+        sock.sendall(first_hello(NAME))
+        answer = read_all(sock)
+    assert answer[:1] in (b"\x15", b""), answer[:20]  # never the server's bytes
+    refusals = _records_with(proxy, "tls:server-hello")
+    assert len(refusals) == 1 and "length 0" in refusals[0]["reason"], proxy.audit()
