@@ -278,3 +278,28 @@ def test_delete_and_options_bodies_are_refused_by_default_and_a_reload_allows_de
         assert time.monotonic() < deadline, "the reloaded policy was not applied"
         time.sleep(0.1)
     assert ("DELETE", "/after-reload") in _seen_since(lab, before)
+
+
+# ---- the documentation says what the code does ---------------------------------------------------------------
+
+README = (Path(DEFAULT_POLICY).parent.parent / "README.md").read_text()
+
+
+def _yaml_blocks(text: str) -> list[str]:
+    return [block.split("```", 1)[0] for block in text.split("```yaml\n")[1:]]
+
+
+def test_the_readme_policy_example_and_the_setting_s_snippet_load():
+    reference = README[README.index("## The policy file"):]
+    example = _yaml_blocks(reference)[0]
+    assert parse_policy(example, "README.md").http.body_allowed_on == frozenset()
+    start = README.index("**A body on a method that gives it no meaning.**")
+    section = README[start:README.index("## The policy file")]
+    (snippet,) = _yaml_blocks(section)
+    assert parse_policy("version: 1\n" + snippet, "README.md").http.body_allowed_on == {"DELETE"}
+    said = " ".join(section.split())
+    assert "`GET`, `HEAD`, `TRACE`, `DELETE` or `OPTIONS`" in said and "400, `http:unexpected-body`" in said
+
+
+def test_the_bundled_default_lists_no_method():
+    assert parse_policy(Path(DEFAULT_POLICY).read_text(), DEFAULT_POLICY).http.body_allowed_on == frozenset()
