@@ -312,7 +312,7 @@ class Gate:
                               f"the Host header {safe_text(ask.host_header, 100)!r} does not agree with the target "
                               f"{target.authority}")
             return self._request_refused(ask, target, verdict, 403)
-        body_refused = unexpected_body(ask.method, ask.content_length, ask.chunked)
+        body_refused = unexpected_body(ask.method, ask.content_length, ask.chunked, policy.http.body_allowed_on)
         if body_refused:
             return self._request_refused(ask, target, Verdict(False, "form", UNEXPECTED_BODY, body_refused), 400)
         limit = policy.limits.max_request_body
