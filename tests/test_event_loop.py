@@ -24,7 +24,8 @@ def test_the_proxy_runs_on_the_chosen_loop_and_enforces_the_same(lab, start_prox
     sock, status, _ = proxy.connect(f"public.lab.example:{lab.public_tls.port}")
     sock.close()
     assert status == 200
-    assert proxy.get(f"http://public.lab.example:{lab.public.port}/")[0] == 200
+    status, headers, body = proxy.get(f"http://public.lab.example:{lab.public.port}/")
+    assert status == 200, (headers, body, proxy.audit())
     status, headers, _ = proxy.get(f"http://internal.lab.example:{lab.public.port}/")
     assert status == 403 and headers["x-egresswall-rule"].startswith("special-purpose")
     sock, status, _ = proxy.connect(f"denied.lab.example:{lab.public_tls.port}")

@@ -54,6 +54,7 @@ def test_every_family_has_the_type_prometheus_users_expect():
         "egresswall_fast_tunnels": "counter",
         "egresswall_fast_http_requests": "counter",
         "egresswall_open_connections": "gauge",
+        "egresswall_buffered_request_body_bytes": "gauge",
         "egresswall_bytes": "counter",
         "egresswall_dns_lookup_seconds": "histogram",
         "egresswall_dns_errors": "counter",
