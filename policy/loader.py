@@ -28,6 +28,7 @@ from .model import (
     RESOLUTION_UPSTREAM,
     HostRule,
     HostTable,
+    HttpSettings,
     Limits,
     Origin,
     Policy,
@@ -38,6 +39,7 @@ from .model import (
 from .pattern_lists import plain_patterns
 from .patterns import HostPattern
 from .ports import parse_port_list
+from .request_bodies import parse_body_method
 from .schema import schema, schema_problems
 from .upstream import check_credentials_path, parse_upstream_proxy
 from .yamldoc import KeyPath, YamlDocument
@@ -247,6 +249,7 @@ class _Builder:
                 ttl_ceiling=ceiling,
             ),
             limits=Limits(**{key: limits[key] for key in limits if self.unusable.clean(("limits", key))}),
+            http=HttpSettings(body_allowed_on=self.body_allowed_on()),
             log_query_strings=self.value(("log", "query_strings"), False),
             session=self.value(("session",), "optional"),
             tls_ech=self.value(("tls", "ech"), None),
@@ -450,6 +453,22 @@ class _Builder:
             return None
         return Upstream(address[0], address[1], self.value((*at, "resolution"), RESOLUTION_UPSTREAM), credentials,
                         self.doc.origin(at))
+
+    def body_allowed_on(self) -> frozenset[str]:
+        """``http.body_allowed_on``: DELETE and OPTIONS at most, each once (the schema checked they are text)."""
+        path: KeyPath = ("http", "body_allowed_on")
+        first: dict[str, int] = {}
+        for i, text in self.items(path)[1]:
+            try:
+                method = parse_body_method(text)
+            except ValueError as err:
+                self.problem((*path, i), str(err))
+                continue
+            if method in first:
+                seen = self.doc.origin((*path, first[method]))
+                self.problem((*path, i), f"{method} is listed twice (first at {seen.source}:{seen.line}:{seen.column})")
+            first.setdefault(method, i)
+        return frozenset(first)
 
     def nameservers(self) -> list[tuple[str, int]]:
         out = []

@@ -230,6 +230,15 @@ class Limits:
     first_byte_timeout: float = 10.0
 
 
+@dataclass(frozen=True)
+class HttpSettings:
+    """How plain HTTP (and HTTP inside tunnels) is handled beyond host rules."""
+
+    # Methods whose request body goes through although HTTP defines no meaning for it: only DELETE and
+    # OPTIONS can be listed (policy/request_bodies.py); GET, HEAD and TRACE bodies are always refused.
+    body_allowed_on: frozenset[str] = frozenset()
+
+
 RESOLUTION_UPSTREAM = "upstream"  # the only accepted value: the upstream resolves names, pinning cannot hold
 
 
@@ -266,6 +275,7 @@ class Policy:
     roles: tuple[Role, ...] = ()
     resolver: ResolverSettings = ResolverSettings()
     limits: Limits = Limits()
+    http: HttpSettings = HttpSettings()
     log_query_strings: bool = False
     session: str = "optional"  # REQUIRED: a client outside a role that says otherwise must present a session
     tls_ech: str | None = None  # "allow" | "refuse"; None: refused on an allowlist (proxy/gate.py ech_allowed)

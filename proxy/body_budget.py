@@ -26,6 +26,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from policy.addresses import cap_group
 from policy.model import Limits
 
 RULE = "limits.max_buffered_request_bodies"
@@ -63,25 +64,28 @@ class BodyBudget:
             return BudgetRefusal(503, RULE, f"egresswall is already buffering {self.total} bytes of request bodies, "
                                             f"its limit is {budget} ({RULE}{self._per_worker(limits)}); this "
                                             f"request's body would take {size} more: retry later")
-        held = self.per_client[client]
+        group = cap_group(client)  # an IPv6 client by its /64, as the connection caps count it
+        held = self.per_client[group]
         if held + size > per_client:
-            return BudgetRefusal(429, RULE, f"client {client} is already buffering {held} bytes of request bodies, "
+            who = f"client {client} is" if group == client else f"clients in {group} (counted as one) are"
+            return BudgetRefusal(429, RULE, f"{who} already buffering {held} bytes of request bodies, "
                                             f"its share is {per_client} (a quarter of {RULE}"
                                             f"{self._per_worker(limits)}, or one body at limits.max_request_body "
                                             f"if that is more); this request's body would take {size} "
                                             "more: retry when its other uploads have gone")
         self.total += size
-        self.per_client[client] += size
+        self.per_client[group] += size
         self._changed()
         return None
 
     def release(self, client: str, size: int) -> None:
         if size <= 0:
             return
+        group = cap_group(client)
         self.total -= size
-        self.per_client[client] -= size
-        if self.per_client[client] <= 0:
-            del self.per_client[client]
+        self.per_client[group] -= size
+        if self.per_client[group] <= 0:
+            del self.per_client[group]
         self._changed()
 
     def hold(self, client: str) -> BodyHold:

@@ -28,6 +28,7 @@ class FirstBytes:
     reason: str = ""
     kind: str = ""  # "tls" or "http" once judged
     sni: str | None = None
+    hello_size: int = 0  # bytes of records the ClientHello took; what follows is the client's next (held back)
 
     @classmethod
     def more(cls) -> FirstBytes:
@@ -101,7 +102,7 @@ def _tls_hello(data: bytes, connect_host: str, ech_allowed: bool) -> FirstBytes:
         return FirstBytes.refuse("tls:ech", "the ClientHello carries Encrypted Client Hello (extension 0xfe0d), which "
                                             "hides the real destination behind the outer name; set tls.ech: allow "
                                             "to let it through")
-    return FirstBytes(kind="tls", sni=hello.sni)
+    return FirstBytes(kind="tls", sni=hello.sni, hello_size=hello.size)
 
 
 def _parse_http_head(data: bytes, max_head: int) -> FirstBytes:

@@ -7,7 +7,8 @@ nothing, ``limits.header_timeout`` from the first byte, ``limits.max_header_byte
 * relays it itself: a ``CONNECT`` to a host that is not intercepted, on a port that is not a
   plain-HTTP port — the shape nearly all of a browser's traffic has — decided by the gate, connected
   to the pinned address (or, when the policy names an upstream proxy, through a CONNECT to it:
-  ``proxy/upstream_connect.py``), its ClientHello judged whole by the gate, then copied socket to
+  ``proxy/upstream_connect.py``), its ClientHello judged whole by the gate (and a second one, should
+  the server answer with a HelloRetryRequest: ``proxy/tls_retry.py``), then copied socket to
   socket with counted bytes, without mitmproxy's per-chunk event machinery (``relay_tunnels``, the
   default); or a plain-HTTP request the fast path takes (``proxy/fast_http.py``: strict framing, no
   upgrade, not intercepted, no upstream proxy), and the kept-alive requests after it (``relay_http``,
@@ -35,18 +36,19 @@ from policy.hosts import HostFormError, Target, parse_authority, parse_url
 from .admission import CapRefusal
 from .dial import connect_pinned
 from .fast_http import FastHttp
+from .first_bytes import FirstBytes
 from .gate import Gate, Tunnel, refusal_for
 from .head_reader import HeadProblem, answer_then_drain, read_head
 from .peers import client_key
 from .refusals import refusal_bytes
-from .tls_hello import MAX_HELLO_BYTES
+from .tls_hello import MAX_HELLO_BYTES, TLS_ALERT_UNRECOGNIZED_NAME
+from .tls_retry import RetryWatch
 from .tunnel_relay import relay
 from .upstream_connect import connect_via_upstream
 
 HALF_CLOSED_IDLE = 5.0  # once one side has finished, the other gets this long of silence before the tunnel ends
 OVER_CAP_WAIT = 2.0  # how long a connection refused by a cap may take to say where it wanted to go
 MAX_OVER_CAP_PENDING = 256  # beyond this many at once, refused connections are closed unheard (fds are finite)
-TLS_ALERT_UNRECOGNIZED_NAME = bytes([21, 3, 3, 0, 2, 2, 112])
 # (the socket, the bytes already read, ``done``): mitmproxy takes the connection; ``done`` gives its admission
 # back and must be called once, when mitmproxy has finished with it (or could not take it).
 Handoff = Callable[[socket.socket, bytes, Callable[[], None]], None]
@@ -210,11 +212,14 @@ class Front:
                 return
             gate.metrics.fast_tunnel()
             await _send(conn, b"HTTP/1.1 200 Connection established\r\n\r\n")
-            hello = await self._first_message(conn, tunnel, rest)
-            if hello is None:
+            first = await self._first_message(conn, tunnel, rest)
+            if first is None:
                 return
-            await loop.sock_sendall(upstream, hello)
-            await self._relay(conn, upstream, tunnel, len(hello))
+            data, judged = first
+            # The ClientHello goes on; what the client sent after it waits until the server's first answer
+            # shows whether it asks for a second ClientHello (proxy/tls_retry.py).
+            await loop.sock_sendall(upstream, data[:judged.hello_size])
+            await self._relay(conn, upstream, tunnel, len(data), gate.retry_watch(judged, data[judged.hello_size:]))
         except (OSError, TimeoutError) as err:
             gate.tunnel_closed(tunnel, 0, 0, f"the tunnel failed: {getattr(err, 'strerror', None) or err}")
         finally:
@@ -230,9 +235,9 @@ class Front:
         self.gate.tunnel_closed(tunnel, 0, 0, f"connect failed: {reason}", 502)  # answered 502, not 200
         await _send(conn, refusal_bytes(refusal_for(502, verdict, tunnel.target, accept)))
 
-    async def _first_message(self, conn: socket.socket, tunnel: Tunnel, data: bytes) -> bytes | None:
-        """The whole first message (a ClientHello), judged by the gate, within limits.header_timeout of the 200.
-        ``data``: what came after the CONNECT head; each read after it is fed to the gate once."""
+    async def _first_message(self, conn: socket.socket, tunnel: Tunnel, data: bytes) -> tuple[bytes, FirstBytes] | None:
+        """The whole ClientHello (and what came after it), judged by the gate, within limits.header_timeout of
+        the 200. ``data``: what came after the CONNECT head; each read after it is fed to the gate once."""
         loop = asyncio.get_running_loop()
         timeout = self.gate.policy.limits.header_timeout
         deadline = loop.time() + timeout
@@ -246,7 +251,7 @@ class Front:
                         await _send(conn, TLS_ALERT_UNRECOGNIZED_NAME)
                 return None
             if not judged.need_more:
-                return bytes(first.data)
+                return bytes(first.data), judged
             try:
                 chunk = await asyncio.wait_for(loop.sock_recv(conn, MAX_HELLO_BYTES),
                                                max(0.0, deadline - loop.time()))
@@ -258,9 +263,15 @@ class Front:
                                                                     "message was complete")
                 return None
 
-    async def _relay(self, conn: socket.socket, upstream: socket.socket, tunnel: Tunnel, sent: int) -> None:
-        idle = self.gate.policy.limits.idle_timeout
-        result = await relay(conn, upstream, idle, HALF_CLOSED_IDLE, sent)
+    async def _relay(self, conn: socket.socket, upstream: socket.socket, tunnel: Tunnel, sent: int,
+                     retry: RetryWatch) -> None:
+        limits = self.gate.policy.limits
+
+        def refused(rule: str, reason: str, up: int, down: int) -> None:
+            self.gate.refuse_tunnel(tunnel, rule, reason, up, down)
+
+        result = await relay(conn, upstream, limits.idle_timeout, HALF_CLOSED_IDLE, sent, retry, limits.header_timeout,
+                             refused)
         self.gate.tunnel_closed(tunnel, result.up, result.down, result.error)
 
 

@@ -43,6 +43,7 @@ from .records import DECISION, RESPONSE, TUNNEL, Recorder
 from .refusals import Refusal
 from .reload import PolicyHolder
 from .sessions.service import SessionService
+from .tls_retry import RetryWatch
 
 LIMITS, TLS, HTTP = "limits", "tls", "http"
 
@@ -246,14 +247,19 @@ class Gate:
                            f"the tunnel's first message (a TLS ClientHello or an HTTP request head) was not complete "
                            f"{timeout:g}s after the tunnel opened ({what}; limits.header_timeout)")
 
-    def refuse_tunnel(self, tunnel: Tunnel, rule: str, reason: str) -> None:
+    def retry_watch(self, judged: FirstBytes, held: bytes) -> RetryWatch:
+        """The watch a passed-through TLS tunnel keeps after its first ClientHello (``judged``; ``held``: what the
+        client sent after it), until the server's first answer shows whether a second one is asked for."""
+        return RetryWatch(judged.sni, ech_allowed(self.policy), held)
+
+    def refuse_tunnel(self, tunnel: Tunnel, rule: str, reason: str, up: int = 0, down: int = 0) -> None:
         stage = LIMITS if rule.startswith("limits.") else TLS if rule.startswith("tls:") else HTTP
         verdict = Verdict(False, stage, rule, reason, role=tunnel.verdict.role, addresses=tunnel.verdict.addresses,
                           session=tunnel.verdict.session)
         record = self.recorder.record(DECISION, tunnel.id + "-tls", tunnel.client, "CONNECT", tunnel.target, verdict,
                                       tunnel.cnames)
         self.recorder.decision(record)
-        self.tunnel_closed(tunnel, 0, 0, reason)
+        self.tunnel_closed(tunnel, up, down, reason)
 
     def tunnel_closed(self, tunnel: Tunnel, up: int, down: int, error: str | None, status: int = 200) -> None:
         """The closing line of a tunnel, once, on either path, with its bytes each way. ``status``: what the
@@ -311,7 +317,7 @@ class Gate:
                               f"the Host header {safe_text(ask.host_header, 100)!r} does not agree with the target "
                               f"{target.authority}")
             return self._request_refused(ask, target, verdict, 403)
-        body_refused = unexpected_body(ask.method, ask.content_length, ask.chunked)
+        body_refused = unexpected_body(ask.method, ask.content_length, ask.chunked, policy.http.body_allowed_on)
         if body_refused:
             return self._request_refused(ask, target, Verdict(False, "form", UNEXPECTED_BODY, body_refused), 400)
         limit = policy.limits.max_request_body

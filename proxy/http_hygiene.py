@@ -9,17 +9,20 @@ change protocols: only a WebSocket upgrade the policy allowed may go on; anythin
 A body on a request whose method gives it no meaning (GET, HEAD; TRACE must have none) is refused: an
 origin that does not read such a body — many do not — takes its bytes for the next request on the
 connection, a request egresswall never decided (request smuggling, "CL.0": RFC 9110 9.3.1 warns of it).
+So is one on DELETE or OPTIONS (no generally defined meaning, 9.3.5 and 9.3.7), unless the policy in force
+lists the method in ``http.body_allowed_on`` (the method sets: policy/request_bodies.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
+
+from policy.request_bodies import ALWAYS_REFUSED, REFUSED_UNLESS_ALLOWED, RFC_SECTION, SETTING
 
 ALWAYS_HOP_BY_HOP = frozenset({"connection", "proxy-connection", "keep-alive", "te", "trailer", "upgrade",
                                "proxy-authorization", "proxy-authenticate"})
 NOT_NAMED = frozenset({"transfer-encoding", "content-length", "host"})  # framing: the transport's business
 WEBSOCKET, NO_UPGRADE, OTHER_UPGRADE = "websocket", "none", "other"
-BODILESS_METHODS = frozenset({"GET", "HEAD", "TRACE"})  # content has no meaning (RFC 9110 9.3.1, 9.3.2, 9.3.8)
 UNEXPECTED_BODY = "http:unexpected-body"
 
 
@@ -46,11 +49,25 @@ def upgrade_kind(upgrade_values: list[str]) -> str:
     return OTHER_UPGRADE
 
 
-def unexpected_body(method: str, content_length: int | None, chunked: bool) -> str | None:
+def unexpected_body(method: str, content_length: int | None, chunked: bool,
+                    allowed_on: Collection[str]) -> str | None:
     """Why a request's body is refused (a method that gives it no meaning), or None. An empty one
-    (``Content-Length: 0``) is no body."""
-    if method.upper() not in BODILESS_METHODS or not (chunked or content_length):
+    (``Content-Length: 0``) is no body. ``allowed_on``: the policy's ``http.body_allowed_on`` (DELETE,
+    OPTIONS or both; matched exactly, as methods are case-sensitive). GET, HEAD and TRACE are refused
+    whatever it holds."""
+    named = method.upper()
+    if not (chunked or content_length) or named not in ALWAYS_REFUSED | REFUSED_UNLESS_ALLOWED:
+        return None
+    if named in REFUSED_UNLESS_ALLOWED and method in allowed_on:
         return None
     what = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {content_length}"
-    return (f"a {method.upper()} request carries a body ({what}); HTTP gives it no meaning, and an origin that does "
-            "not read it would take it for another request, one egresswall never decided; send the body with POST")
+    meaning = "gives it no meaning" if named in ALWAYS_REFUSED else "defines no general meaning for it"
+    article = "an" if named[0] in "AEIOU" else "a"
+    why = (f"{article} {named} request carries a body ({what}); HTTP {meaning} (RFC 9110 {RFC_SECTION[named]}), and an "
+           "origin that does not read it would take it for another request, one egresswall never decided; "
+           "send the body with POST")
+    if named in ALWAYS_REFUSED:
+        return why
+    if named in allowed_on:  # the policy lists DELETE, the request says 'delete': another method to HTTP
+        return why + f" (methods are case-sensitive: {SETTING} lists {named}, not {method!r})"
+    return why + f", or, if every origin this policy allows reads {named} bodies, list {named} in {SETTING}"

@@ -26,6 +26,9 @@ MAX_HELLO_RECORDS: Final = 256  # browsers and TLS libraries send one (two past 
 SERVER_NAME, ENCRYPTED_CLIENT_HELLO = 0x0000, 0xFE0D
 HANDSHAKE_CLIENT_HELLO = 0x01
 NEED_MORE: Final = None
+# The answer to a refused ClientHello, on every path: a TLS 1.2 record: alert (21), version 3.3, length 2,
+# level fatal (2), unrecognized_name (112).
+TLS_ALERT_UNRECOGNIZED_NAME: Final = bytes([21, 3, 3, 0, 2, 2, 112])
 
 
 class HelloError(ValueError):

@@ -11,6 +11,13 @@ the idle timeout), or when nothing has moved for ``idle`` seconds — ``half_clo
 side has said it is done, so a client that vanished cannot hold a tunnel open. Flow control: a side
 whose peer cannot keep up stops being read until the peer's buffer drains; a slow reader is not an
 idle one.
+
+A tunnel whose first ClientHello is judged still has one question open: whether the server asks for a
+second ClientHello (a TLS 1.3 HelloRetryRequest), which must name the same server. ``relay`` takes the
+tunnel's ``RetryWatch`` (proxy/tls_retry.py) and answers it inline, in the sides' own reads — no task, and
+on the common path (a plain ServerHello in the server's first read) nothing more than reading its first
+43 bytes: the client is not read while the server's answer is awaited (it has nothing to send that the
+server needs first), and its next handshake is held after a HelloRetryRequest until it is judged.
 """
 
 from __future__ import annotations
@@ -21,10 +28,15 @@ import socket
 import struct
 import termios
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from .tls_hello import TLS_ALERT_UNRECOGNIZED_NAME
+from .tls_retry import AWAIT_SERVER, Released, RetryWatch
 
 UP, DOWN = "up", "down"
 CHECK_OPEN, CHECK_HALF_CLOSED = 5.0, 1.0  # how often the idle clock is read (seconds)
+Refused = Callable[[str, str, int, int], None]  # (rule, reason, bytes up, bytes down): the tunnel's refusal record
 
 
 @dataclass
@@ -43,6 +55,7 @@ class _Tunnel:
     sides: list[_Side] = field(default_factory=list)
     over: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     watch: _IdleWatch | None = None
+    question: _Question | None = None  # the HelloRetryRequest question, while it is open
 
     def end(self, abort: bool = False, cut: str | None = None) -> None:
         """Over both ways: closed (what is buffered is still sent), or aborted (a side failed, or the
@@ -59,6 +72,8 @@ class _Tunnel:
             self.over.set_result(None)
         if self.watch is not None:
             self.watch.stop()
+        if self.question is not None:
+            self.question.finish()
 
 
 class _Side(asyncio.Protocol):
@@ -92,12 +107,15 @@ class _Side(asyncio.Protocol):
         # all): pause_writing was called inside that write and paused the peer. Resuming the peer now would
         # undo it for good — pause_writing is only called again once the buffer has drained below the mark —
         # and a client could then pour unbounded bytes into the proxy's memory. resume_writing resumes it.
-        if not peer.transport.is_closing() and not self.writing_paused:
+        if not peer.transport.is_closing() and not self.writing_paused and not _client_held(self.tunnel):
             peer.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
         self.tunnel.counts[self.key] += len(data)
         self.tunnel.last_moved = time.monotonic()
+        if self.tunnel.question is not None:
+            self.tunnel.question.take(self.key, data)
+            return
         assert self.peer is not None and self.transport is not None
         if self.peer.transport is None:  # read before the peer was made (see connection_made): held, bounded
             self.pending += data
@@ -107,6 +125,9 @@ class _Side(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         # This side is done sending: pass the half-close on and keep the other direction open.
+        if self.tunnel.question is not None:  # mid-handshake: what it held can never be judged whole
+            self.tunnel.end(cut=self.tunnel.question.watch.ended())
+            return True
         self.tunnel.finished.add(self.key)
         if self.tunnel.watch is not None:
             self.tunnel.watch.arm()  # the shorter silence applies from now
@@ -125,7 +146,8 @@ class _Side(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.writing_paused = False
-        if self.peer is not None and self.peer.transport is not None and not self.peer.transport.is_closing():
+        if (self.peer is not None and self.peer.transport is not None and not self.peer.transport.is_closing()
+                and not (self.key == UP and _client_held(self.tunnel))):
             self.peer.transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -137,13 +159,18 @@ class _Side(asyncio.Protocol):
 
 
 async def relay(client: socket.socket, server: socket.socket, idle: float, half_closed_idle: float,
-                sent: int = 0) -> RelayResult:
-    """Relay until the tunnel is over; the sockets are closed when this returns."""
+                sent: int = 0, retry: RetryWatch | None = None, retry_timeout: float = 30.0,
+                refused: Refused | None = None) -> RelayResult:
+    """Relay until the tunnel is over; the sockets are closed when this returns. With ``retry``, the server's
+    first answer is watched for a HelloRetryRequest (see the module's docstring): each of its waits is bounded
+    by ``retry_timeout`` and a refusal is given to ``refused`` before both sides are closed."""
     loop = asyncio.get_running_loop()
     tunnel = _Tunnel(counts={UP: sent, DOWN: 0})
     from_client, from_server = _Side(tunnel, UP), _Side(tunnel, DOWN)
     from_client.peer, from_server.peer = from_server, from_client
     tunnel.sides = [from_client, from_server]
+    if retry is not None and not retry.done:
+        tunnel.question = _Question(tunnel, retry, retry_timeout, refused)
     try:
         await loop.connect_accepted_socket(lambda: from_client, sock=client)
         await loop.create_connection(lambda: from_server, sock=server)
@@ -175,6 +202,73 @@ async def _closed(tunnel: _Tunnel, grace: float) -> None:
         if not side.closed.done():
             side.transport.abort()  # type: ignore[union-attr]
             await side.closed  # the transport closes its socket on the next loop turn: wait for it
+
+
+def _client_held(tunnel: _Tunnel) -> bool:
+    """The client is not read while the server's first answer is awaited."""
+    return tunnel.question is not None and tunnel.question.watch.phase == AWAIT_SERVER
+
+
+class _Question:
+    """A tunnel's open HelloRetryRequest question: its RetryWatch, tied to the relay's transports, and the
+    timer that bounds each wait (armed only when a wait outlasts one read)."""
+
+    def __init__(self, tunnel: _Tunnel, watch: RetryWatch, timeout: float, refused: Refused | None) -> None:
+        self.tunnel, self.watch, self.timeout, self.refused = tunnel, watch, timeout, refused
+        self.timer: asyncio.TimerHandle | None = None
+        self.timed_phase: str | None = None  # the phase the timer bounds
+
+    def take(self, key: str, data: bytes) -> None:
+        self.apply(self.watch.from_server(data) if key == DOWN else self.watch.from_client(data))
+
+    def apply(self, released: Released) -> None:
+        tunnel = self.tunnel
+        client, server = tunnel.sides
+        if released.refused is not None:
+            self.finish()
+            if self.refused is not None:
+                self.refused(released.refused.rule, released.refused.reason, tunnel.counts[UP], tunnel.counts[DOWN])
+            if client.transport is not None and not client.transport.is_closing():
+                client.transport.write(TLS_ALERT_UNRECOGNIZED_NAME)
+            if server.transport is not None:
+                server.transport.abort()  # nothing it held reaches the server
+            tunnel.end(cut=released.refused.reason)
+            return
+        if released.to_client and client.transport is not None:
+            client.transport.write(released.to_client)
+        if released.to_server:
+            if server.transport is not None:
+                server.transport.write(released.to_server)
+            else:
+                client.pending += released.to_server  # written when the server's transport is made
+        if self.watch.done:
+            self.finish()
+        elif self.timed_phase != self.watch.phase and (self.watch.phase != AWAIT_SERVER or self.watch.server_held):
+            self._arm()
+        if client.transport is None or client.transport.is_closing():
+            return
+        if _client_held(tunnel):
+            client.transport.pause_reading()  # (a loop that read anyway, uvloop after connection_made, stops here)
+        elif server.transport is not None and not server.writing_paused:
+            client.transport.resume_reading()
+
+    def _arm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timed_phase = self.watch.phase
+        self.timer = asyncio.get_running_loop().call_later(self.timeout, self._expired)
+
+    def _expired(self) -> None:
+        self.timer = None
+        if self.tunnel.question is self and not self.watch.done:
+            self.apply(Released(refused=self.watch.timed_out(self.timeout)))
+
+    def finish(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.tunnel.question is self:
+            self.tunnel.question = None
 
 
 class _IdleWatch:

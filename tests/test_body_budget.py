@@ -60,6 +60,17 @@ def test_one_client_holds_at_most_a_quarter_of_the_budget_and_is_refused_429() -
     assert budget.hold("10.0.0.2").add(100, limits(400)) is None  # another client is not held up by it
 
 
+def test_an_ipv6_client_s_share_is_its_64_s_as_for_the_connection_caps() -> None:
+    budget = BodyBudget()
+    assert budget.hold("2001:db8:1:2::a").add(100, limits(400)) is None
+    refused = budget.hold("2001:db8:1:2::b").add(1, limits(400))  # another address of the same /64
+    assert refused is not None and refused.status == 429
+    assert "clients in 2001:db8:1:2::/64 (counted as one) are already buffering 100 bytes" in refused.reason
+    assert budget.hold("2001:db8:1:3::a").add(100, limits(400)) is None  # the next /64 is another client
+    budget.release("2001:db8:1:2::a", 100)
+    assert "2001:db8:1:2::/64" not in budget.per_client
+
+
 def test_a_client_may_always_hold_one_body_at_the_limit_when_the_budget_holds_one() -> None:
     """A quarter of the budget smaller than max_request_body would refuse every body at the limit: the
     share is never less than one such body (but never more than the budget)."""

@@ -28,9 +28,10 @@ Defects found and fixed:
   binds every address the name resolves to (``localhost``: 127.0.0.1 and ::1 on most systems): a name
   resolving to the other one, under a policy that re-admits it, reached the admin port through the proxy.
 
-Found and not fixed (xfail strict): a request hidden in the body of a DELETE or OPTIONS reaches an origin
-that does not read such bodies (CL.0 as round 4 fixed it for GET, HEAD and TRACE); refusing those bodies is
-a compatibility choice for the lead.
+* a request hidden in the body of a DELETE or OPTIONS reached an origin that does not read such bodies
+  (CL.0 as round 4 fixed it for GET, HEAD and TRACE). Such a body is now refused (400
+  ``http:unexpected-body``) unless the policy lists the method in ``http.body_allowed_on``
+  (test_request_bodies.py).
 
 Held (kept as regression tests where no other test covers the case): CONNECT to an IP literal with the
 SNI of an allowed name, the bytes an origin sends after a HEAD response, a denied request pipelined
@@ -286,16 +287,11 @@ def test_an_http2_preface_inside_a_tunnel_to_a_plain_http_port_is_refused_once(l
 
 # ---- a body on a method an origin may not read it for ------------------------------------------------
 
-UNREAD_BODY_REASON = (
-    "not fixed: a body is refused on GET, HEAD and TRACE only (proxy/http_hygiene.py BODILESS_METHODS); RFC 9110 "
-    "9.3.5 says a DELETE body has no defined semantics and warns of smuggling, and an origin that ignores it (or "
-    "a body on OPTIONS) serves the request hidden in it undecided. Fix: add DELETE and OPTIONS to the refused "
-    "methods (a compatibility choice: some APIs send DELETE bodies), or make it a policy option")
-
-
-@pytest.mark.xfail(strict=True, reason=UNREAD_BODY_REASON)
 @pytest.mark.parametrize("method", ["DELETE", "OPTIONS"])
 def test_a_request_hidden_in_a_body_the_origin_does_not_read_never_reaches_it(lab, proxy, origins, method):
+    """Before the fix the origin served the GET /admin/secret hidden in the body (a path the deny rule refuses,
+    with no record). Now refused 400 unless the policy lists the method in http.body_allowed_on
+    (test_request_bodies.py)."""
     origin = origins["ignores-bodies"]
     authority = f"public.lab.example:{origin.port}"
     hidden = f"GET /admin/secret HTTP/1.1\r\nHost: {authority}\r\n\r\n"
@@ -304,6 +300,7 @@ def test_a_request_hidden_in_a_body_the_origin_does_not_read_never_reaches_it(la
                      f"Content-Length: {len(hidden)}\r\n\r\n{hidden}").encode(), timeout=3)
     time.sleep(0.3)
     assert "GET /admin/secret HTTP/1.1" not in origin.lines[served:], origin.lines[served:]
+    assert origin.lines[served:] == []  # nor the request carrying it
 
 
 # ---- the asterisk form ---------------------------------------------------------------------------------

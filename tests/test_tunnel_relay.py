@@ -10,8 +10,10 @@ import time
 
 import pytest
 from socketpairs import loopback_pair
+from tls_flights import first_hello, retry_handshake, server_first_flight
 
 from proxy import event_loop
+from proxy.tls_retry import COMPAT_CHANGE_CIPHER_SPEC, RetryWatch
 from proxy.tunnel_relay import relay
 
 
@@ -140,3 +142,93 @@ def test_the_relay_closes_its_sockets_when_it_returns(run, end: str) -> None:
         return [sock.fileno() for sock in relay_sockets]
 
     assert run(scenario()) == [-1, -1]
+
+
+# ---- the HelloRetryRequest question, answered inside the relay (proxy/tls_retry.py) -----------------------
+
+
+async def _watched_tunnel(watch, refusals: list, timeout: float = 30):
+    relay_client, client = await loopback_pair()
+    relay_server, server = await loopback_pair()
+    task = asyncio.get_running_loop().create_task(
+        relay(relay_client, relay_server, 30, 5, 0, watch, timeout, lambda *refusal: refusals.append(refusal)))
+    return client, server, task
+
+
+async def _nothing_within(sock: socket.socket, seconds: float) -> bytes:
+    try:
+        return await asyncio.wait_for(asyncio.get_running_loop().sock_recv(sock, 65536), seconds)
+    except TimeoutError:
+        return b""
+
+
+def test_the_client_waits_until_the_servers_first_answer_shows_it_is_not_a_retry(run) -> None:
+    flight = server_first_flight()
+
+    async def scenario():
+        loop, refusals = asyncio.get_running_loop(), []
+        client, server, task = await _watched_tunnel(RetryWatch("public.lab.example", False, b"held "), refusals)
+        await loop.sock_sendall(client, b"early")
+        assert await _nothing_within(server, 0.3) == b"", "the client's bytes crossed before the server answered"
+        await loop.sock_sendall(server, flight[:30])  # not enough to tell: nothing reaches the client either
+        assert await _nothing_within(client, 0.3) == b""
+        await loop.sock_sendall(server, flight[30:])
+        assert await _read_all(client, len(flight)) == flight
+        assert await _read_all(server, 10) == b"held early"
+        await loop.sock_sendall(client, b" then")  # from now on a plain relay
+        assert await _read_all(server, 5) == b" then"
+        client.close(), server.close()
+        await asyncio.wait_for(task, 5)
+        return refusals
+
+    assert run(scenario()) == []
+
+
+def test_a_changed_second_hello_after_a_retry_is_refused_once_and_never_reaches_the_server(run) -> None:
+    flights = retry_handshake()
+    other = COMPAT_CHANGE_CIPHER_SPEC + first_hello("other.lab.example", "secp384r1")
+
+    async def scenario():
+        loop, refusals = asyncio.get_running_loop(), []
+        client, server, task = await _watched_tunnel(RetryWatch("public.lab.example", False), refusals)
+        await loop.sock_sendall(server, flights.retry)
+        assert await _read_all(client, len(flights.retry)) == flights.retry
+        await loop.sock_sendall(client, other)
+        assert (await _read_all(client))[:1] == b"\x15"  # the alert, then the end
+        assert await _read_all(server) == b""  # not one byte of the second hello
+        result = await asyncio.wait_for(task, 5)
+        client.close(), server.close()
+        return refusals, result
+
+    refusals, result = run(scenario())
+    assert [(rule, up, down) for rule, _, up, down in refusals] == [
+        ("tls:retry-hello-changed", len(other), len(flights.retry))]
+    assert "other.lab.example" in refusals[0][1] and result.error == refusals[0][1]
+
+
+def test_the_genuine_second_hello_goes_on_and_a_silent_one_is_cut_at_the_bound(run) -> None:
+    flights = retry_handshake()
+
+    async def scenario():
+        loop, refusals = asyncio.get_running_loop(), []
+        client, server, task = await _watched_tunnel(RetryWatch("public.lab.example", False), refusals)
+        await loop.sock_sendall(server, flights.retry)
+        await _read_all(client, len(flights.retry))
+        await loop.sock_sendall(client, flights.second[:9])
+        assert await _nothing_within(server, 0.3) == b""
+        await loop.sock_sendall(client, flights.second[9:])
+        assert await _read_all(server, len(flights.second)) == flights.second
+        client.close(), server.close()
+        await asyncio.wait_for(task, 5)
+
+        silent, other_server, silent_task = await _watched_tunnel(RetryWatch("public.lab.example", False), refusals,
+                                                                  timeout=0.5)
+        started = time.monotonic()
+        await loop.sock_sendall(other_server, flights.retry)
+        await _read_all(silent)  # the retry, the alert, and the end
+        await asyncio.wait_for(silent_task, 5)
+        silent.close(), other_server.close()
+        return refusals, time.monotonic() - started
+
+    refusals, took = run(scenario())
+    assert [rule for rule, *_ in refusals] == ["limits.header_timeout"] and took < 3

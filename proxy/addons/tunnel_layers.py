@@ -3,7 +3,9 @@
 ``TunnelStart`` holds the tunnel's first bytes until the gate can judge a whole message (a TLS
 ClientHello, or an HTTP request head where the CONNECT went to a plain-HTTP port), bounded by
 ``limits.header_timeout`` from the moment the tunnel opened; then it hands every event it held to
-the layer the judgement calls for. ``CountedRelay`` passes bytes through untouched and counts them;
+the layer the judgement calls for. ``CountedRelay`` passes bytes through untouched and
+counts them — once the server's first answer shows it is not a HelloRetryRequest, or the client's
+second ClientHello after one is judged the same as the first (``RetryWatch``, proxy/tls_retry.py);
 ``Refused`` answers a refused start (a TLS alert when it was TLS) and closes both sides.
 """
 
@@ -17,12 +19,12 @@ from mitmproxy.proxy.layers.tcp import TCPLayer
 from mitmproxy.proxy.utils import expect
 
 from ..first_bytes import FirstBytes, FirstMessage
-
-# A TLS 1.2 record: alert (21), version 3.3, length 2, level fatal (2), unrecognized_name (112).
-TLS_ALERT_UNRECOGNIZED_NAME = bytes([21, 3, 3, 0, 2, 2, 112])
+from ..tls_hello import TLS_ALERT_UNRECOGNIZED_NAME
+from ..tls_retry import AWAIT_SERVER, Released, RetryWatch
 
 Judge = Callable[[FirstMessage, bytes], FirstBytes]  # the tunnel's first bytes so far, and the newest read
 Choose = Callable[[FirstBytes], layer.Layer]
+RetryRefused = Callable[[str, str, int, int], None]  # (rule, reason, bytes up, bytes down)
 
 
 class TunnelStart(layer.Layer):
@@ -77,27 +79,96 @@ class TunnelStart(layer.Layer):
 
 
 class CountedRelay(TCPLayer):
-    """TCP passthrough that counts bytes each way and reports once when the tunnel is done."""
+    """TCP passthrough that counts bytes each way and reports once when the tunnel is done.
 
-    def __init__(self, context: Context, on_done: Callable[[int, int, str | None], None]) -> None:
+    With ``retry``, the first client message is the judged ClientHello (``hello_size`` bytes of it go to the
+    server, the rest waits) and nothing else moves until ``retry`` has seen the server's first answer — and,
+    after a HelloRetryRequest, judged the client's second ClientHello; each wait is bounded by
+    ``retry_timeout``, and a refusal goes to ``on_refused`` (which records it) before both sides are closed."""
+
+    def __init__(self, context: Context, on_done: Callable[[int, int, str | None], None],
+                 retry: RetryWatch | None = None, hello_size: int = 0, retry_timeout: float = 30.0,
+                 on_refused: RetryRefused | None = None) -> None:
         super().__init__(context, ignore=True)
         self.bytes_up = 0
         self.bytes_down = 0
         self._on_done = on_done
         self._reported = False
+        self.retry = retry if retry is not None and not retry.done else None
+        self.hello_size, self.hello_sent = hello_size, False
+        self.retry_timeout, self.on_refused = retry_timeout, on_refused
+        self.retry_timer: commands.RequestWakeup | None = None
+        self.timed_phase: str | None = None
 
     @expect(events.DataReceived, events.ConnectionClosed, events.Wakeup)
     def relay_messages(self, event: events.Event) -> layer.CommandGenerator[None]:
         if isinstance(event, events.Wakeup):
-            return  # the TunnelStart timer, no longer needed
+            if event.command is self.retry_timer and self.retry is not None:
+                yield from self._apply(Released(refused=self.retry.timed_out(self.retry_timeout)))
+            return  # else the TunnelStart timer, or ours after the question was answered: no longer needed
         if isinstance(event, events.DataReceived):
             if event.connection == self.context.client:
                 self.bytes_up += len(event.data)
             else:
                 self.bytes_down += len(event.data)
+            if self.retry is not None:
+                yield from self._watched(event)
+                return
+        elif self.retry is not None:  # a side closed mid-handshake: what was held can never be judged whole
+            reason = self.retry.ended()
+            self.retry = None
+            yield from self._close_both()
+            self.report(reason)
+            return
         yield from super().relay_messages(event)
         if self._handle_event == self.done:
             self.report(None)
+
+    def _watched(self, event: events.DataReceived) -> layer.CommandGenerator[None]:
+        assert self.retry is not None
+        data = event.data
+        if event.connection != self.context.client:
+            yield from self._apply(self.retry.from_server(data))
+            return
+        if not self.hello_sent:  # the judged ClientHello, with whatever the client sent after it
+            self.hello_sent = True
+            yield commands.SendData(self.context.server, data[:self.hello_size])
+            data = data[self.hello_size:]
+            if not data:
+                return
+        yield from self._apply(self.retry.from_client(data))
+
+    def _apply(self, released: Released) -> layer.CommandGenerator[None]:
+        retry = self.retry
+        assert retry is not None
+        if released.refused is not None:
+            self.retry = None
+            self._reported = True  # the refusal record closes the tunnel
+            if self.on_refused is not None:
+                self.on_refused(released.refused.rule, released.refused.reason, self.bytes_up, self.bytes_down)
+            yield commands.SendData(self.context.client, TLS_ALERT_UNRECOGNIZED_NAME)
+            yield from self._close_both()
+            return
+        if released.to_client:
+            yield commands.SendData(self.context.client, released.to_client)
+        if released.to_server:
+            yield commands.SendData(self.context.server, released.to_server)
+        if retry.done:
+            self.retry = None
+        elif self.timed_phase != retry.phase and (retry.phase != AWAIT_SERVER or retry.server_held):
+            self.timed_phase = retry.phase
+            self.retry_timer = commands.RequestWakeup(self.retry_timeout)
+            yield self.retry_timer
+
+    def _close_both(self) -> layer.CommandGenerator[None]:
+        self._handle_event = self.done
+        yield commands.CloseConnection(self.context.client)
+        if self.context.server.connected:
+            yield commands.CloseConnection(self.context.server)
+
+    @expect(events.DataReceived, events.ConnectionClosed, events.Wakeup)
+    def done(self, _: events.Event) -> layer.CommandGenerator[None]:
+        yield from ()  # (a timer of ours may still go off)
 
     def handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
         if (isinstance(event, events.OpenConnectionCompleted) and event.reply

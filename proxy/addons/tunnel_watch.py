@@ -50,7 +50,11 @@ class TunnelWatch:
                 self.table.tunnels.pop(server_id, None)
                 return Refused(context, tls=judged.rule.startswith("tls:"))
             if judged.kind == "tls" and not tunnel.intercept:
-                return CountedRelay(context, lambda up, down, err: self._relay_done(server_id, tunnel, up, down, err))
+                return CountedRelay(context, lambda up, down, err: self._relay_done(server_id, tunnel, up, down, err),
+                                    self.gate.retry_watch(judged, b""), judged.hello_size,
+                                    self.gate.policy.limits.header_timeout,
+                                    lambda rule, reason, up, down: self._retry_refused(server_id, tunnel, rule, reason,
+                                                                                       up, down))
             # HTTP inside: egresswall chooses the layer itself (mitmproxy's own choice would take a request
             # line whose first bytes are not three letters, or an upstream that speaks first, for raw TCP).
             if judged.kind == "http":
@@ -76,6 +80,10 @@ class TunnelWatch:
     def _relay_done(self, server_id: str, tunnel: Tunnel, up: int, down: int, error: str | None) -> None:
         self.table.tunnels.pop(server_id, None)
         self.gate.tunnel_closed(tunnel, up, down, error)
+
+    def _retry_refused(self, server_id: str, tunnel: Tunnel, rule: str, reason: str, up: int, down: int) -> None:
+        self.table.tunnels.pop(server_id, None)
+        self.gate.refuse_tunnel(tunnel, rule, reason, up, down)
 
     def tls_clienthello(self, data: ClientHelloData) -> None:
         """Intercepted tunnels: the SNI must name the CONNECT host here too (read strictly)."""
