@@ -248,7 +248,7 @@ def test_the_fronts_first_message_reader_feeds_each_read_once(gate, monkeypatch)
     front = Front(gate, handoff=lambda *a: None)
     work = Work(monkeypatch)
 
-    async def drip() -> bytes | None:
+    async def drip():
         reader, writer = socket.socketpair()
         reader.setblocking(False)
         writer.setblocking(False)
@@ -266,7 +266,8 @@ def test_the_fronts_first_message_reader_feeds_each_read_once(gate, monkeypatch)
             reader.close()
             writer.close()
 
-    assert asyncio.run(drip()) == head
+    data, judged = asyncio.run(drip())
+    assert data == head and judged.kind == "http"
     assert work.searches > 100  # it did come in many reads
     assert work.scanned <= 3 * len(head), work.scanned
     assert work.parsers <= 2 and work.parsed <= len(head) + 1, (work.parsers, work.parsed)
