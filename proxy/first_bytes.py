@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import h11
 
+from .head_end import HeadEnd
 from .tls_hello import MAX_HELLO_BYTES, HelloError, read_client_hello
 
 MAX_HTTP_HEAD = 64 * 1024
@@ -38,12 +39,54 @@ class FirstBytes:
         return cls(refused=True, rule=rule, reason=reason)
 
 
+class FirstMessage:
+    """One tunnel's first bytes, gathered read by read until they can be judged. One per tunnel, held by its
+    transport (``TunnelStart`` on mitmproxy's path, the front's tunnel on the fast one) and fed each read.
+
+    A head may be dripped a byte at a time: its end is searched for in each read's new bytes only
+    (proxy/head_end.py) and h11 parses it once, when it is whole — never the whole buffer again per read,
+    which cost the square of the head's size on the event loop."""
+
+    def __init__(self, connect_host: str, http_inside: bool, max_head: int = MAX_HTTP_HEAD) -> None:
+        self.connect_host, self.http_inside, self.max_head = connect_host, http_inside, max_head
+        self.data = bytearray()  # every byte so far, grown in place (the transport hands it on once judged)
+        self._head_end = HeadEnd()
+        self._start_asked = False  # h11 has judged the head's first byte
+
+    def feed(self, chunk: bytes, ech_allowed: bool) -> FirstBytes:
+        """The judgement of everything fed so far, ``chunk`` the newest read."""
+        self.data += chunk
+        if not self.data:
+            return FirstBytes.more()
+        if self.http_inside and self.data[0] != 0x16:
+            return self._http_head()  # a TLS record starts 0x16; no HTTP method does
+        return _tls_hello(bytes(self.data), self.connect_host, ech_allowed)
+
+    def _http_head(self) -> FirstBytes:
+        if not self._start_asked:
+            # h11 refuses a head by its first byte already (one below 0x21 begins no request line), so a client
+            # that sends no HTTP is told at once rather than at a bound. Asked of that byte alone, once: the answer
+            # is then the same however the bytes are split into reads.
+            self._start_asked = True
+            start = _parse_http_head(bytes(self.data[:1]), self.max_head)
+            if start.refused:
+                return start
+        end = self._head_end.find(self.data)
+        if end > self.max_head or (end < 0 and len(self.data) > self.max_head):
+            return FirstBytes.refuse("limits.max_header_bytes",
+                                     f"the first request head in the tunnel is over {self.max_head} bytes")
+        if end < 0:
+            return FirstBytes.more()
+        return _parse_http_head(bytes(self.data[:end]), self.max_head)  # whole: parsed once
+
+
 def classify_tunnel_start(data: bytes, connect_host: str, http_inside: bool, ech_allowed: bool,
                           max_head: int = MAX_HTTP_HEAD) -> FirstBytes:
-    if not data:
-        return FirstBytes.more()
-    if http_inside and data[0] != 0x16:
-        return _http_head(data, max_head)  # a TLS record starts 0x16; no HTTP method does
+    """The judgement of first bytes that are all in hand (a transport feeds a ``FirstMessage`` instead)."""
+    return FirstMessage(connect_host, http_inside, max_head).feed(data, ech_allowed)
+
+
+def _tls_hello(data: bytes, connect_host: str, ech_allowed: bool) -> FirstBytes:
     try:
         hello = read_client_hello(data)
     except HelloError as err:
@@ -62,8 +105,9 @@ def classify_tunnel_start(data: bytes, connect_host: str, http_inside: bool, ech
     return FirstBytes(kind="tls", sni=hello.sni, hello_size=hello.size)
 
 
-def _http_head(data: bytes, max_head: int) -> FirstBytes:
-    """A whole HTTP/1.x request head, as h11 reads it; the request itself is decided by the transport."""
+def _parse_http_head(data: bytes, max_head: int) -> FirstBytes:
+    """An HTTP/1.x request head as h11 reads it (whole, or its first byte, which h11 may refuse already); the
+    request itself is decided by the transport."""
     parser = h11.Connection(h11.SERVER, max_incomplete_event_size=max_head)
     try:
         parser.receive_data(data)
@@ -72,9 +116,6 @@ def _http_head(data: bytes, max_head: int) -> FirstBytes:
         return FirstBytes.refuse("http:not-http", f"the tunnel goes to a plain-HTTP port but does not carry an "
                                                   f"HTTP/1 request: {err}")
     if event is h11.NEED_DATA:
-        if len(data) > max_head:
-            return FirstBytes.refuse("limits.max_header_bytes",
-                                     f"the first request head in the tunnel is over {max_head} bytes")
         return FirstBytes.more()
     if not isinstance(event, h11.Request):
         return FirstBytes.refuse("http:not-http", "the tunnel does not start with an HTTP request")
@@ -88,4 +129,4 @@ def _http_head(data: bytes, max_head: int) -> FirstBytes:
     return FirstBytes(kind="http")
 
 
-__all__ = ["FirstBytes", "MAX_HELLO_BYTES", "classify_tunnel_start"]
+__all__ = ["FirstBytes", "FirstMessage", "MAX_HELLO_BYTES", "classify_tunnel_start"]

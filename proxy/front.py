@@ -237,30 +237,31 @@ class Front:
 
     async def _first_message(self, conn: socket.socket, tunnel: Tunnel, data: bytes) -> tuple[bytes, FirstBytes] | None:
         """The whole ClientHello (and what came after it), judged by the gate, within limits.header_timeout of
-        the 200."""
+        the 200. ``data``: what came after the CONNECT head; each read after it is fed to the gate once."""
         loop = asyncio.get_running_loop()
         timeout = self.gate.policy.limits.header_timeout
         deadline = loop.time() + timeout
+        first = self.gate.first_message(tunnel)  # this tunnel's bytes so far, and where judging them stopped
+        chunk = data
         while True:
-            judged = self.gate.tunnel_start(tunnel, data)
+            judged = self.gate.tunnel_start(tunnel, first, chunk)
             if judged.refused:
                 if judged.rule.startswith("tls:"):
                     with contextlib.suppress(OSError):
                         await _send(conn, TLS_ALERT_UNRECOGNIZED_NAME)
                 return None
             if not judged.need_more:
-                return data, judged
+                return bytes(first.data), judged
             try:
                 chunk = await asyncio.wait_for(loop.sock_recv(conn, MAX_HELLO_BYTES),
                                                max(0.0, deadline - loop.time()))
             except TimeoutError:
-                self.gate.tunnel_start_timed_out(tunnel, len(data))
+                self.gate.tunnel_start_timed_out(tunnel, len(first.data))
                 return None
             if not chunk:
-                self.gate.tunnel_closed(tunnel, len(data), 0, "the client closed the tunnel before its first "
-                                                              "message was complete")
+                self.gate.tunnel_closed(tunnel, len(first.data), 0, "the client closed the tunnel before its first "
+                                                                    "message was complete")
                 return None
-            data += chunk
 
     async def _relay(self, conn: socket.socket, upstream: socket.socket, tunnel: Tunnel, sent: int,
                      retry: RetryWatch) -> None:

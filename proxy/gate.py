@@ -35,7 +35,7 @@ from .accept import prefers_json
 from .admission import Admission, CapRefusal
 from .audit import AuditLog
 from .body_budget import BodyBudget
-from .first_bytes import FirstBytes, classify_tunnel_start
+from .first_bytes import FirstBytes, FirstMessage
 from .http_hygiene import UNEXPECTED_BODY, unexpected_body
 from .metrics import Metrics
 from .peers import is_local_address
@@ -224,12 +224,17 @@ class Gate:
         self.metrics.tunnel_opened()
         return ConnectOutcome(tunnel, None)
 
-    def tunnel_start(self, tunnel: Tunnel, data: bytes) -> FirstBytes:
-        """Judge the first bytes a tunnel carries; a refusal gets its record and closes the tunnel."""
-        if tunnel.first_byte_at is None and data:
+    def first_message(self, tunnel: Tunnel) -> FirstMessage:
+        """A reader of the tunnel's first message, for its transport to hold and feed each read to ``tunnel_start``
+        (a head is bounded by ``limits.max_header_bytes``, as every other request head is)."""
+        return FirstMessage(tunnel.target.host, tunnel.http_inside, self.policy.limits.max_header_bytes)
+
+    def tunnel_start(self, tunnel: Tunnel, first: FirstMessage, chunk: bytes) -> FirstBytes:
+        """Judge the first bytes a tunnel carries, ``chunk`` the newest read (``first`` holds the ones before it);
+        a refusal gets its record and closes the tunnel."""
+        if tunnel.first_byte_at is None and chunk:
             tunnel.first_byte_at = time.monotonic()
-        judged = classify_tunnel_start(data, tunnel.target.host, http_inside=tunnel.http_inside,
-                                       ech_allowed=ech_allowed(self.policy))
+        judged = first.feed(chunk, ech_allowed(self.policy))
         if judged.refused:
             self.refuse_tunnel(tunnel, judged.rule, judged.reason)
         return judged

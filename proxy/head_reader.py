@@ -8,12 +8,11 @@ size. A bound passed raises ``HeadProblem``: status 0 means the connection is cl
 from __future__ import annotations
 
 import asyncio
-import re
 import socket
 
 from policy.model import Limits
 
-HEAD_END = re.compile(rb"\n\r?\n")  # what h11 and mitmproxy accept as the end of a head (bare LF too)
+from .head_end import HeadEnd
 
 
 class HeadProblem(Exception):
@@ -43,13 +42,13 @@ async def read_head(conn: socket.socket, limits: Limits, first_byte: float | Non
         raise HeadProblem(0, "http:tls-to-proxy", "the client started TLS with the proxy itself; egresswall's "
                                                   "port speaks HTTP/1.1 (send CONNECT)")
     deadline = loop.time() + header
-    searched = 0  # where the search for the head's end starts: bytes before it hold none (each read is searched once)
+    head_end = HeadEnd()  # each read is searched once, not the whole buffer after every read
+    buffer = bytearray(data)  # grown in place: a bytes concatenation per read would copy the whole head each time
     while True:
-        found = HEAD_END.search(data, searched)
-        end = found.end() if found else -1
+        end = head_end.find(buffer)
         if 0 <= end <= limits.max_header_bytes:
-            return data[:end], data[end:]
-        if (end < 0 and len(data) > limits.max_header_bytes) or end >= 0:
+            return bytes(buffer[:end]), bytes(buffer[end:])
+        if (end < 0 and len(buffer) > limits.max_header_bytes) or end >= 0:
             raise HeadProblem(431, "limits.max_header_bytes", f"the request head is over "
                                                               f"{limits.max_header_bytes} bytes "
                                                               "(limits.max_header_bytes)")
@@ -64,15 +63,14 @@ async def read_head(conn: socket.socket, limits: Limits, first_byte: float | Non
                 raise HeadProblem(0, "limits.idle_timeout", f"the connection was closed by egresswall after "
                                                             f"limits.idle_timeout ({limits.idle_timeout:g}s) of "
                                                             f"silence into a request head that never ended "
-                                                            f"({len(data)} bytes)") from None
+                                                            f"({len(buffer)} bytes)") from None
             raise HeadProblem(408, "limits.header_timeout", f"the request head was not complete {header:g}s "
-                                                            f"after its first byte ({len(data)} bytes; "
+                                                            f"after its first byte ({len(buffer)} bytes; "
                                                             "limits.header_timeout)") from None
         if not chunk:
             raise HeadProblem(0, "http:incomplete-head", f"the connection was closed by the client into a "
-                                                         f"request head that never ended ({len(data)} bytes)")
-        searched = max(0, len(data) - 2)  # the end ("\n\r\n" at most) may begin in the last bytes already read
-        data += chunk
+                                                         f"request head that never ended ({len(buffer)} bytes)")
+        buffer += chunk
 
 
 async def answer_then_drain(conn: socket.socket, answer: bytes, seconds: float = 2.0, limit: int = 1 << 20) -> None:

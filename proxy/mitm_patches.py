@@ -85,6 +85,7 @@ from mitmproxy.proxy.layers.http._http1 import Http1Client, Http1Server
 
 from policy.model import Limits
 
+from .head_end import HEAD_END  # what h11's ReceiveBuffer accepts as the end of a head
 from .refusals import Refusal, refusal_bytes
 
 REFUSE_BEFORE_BODY = "egresswall_refuse_before_body"
@@ -140,7 +141,6 @@ class PatchState:
 
 
 _state: PatchState | None = None
-_HEAD_END = re.compile(rb"\n\r?\n")  # what h11's ReceiveBuffer accepts as the end of a head
 _INTERIM = re.compile(rb"HTTP/1\.[01] 1(?!01)[0-9]{2}[ \r\n]")  # a 1xx status line, not 101 Switching Protocols
 _STARTED = "_egresswall_head_started"
 _TIMER = "_egresswall_timer"
@@ -316,7 +316,7 @@ def _server_read_body(self: Http1Server, event: events.Event):
 
 def _head_size(buf) -> int:
     data = bytes(buf)
-    end = _HEAD_END.search(data)
+    end = HEAD_END.search(data)
     return end.start() if end else len(data)
 
 

@@ -139,10 +139,13 @@ both_transports = pytest.mark.parametrize("transport", list(TRANSPORTS), indirec
 
 
 class ProxyProcess:
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None,
+                 prelude: str = "") -> None:
+        """``prelude``: test code run in the proxy process after the guard, before egresswall starts (to
+        count work inside it)."""
         self.log_path = log_path
         self.guard_path = log_path.with_suffix(".guard")
-        prelude = GUARD_PRELUDE.replace("GUARD_PATH", repr(str(self.guard_path)))
+        prelude = GUARD_PRELUDE.replace("GUARD_PATH", repr(str(self.guard_path))) + prelude
         command = [sys.executable, "-c", prelude + "\nimport sys\nfrom proxy.cli import main\n"
                    "sys.exit(main(sys.argv[1:]))", "run", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0",
                    "--log", str(log_path), *args]

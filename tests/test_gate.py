@@ -12,7 +12,8 @@ from labnet import PUBLIC_IP
 from tls_build import ECH, client_hello, extension
 
 from proxy.audit import AuditLog
-from proxy.gate import Gate, HttpAsk
+from proxy.first_bytes import FirstBytes
+from proxy.gate import Gate, HttpAsk, Tunnel
 from proxy.metrics import Metrics
 from proxy.records import SCHEMA_PATH
 from proxy.reload import PolicyHolder
@@ -32,6 +33,11 @@ def make_gate(lab, tmp_path):
         gate.log_path = tmp_path / "audit.jsonl"
         return gate
     return make
+
+
+def judge_whole(gate: Gate, tunnel: Tunnel, data: bytes) -> FirstBytes:
+    """The gate's judgement of a tunnel start that came in one read."""
+    return gate.tunnel_start(tunnel, gate.first_message(tunnel), data)
 
 
 def records(gate: Gate) -> list[dict]:
@@ -114,9 +120,10 @@ def test_a_tunnel_start_is_judged_on_whole_messages_only(lab, make_gate):
     gate = make_gate()
     tunnel = asyncio.run(gate.decide_connect("10.0.0.1", f"public.lab.example:{lab.public_tls.port}")).tunnel
     hello = client_hello(b"public.lab.example")
-    assert gate.tunnel_start(tunnel, hello[:1]).need_more
-    assert gate.tunnel_start(tunnel, hello[:-1]).need_more
-    judged = gate.tunnel_start(tunnel, hello)
+    first = gate.first_message(tunnel)  # the transport's reader: each read fed once
+    assert gate.tunnel_start(tunnel, first, hello[:1]).need_more
+    assert gate.tunnel_start(tunnel, first, hello[1:-1]).need_more
+    judged = gate.tunnel_start(tunnel, first, hello[-1:])
     assert judged.kind == "tls" and judged.sni == "public.lab.example"
     assert [r["event"] for r in records(gate)] == ["decision"]  # nothing refused
 
@@ -130,7 +137,7 @@ def test_a_tunnel_start_is_judged_on_whole_messages_only(lab, make_gate):
 def test_a_bad_tunnel_start_is_refused_with_a_record_and_closes_the_tunnel(lab, make_gate, data, rule):
     gate = make_gate()
     tunnel = asyncio.run(gate.decide_connect("10.0.0.1", f"public.lab.example:{lab.public_tls.port}")).tunnel
-    assert gate.tunnel_start(tunnel, data).refused
+    assert judge_whole(gate, tunnel, data).refused
     decision, refused, closed = records(gate)
     assert refused["rule"] == rule and refused["verdict"] == "refuse" and refused["id"] == tunnel.id + "-tls"
     assert closed["event"] == "tunnel" and tunnel.closed
@@ -141,7 +148,7 @@ def test_encrypted_client_hello_is_refused_on_an_allowlist_and_passes_on_the_ope
     for default, refused in (("deny", True), ("allow", False)):
         gate = make_gate("hosts:\n  allow: [public.lab.example]\n", default=default)
         tunnel = asyncio.run(gate.decide_connect("10.0.0.1", f"public.lab.example:{lab.public_tls.port}")).tunnel
-        assert gate.tunnel_start(tunnel, hello).refused is refused
+        assert judge_whole(gate, tunnel, hello).refused is refused
 
 
 def test_http_inside_a_connect_to_a_plain_http_port_needs_a_whole_head(lab, make_gate):
@@ -150,10 +157,13 @@ def test_http_inside_a_connect_to_a_plain_http_port_needs_a_whole_head(lab, make
     assert tunnel.http_inside
     head = b"GET /chat HTTP/1.1\r\nHost: public.lab.example\r\nUpgrade: websocket\r\n\r\n"
     for cut in (1, 5, len(head) - 1):
-        assert gate.tunnel_start(tunnel, head[:cut]).need_more
-    assert gate.tunnel_start(tunnel, head).kind == "http"
-    assert gate.tunnel_start(tunnel, client_hello(b"public.lab.example")).kind == "tls"  # TLS may come too
-    assert gate.tunnel_start(tunnel, b"\x00\x01 not http\r\n\r\n").rule == "http:not-http"
+        assert judge_whole(gate, tunnel, head[:cut]).need_more
+    first = gate.first_message(tunnel)
+    assert [gate.tunnel_start(tunnel, first, head[i:i + 1]).need_more for i in range(len(head))] == (
+        [True] * (len(head) - 1) + [False])  # judged at its last byte, and not before
+    assert judge_whole(gate, tunnel, head).kind == "http"
+    assert judge_whole(gate, tunnel, client_hello(b"public.lab.example")).kind == "tls"  # TLS may come too
+    assert judge_whole(gate, tunnel, b"\x00\x01 not http\r\n\r\n").rule == "http:not-http"
 
 
 def test_a_request_inside_a_tunnel_is_decided_against_the_tunnel_host(lab, make_gate):

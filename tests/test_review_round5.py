@@ -56,7 +56,7 @@ from rawclient import read_all, tunnel
 from tls_build import client_hello
 
 from policy.model import HostRule, Limits, without_parameters
-from proxy import head_reader
+from proxy import head_end, head_reader
 from proxy.admin import AdminServer
 from proxy.first_bytes import classify_tunnel_start
 from proxy.tls_hello import MAX_HELLO_RECORDS
@@ -383,8 +383,8 @@ def test_a_head_written_a_byte_at_a_time_is_searched_once_not_once_per_read(monk
     """The front searched the whole buffer for the head's end after every read: a 64 KiB head written a
     byte at a time cost seconds of the event loop per connection (every other client waiting). Each
     byte is searched once now (bar the two before each read's end)."""
-    counting = CountingSearch(head_reader.HEAD_END)
-    monkeypatch.setattr(head_reader, "HEAD_END", counting)
+    counting = CountingSearch(head_end.HEAD_END)
+    monkeypatch.setattr(head_end, "HEAD_END", counting)
     head = (b"GET http://public.lab.example/ HTTP/1.1\r\nHost: public.lab.example\r\nX-Long: " + b"a" * 8000
             + b"\r\n\r\n")
 

@@ -18,29 +18,31 @@ from mitmproxy.proxy.context import Context
 from mitmproxy.proxy.layers.tcp import TCPLayer
 from mitmproxy.proxy.utils import expect
 
-from ..first_bytes import FirstBytes
+from ..first_bytes import FirstBytes, FirstMessage
 from ..tls_hello import TLS_ALERT_UNRECOGNIZED_NAME
 from ..tls_retry import AWAIT_SERVER, Released, RetryWatch
 
-Judge = Callable[[bytes], FirstBytes]
+Judge = Callable[[FirstMessage, bytes], FirstBytes]  # the tunnel's first bytes so far, and the newest read
 Choose = Callable[[FirstBytes], layer.Layer]
 RetryRefused = Callable[[str, str, int, int], None]  # (rule, reason, bytes up, bytes down)
 
 
 class TunnelStart(layer.Layer):
-    def __init__(self, context: Context, judge: Judge, choose: Choose, timeout: float,
+    def __init__(self, context: Context, first: FirstMessage, judge: Judge, choose: Choose, timeout: float,
                  on_timeout: Callable[[int], None]) -> None:
         super().__init__(context)
         self.judge, self.choose, self.timeout, self.on_timeout = judge, choose, timeout, on_timeout
         self.held: list[events.Event] = []
-        self.data = b""
+        # The client's bytes so far, and where judging them stopped: each read is judged once, as it comes
+        # (judging the whole buffer again on every read cost the square of a dripped head's size).
+        self.first = first
         self.timer: commands.RequestWakeup | None = None
         self.child: layer.Layer | None = None
 
     def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
         if isinstance(event, events.Wakeup) and event.command is self.timer:
             if self.child is None:  # still waiting for a whole first message: the bound has passed
-                self.on_timeout(len(self.data))
+                self.on_timeout(len(self.first.data))
                 yield from self._close()
             return  # our own timer: never passed on (the layers below do not know it)
         if self.child is not None:
@@ -58,8 +60,7 @@ class TunnelStart(layer.Layer):
             yield from self._close()
             return
         if isinstance(event, events.DataReceived) and event.connection == self.context.client:
-            self.data += event.data
-            judged = self.judge(self.data)
+            judged = self.judge(self.first, event.data)
             if judged.need_more:
                 return
             self.child = self.choose(judged)
@@ -70,7 +71,7 @@ class TunnelStart(layer.Layer):
                       if not (isinstance(e, events.DataReceived) and e.connection == self.context.client)]
             for past in others:
                 yield from self.child.handle_event(past)
-            yield from self.child.handle_event(events.DataReceived(self.context.client, self.data))
+            yield from self.child.handle_event(events.DataReceived(self.context.client, bytes(self.first.data)))
 
     def _close(self) -> layer.CommandGenerator[None]:
         self.child = Refused(self.context, tls=False)

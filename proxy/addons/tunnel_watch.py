@@ -73,7 +73,8 @@ class TunnelWatch:
 
         # The bound runs from the tunnel's opening (mitmproxy asks for a layer only at the first byte).
         remaining = max(0.0, self.gate.policy.limits.header_timeout - (time.monotonic() - tunnel.started))
-        nextlayer.layer = TunnelStart(context, lambda data: self.gate.tunnel_start(tunnel, data), choose,
+        nextlayer.layer = TunnelStart(context, self.gate.first_message(tunnel),
+                                      lambda first, chunk: self.gate.tunnel_start(tunnel, first, chunk), choose,
                                       remaining, timed_out)
 
     def _relay_done(self, server_id: str, tunnel: Tunnel, up: int, down: int, error: str | None) -> None:

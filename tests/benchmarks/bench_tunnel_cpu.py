@@ -100,7 +100,12 @@ def gate_steps(stack: Stack, policy_path: Path, repeat: int) -> dict[str, float]
             decide()))]
         timings["decision + its audit line"] -= timings["(an empty loop turn)"]
         judged = iter(opened)
-        timed("ClientHello judged", lambda: gate.tunnel_start(next(judged), hello))
+
+        def judge_hello():
+            tunnel = next(judged)
+            return gate.tunnel_start(tunnel, gate.first_message(tunnel), hello)
+
+        timed("ClientHello judged", judge_hello)
         closing = iter(opened)
         timed("closing audit line", lambda: gate.tunnel_closed(next(closing), 1000, 2000, None))
         loop.close()
