@@ -346,7 +346,6 @@ class FastHttp:
         the bytes given to it: while the body has not ended (h11 needs data) every one of them is the
         body's, and it is checked there, at each read; at the end, what h11 left unread (the next request,
         pipelined) is taken off once."""
-        loop = asyncio.get_running_loop()
         limits = self.gate.policy.limits
         limit = limits.max_request_body
         fed = len(server.trailing_data[0])  # what came with the head, or was fed already (``rest``)
@@ -367,14 +366,7 @@ class FastHttp:
                 if fed > limit:
                     await self._refuse_body(conn, client, request, target, accept, flow_id, 413, "limits",
                                             "limits.max_request_body", body_over_limit_reason(limit))
-                idle = limits.idle_timeout
-                try:
-                    chunk = await asyncio.wait_for(loop.sock_recv(conn, READ), idle)
-                except TimeoutError:
-                    raise Ended(f"nothing moved for limits.idle_timeout ({idle:g}s) into the request body, and "
-                                "egresswall closed the connection") from None
-                if not chunk:
-                    raise Ended("the client closed the connection before its request body was complete")
+                chunk = await _body_bytes(conn, limits.idle_timeout)
                 fed += len(chunk)
                 server.receive_data(chunk)
             elif isinstance(event, h11.Data):
@@ -416,7 +408,6 @@ class FastHttp:
                             out: bytearray | None = None):
         """The next event of the client's request body; reading is bounded by limits.idle_timeout. Before
         waiting for more, what is in ``out`` is sent to ``flush`` (a streamed body's bytes so far)."""
-        loop = asyncio.get_running_loop()
         while True:
             try:
                 event = server.next_event()
@@ -428,14 +419,7 @@ class FastHttp:
             if flush is not None and out:
                 await send_while_moving(flush.sock, bytes(out), idle, _upstream_stalled(idle))
                 out.clear()
-            try:
-                chunk = await asyncio.wait_for(loop.sock_recv(conn, READ), idle)
-            except TimeoutError:
-                raise Ended(f"nothing moved for limits.idle_timeout ({idle:g}s) into the request body, and "
-                            "egresswall closed the connection") from None
-            if not chunk:
-                raise Ended("the client closed the connection before its request body was complete")
-            server.receive_data(chunk)
+            server.receive_data(await _body_bytes(conn, idle))
 
     async def _send_request(self, conn: socket.socket, server: h11.Connection, request: PlainRequest,
                             upstream: Upstream, body: list[bytes], up: int) -> int:
@@ -618,6 +602,18 @@ def _forwarded_response_headers(raw: list[tuple[bytes, bytes]], status: int) -> 
     own = OWN_HEADER_PREFIX.encode()
     return [(k, v) for k, v in raw if (name := k.lower()) not in dropped and not name.startswith(own)
             and not ((chunked or status == 204) and name == b"content-length")]
+
+
+async def _body_bytes(conn: socket.socket, idle: float) -> bytes:
+    """The client's next bytes of a request body, within limits.idle_timeout; Ended when none come."""
+    try:
+        chunk = await asyncio.wait_for(asyncio.get_running_loop().sock_recv(conn, READ), idle)
+    except TimeoutError:
+        raise Ended(f"nothing moved for limits.idle_timeout ({idle:g}s) into the request body, and "
+                    "egresswall closed the connection") from None
+    if not chunk:
+        raise Ended("the client closed the connection before its request body was complete")
+    return chunk
 
 
 def _client_stalled(idle: float) -> str:
