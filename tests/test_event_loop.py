@@ -9,23 +9,36 @@ import subprocess
 import sys
 
 import pytest
-from labnet import PUBLIC_IP
+from labnet import PUBLIC_IP, Upstream
 from proxyproc import GUARD_PRELUDE, ROOT
 
 from proxy import event_loop
+
+
+@pytest.fixture
+def origin():
+    """An origin of this test's own on the lab's public address: the shared one has, late in a whole run,
+    once in a while closed a connection unanswered (see the session note), which is not what this test is
+    about."""
+    server = Upstream(PUBLIC_IP, "loop")
+    yield server
+    server.close()
+
 
 LOOPS = {"uvloop": ((), "_GuardedLoop"), "standard": (("--no-uvloop",), "_UnixSelectorEventLoop")}
 
 
 @pytest.mark.parametrize("name", list(LOOPS))
-def test_the_proxy_runs_on_the_chosen_loop_and_enforces_the_same(lab, start_proxy, name):
+def test_the_proxy_runs_on_the_chosen_loop_and_enforces_the_same(lab, start_proxy, origin, name):
     options, loop_class = LOOPS[name]
-    proxy = start_proxy(lab.policy_text("hosts:\n  deny: [denied.lab.example]\n"), *options)
+    text = lab.policy_text("hosts:\n  deny: [denied.lab.example]\n").replace("  http: [", f"  http: [{origin.port}, ")
+    proxy = start_proxy(text, *options)
     sock, status, _ = proxy.connect(f"public.lab.example:{lab.public_tls.port}")
     sock.close()
     assert status == 200
-    status, headers, body = proxy.get(f"http://public.lab.example:{lab.public.port}/")
-    assert status == 200, (headers, body, proxy.audit())
+    status, headers, body = proxy.get(f"http://public.lab.example:{origin.port}/")
+    assert status == 200, (headers, body, proxy.audit(), proxy.guard_events())
+    assert [path for _, path, _ in origin.requests] == ["/"]
     status, headers, _ = proxy.get(f"http://internal.lab.example:{lab.public.port}/")
     assert status == 403 and headers["x-egresswall-rule"].startswith("special-purpose")
     sock, status, _ = proxy.connect(f"denied.lab.example:{lab.public_tls.port}")
