@@ -12,6 +12,7 @@ from mitmproxy import http
 from mitmproxy.proxy import layer as mlayer
 from mitmproxy.proxy.context import Context
 from mitmproxy.test import taddons, tflow
+from patched_gate import patched_gate
 
 from policy.decision import Verdict
 from policy.hosts import parse_authority, parse_url
@@ -25,26 +26,16 @@ from proxy.addons.hop_by_hop import HopByHop
 from proxy.addons.response_hygiene import ResponseHygiene
 from proxy.addons.tunnel_layers import TunnelStart
 from proxy.addons.tunnel_watch import TunnelWatch
-from proxy.audit import AuditLog
 from proxy.gate import Gate, Tunnel
-from proxy.metrics import Metrics
-from proxy.reload import PolicyHolder
 
 ALLOWED = Verdict(True, "host", "default:allow", "allowed by default", pinned="198.18.0.1")
 
 
 @pytest.fixture
 def gate(tmp_path):
-    policy = tmp_path / "policy.yaml"
-    policy.write_text("version: 1\ndefault: allow\nlimits:\n  max_connections_per_client: 1\n"
-                      "  max_request_body: 100\n")
-    gate = Gate(PolicyHolder(str(policy)), AuditLog(str(tmp_path / "audit.jsonl")), Metrics())
-    gate.log_path = tmp_path / "audit.jsonl"
-    state = mitm_patches.PatchState(limits=lambda: gate.policy.limits, on_refusal=lambda *a: None,
-                                    on_body_over_limit=lambda *a: None)
-    mitm_patches.install(state)
-    yield gate
-    mitm_patches.uninstall()
+    with patched_gate(tmp_path, "version: 1\ndefault: allow\nlimits:\n  max_connections_per_client: 1\n"
+                      "  max_request_body: 100\n") as gate:
+        yield gate
 
 
 def records(gate: Gate) -> list[dict]:

@@ -23,18 +23,16 @@ import h11
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from patched_gate import patched_gate
 from proxyproc import TRANSPORTS, ProxyProcess, parse_response
 from rawclient import read_all, tunnel
 from tls_build import client_hello
 
 from policy.decision import Verdict
 from policy.hosts import parse_authority
-from proxy import head_end, mitm_patches
-from proxy.audit import AuditLog
+from proxy import head_end
 from proxy.first_bytes import FirstBytes, FirstMessage, classify_tunnel_start
-from proxy.gate import Gate, Tunnel
-from proxy.metrics import Metrics
-from proxy.reload import PolicyHolder
+from proxy.gate import Tunnel
 
 HOST = "public.lab.example"
 ALLOWED = Verdict(True, "host", "default:allow", "allowed by default", pinned="198.18.0.1")
@@ -187,15 +185,8 @@ def test_any_split_of_any_bytes_gives_the_same_judgement_as_the_whole(data, cuts
 
 @pytest.fixture
 def gate(tmp_path):
-    policy = tmp_path / "policy.yaml"
-    policy.write_text("version: 1\ndefault: allow\n")
-    gate = Gate(PolicyHolder(str(policy)), AuditLog(str(tmp_path / "audit.jsonl")), Metrics())
-    gate.log_path = tmp_path / "audit.jsonl"
-    state = mitm_patches.PatchState(limits=lambda: gate.policy.limits, on_refusal=lambda *a: None,
-                                    on_body_over_limit=lambda *a: None)
-    mitm_patches.install(state)
-    yield gate
-    mitm_patches.uninstall()
+    with patched_gate(tmp_path, "version: 1\ndefault: allow\n") as gate:
+        yield gate
 
 
 def test_tunnel_start_judges_a_dripped_head_once_and_holds_every_byte_until_then(gate, monkeypatch):
