@@ -20,6 +20,7 @@ import dns.rcode
 import dns.rdataclass
 import dns.rdatatype
 import dns.rrset
+from listening import stop_serving
 
 
 @dataclass
@@ -94,8 +95,9 @@ class DnsLab:
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self.udp.close()
-        self.tcp.close()
+        udp, tcp = self._threads
+        stop_serving(self.udp, udp)
+        stop_serving(self.tcp, tcp)
 
     # ---- serving ------------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ import threading
 import time
 
 from labnet import PUBLIC_IP
+from listening import stop_serving
 
 
 class _Server:
@@ -34,7 +35,8 @@ class _Server:
         self.connections = 0
         self.closed = threading.Event()
         self._conns: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
 
     def _accept(self) -> None:
         while not self.closed.is_set():
@@ -56,7 +58,7 @@ class _Server:
 
     def close(self) -> None:
         self.closed.set()
-        self.sock.close()
+        stop_serving(self.sock, self._thread)
         for conn in self._conns:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)

@@ -18,6 +18,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from listening import stop_serving
 
 PUBLIC_IP = "127.0.0.2"  # re-admitted by the test policy's address allow rule: "the public web"
 INTERNAL_IP = "127.0.0.3"  # never re-admitted: an internal service
@@ -46,7 +47,7 @@ class StandIn:
             conn.close()
 
     def close(self) -> None:
-        self.sock.close()
+        stop_serving(self.sock, self._thread)
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):

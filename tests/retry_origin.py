@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from labnet import PUBLIC_IP
+from listening import stop_serving
 from tls_flights import is_hello_retry, retrying_server_context
 
 
@@ -40,7 +41,8 @@ class RetryOrigin:
         self.connections: list[OriginConnection] = []
         self.sock = socket.create_server((PUBLIC_IP, 0))
         self.port = self.sock.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
 
     def _named(self, tls: ssl.SSLObject, name: str | None, _context: ssl.SSLContext) -> None:
         connection = self._by_object.get(id(tls))
@@ -100,4 +102,4 @@ class RetryOrigin:
             connection.ended.set()
 
     def close(self) -> None:
-        self.sock.close()
+        stop_serving(self.sock, self._thread)

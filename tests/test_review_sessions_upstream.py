@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from labnet import PUBLIC_IP
+from listening import stop_serving
 from proxyproc import ProxyProcess, parse_response, read_response
 from rawclient import read_all
 from session_client import TOKEN, api, connect, create, get, token_file
@@ -169,7 +170,8 @@ class ClosingOrigin:
         self.sock = socket.create_server((PUBLIC_IP, 0))
         self.port = self.sock.getsockname()[1]
         self.requests: list[bytes] = []  # each request head as received
-        threading.Thread(target=self._serve, daemon=True).start()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
 
     def _serve(self) -> None:
         while True:
@@ -194,7 +196,7 @@ class ClosingOrigin:
         return [r.split(b" ", 2)[1].decode("latin-1") for r in self.requests]
 
     def close(self) -> None:
-        self.sock.close()
+        stop_serving(self.sock, self._thread)
 
 
 @pytest.fixture

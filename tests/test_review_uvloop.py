@@ -20,6 +20,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from labnet import PUBLIC_IP
+from listening import stop_serving
 from proxyproc import GUARD_PRELUDE, ROOT
 from socketpairs import loopback_pair
 from tls_build import client_hello
@@ -394,7 +395,8 @@ class SpeakFirstUpstream:
         self.port = self.sock.getsockname()[1]
         self.received: list[bytearray] = []
         self.ended: list[threading.Event] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
 
     def _accept(self) -> None:
         while True:
@@ -416,7 +418,7 @@ class SpeakFirstUpstream:
         ended.set()
 
     def close(self) -> None:
-        self.sock.close()
+        stop_serving(self.sock, self._thread)
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import time
 
 import pytest
 from labnet import PUBLIC_IP
+from listening import stop_serving
 from proxyproc import both_transports
 from rawclient import read_all, tunnel
 from retry_origin import RetryOrigin
@@ -168,9 +169,10 @@ def unreadable_origin():
                 conn.sendall(b"\x16\x03\x03\x00\x00" + b"\x02" * 40)
                 conn.recv(65536)  # until the proxy closes
 
-    threading.Thread(target=serve, daemon=True).start()
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
     yield server.getsockname()[1]
-    server.close()
+    stop_serving(server, thread)
 
 
 @both_transports
