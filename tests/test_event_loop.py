@@ -17,9 +17,8 @@ from proxy import event_loop
 
 @pytest.fixture
 def origin():
-    """An origin of this test's own on the lab's public address: the shared one has, late in a whole run,
-    once in a while closed a connection unanswered (see the session note), which is not what this test is
-    about."""
+    """An origin of this test's own on the lab's public address, so the test can say exactly what reached it
+    (the shared origin's history holds every earlier test's requests)."""
     server = Upstream(PUBLIC_IP, "loop")
     yield server
     server.close()
