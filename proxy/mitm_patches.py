@@ -54,11 +54,19 @@ gate's owner builds — installing a second, different state is an error, never 
 * **Connect time** (``asyncio.open_connection`` as mitmproxy's server module sees it): asyncio has no
   connect timeout; mitmproxy's connects get ``limits.connect_timeout``. Test:
   test_hardening_adversarial.py::test_upstream_connect_that_hangs_times_out.
+* **Every closed connection's socket is closed** (``ConnectionHandler.handle_connection``): mitmproxy
+  closes a connection's socket only when the cancel that ends it finds it reading or draining. Its master
+  runs tasks eagerly, so a hook that completes inside an event queues on mitmproxy's event lock, and the
+  next event of another connection waits behind it; a connection cancelled there (a refused tunnel start
+  closes both sides while the upstream's first bytes wait for the lock) kept its socket open and its
+  transport registered for the life of the process. The patch closes what the original left open. Tests:
+  test_mitm_patches_sockets.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 import types
@@ -163,6 +171,7 @@ def install(state: PatchState) -> None:
                       client_read_headers=Http1Client.read_headers, server_send=Http1Server.send,
                       should_make_pipe=_http1.should_make_pipe,
                       on_timeout=mitmproxy.proxy.server.ConnectionHandler.on_timeout,
+                      handle_connection=mitmproxy.proxy.server.ConnectionHandler.handle_connection,
                       asyncio_module=mitmproxy.proxy.server.asyncio)
     HttpStream.start_request_stream = _start_request_stream
     HttpStream.state_consume_request_body = _consume_request_body
@@ -174,6 +183,7 @@ def install(state: PatchState) -> None:
     Http1Server.send = _server_send
     _http1.should_make_pipe = _should_make_pipe
     mitmproxy.proxy.server.ConnectionHandler.on_timeout = _on_timeout
+    mitmproxy.proxy.server.ConnectionHandler.handle_connection = _handle_connection
     # mitmproxy's connection handler calls ``asyncio.open_connection``: give that module its own
     # asyncio namespace whose open_connection has a timeout, leaving asyncio itself untouched.
     bounded = types.ModuleType("asyncio")
@@ -196,6 +206,7 @@ def uninstall() -> None:
         Http1Server.send = _originals["server_send"]
         _http1.should_make_pipe = _originals["should_make_pipe"]
         mitmproxy.proxy.server.ConnectionHandler.on_timeout = _originals["on_timeout"]
+        mitmproxy.proxy.server.ConnectionHandler.handle_connection = _originals["handle_connection"]
         mitmproxy.proxy.server.asyncio = _originals["asyncio_module"]
         _originals.clear()
     _state = None
@@ -488,6 +499,24 @@ def _should_make_pipe(request, response) -> bool:
 async def _on_timeout(self: mitmproxy.proxy.server.ConnectionHandler) -> None:
     state().idle_closed.add(self.client.id)
     await _originals["on_timeout"](self)
+
+
+async def _handle_connection(self: mitmproxy.proxy.server.ConnectionHandler, conn: connection.Connection) -> None:
+    """mitmproxy's, and then: a connection it left registered (an exception, in practice a cancel, escaped
+    from an ``await`` the original does not guard) has its socket closed and is told closed, as the original
+    would have done."""
+    try:
+        await _originals["handle_connection"](self, conn)
+    finally:
+        io = self.transports.pop(conn, None)  # the original removes it on every way out it expects
+        if io is not None:
+            told = conn.state is connection.ConnectionState.CLOSED  # closed by a layer's command: it knows
+            conn.state = connection.ConnectionState.CLOSED
+            if io.writer is not None:
+                with contextlib.suppress(OSError):
+                    io.writer.close()
+            if not told:
+                await self.server_event(events.ConnectionClosed(conn))
 
 
 async def _open_connection(*args, **kwargs):

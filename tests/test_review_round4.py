@@ -496,7 +496,7 @@ def test_a_refused_hello_with_bytes_behind_it_sends_the_upstream_nothing_on_eith
         sock.sendall(client_hello(b"other.lab.example") + b"SMUGGLED APPLICATION DATA" * 100)
         got = _recv_until(sock, b"never")
     assert got[:1] == b"\x15" and SpeakFirstUpstream.BANNER not in got
-    assert speaker.ended[0].wait(5)
+    assert speaker.ended_all(1, 5)
     assert bytes(speaker.received[0]) == b""
 
 
