@@ -44,8 +44,9 @@ from policy.hosts import HostFormError, Target
 from policy.model import Policy
 
 from .body_budget import BodyHold
+from .body_reasons import TRAILERS_REASON, body_line_too_long_reason, body_over_limit_reason, body_unparseable_reason
 from .dial import connect_pinned
-from .gate import Gate, HttpAsk, body_line_too_long_reason, body_over_limit_reason, plain_target, refusal_for
+from .gate import Gate, HttpAsk, plain_target, refusal_for
 from .head_reader import HeadProblem, answer_then_drain, read_head
 from .http_head import PlainRequest, take_head
 from .http_hygiene import ALWAYS_HOP_BY_HOP, hop_by_hop_names, tokens
@@ -359,7 +360,7 @@ class FastHttp:
                     # a head may be: said in egresswall's words, as mitmproxy's path says it.
                     reason = body_line_too_long_reason(limits.max_header_bytes)
                 else:
-                    reason = "egresswall: " + f"the request body cannot be parsed: {err}"[:300]
+                    reason = body_unparseable_reason(str(err))
                 await self._refuse_body(conn, client, request, target, accept, flow_id, 400, "form",
                                         "http:bad-chunked", reason)
             if event is h11.NEED_DATA:
@@ -387,9 +388,7 @@ class FastHttp:
                                             "limits.max_request_body", body_over_limit_reason(limit), pending=False)
                 if event.headers:
                     refusal = self.gate.refuse(client, request.method, target, 400, "form", "http:trailers",
-                                               "the chunked request body ends with trailer fields; egresswall's "
-                                               "fast path does not forward trailers", flow_id=flow_id,
-                                               event="response", accept=accept)
+                                               TRAILERS_REASON, flow_id=flow_id, event="response", accept=accept)
                     await self._refuse(conn, refusal, False)
                     raise Ended("")
                 return size

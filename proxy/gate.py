@@ -450,21 +450,6 @@ class Gate:
             await asyncio.sleep(1)
 
 
-def body_over_limit_reason(limit: int) -> str:
-    """Why a chunked body was refused 413 (both transports: the same words in the same record). A chunked
-    body counts as sent — chunk size lines, extensions, line ends and data — so a client cannot stream
-    bytes without end through chunk extensions that carry no data."""
-    return (f"the request body is over the limit of {limit} bytes (limits.max_request_body; a chunked body counts "
-            "as sent: chunk size lines, chunk extensions and line ends as well as its data)")
-
-
-def body_line_too_long_reason(limit: int) -> str:
-    """Why a chunked body was refused 400 ``http:bad-chunked`` for a line that did not end (both
-    transports): a chunk size line with its extensions, or a trailer, is bounded as a head is."""
-    return (f"egresswall: a line of the chunked request body (a chunk size with its extensions, or a trailer) is "
-            f"over {limit} bytes (limits.max_header_bytes) and has not ended")
-
-
 def plain_target(ask: HttpAsk) -> Target:
     """The target of a plain-HTTP request (not inside a tunnel) as both transports hand it over: scheme,
     host, port and path as the transport split them, read again by policy.hosts (HostFormError: refused)."""

@@ -17,10 +17,16 @@ gate's owner builds — installing a second, different state is an error, never 
   them on the request for the stream, so chunk extensions cannot carry bytes without end; and mitmproxy's
   chunk reader buffers a line that never ends (a size with its extensions, a trailer) without limit, so
   that is checked after each read too: against the body limit, and against ``limits.max_header_bytes``
-  (400 ``http:bad-chunked``, as h11 refuses it on the fast path). Each buffered piece is also reserved
-  in the budget for buffered bodies (``on_body_buffered``: 503/429 ``limits.max_buffered_request_bodies``
-  when it is full). Tests:
+  (400 ``http:bad-chunked``, as h11 refuses it on the fast path). A framing the chunk reader refuses (a
+  negative or ``0x`` size, data not followed by its line end) was met with a closed connection and no
+  word: it is answered 400 ``http:bad-chunked`` with h11's reason, as on the fast path; trailer fields,
+  on which mitmproxy's reader raises ("not implemented") and the client got nothing, are answered 400
+  ``http:trailers``, as on the fast path (``on_bad_body``). Each buffered piece is also reserved in the
+  budget for buffered bodies (``on_body_buffered``: 503/429 ``limits.max_buffered_request_bodies`` when it
+  is full). Tests:
   test_hardening_proxy_security.py::test_a_chunked_body_over_the_limit_gets_413_and_the_upstream_sees_nothing,
+  test_review_fast_http.py::test_a_malformed_chunked_body_is_answered_400_with_a_reason_and_recorded,
+  test_fast_http.py::test_chunked_trailers_are_refused_before_the_origin_sees_anything,
   test_body_budget_proxy.py.
 * **Head size and time** (``Http1Server.read_headers``, ``Http1Client.read_headers``): mitmproxy buffers
   a head without limit ("FIXME: protect against header size DoS"). A head over
@@ -93,6 +99,7 @@ from mitmproxy.proxy.layers.http._http1 import Http1Client, Http1Server
 
 from policy.model import Limits
 
+from .body_reasons import TRAILERS_REASON, body_line_too_long_reason, body_unparseable_reason
 from .head_end import HEAD_END  # what h11's ReceiveBuffer accepts as the end of a head
 from .refusals import Refusal, refusal_bytes
 
@@ -102,7 +109,8 @@ BODY_LIMIT = "egresswall_body_limit"  # flow.metadata: bytes a buffered (chunked
 _BODY_FED = "egresswall_body_fed"  # bytes received since its head ended (all of them body, until it ends)
 _BODY_WIRE = "egresswall_body_wire"  # its wire bytes read so far (what the stream checks against the limit)
 _BODY_REFUSED = "egresswall_body_refused"  # the stream refused it: what still comes is read and dropped
-_BODY_LONG_LINE = "egresswall_body_long_line"  # a line of it (size and extensions, or a trailer) never ended
+_BODY_BAD = "egresswall_body_bad"  # (rule, reason) it cannot be read on: a line that never ended, a framing
+# h11 refused, trailer fields
 
 
 class RecentIds:
@@ -141,9 +149,11 @@ class PatchState:
     # A buffered body's next piece, of this many bytes, is about to be held: None, or the refusal to answer
     # (the budget for buffered bodies is full).
     on_body_buffered: Callable[[http.HTTPFlow, int], Refusal | None] = lambda flow, size: None
-    # A buffered body's line (a chunk size with its extensions, or a trailer) passed this many bytes
-    # (limits.max_header_bytes) unfinished: the refusal to answer.
-    on_body_line_too_long: Callable[[http.HTTPFlow, int], Refusal | None] = lambda flow, limit: None
+    # A buffered body cannot be read on (a line of it, a chunk size with its extensions or a trailer, passed
+    # limits.max_header_bytes unfinished; its framing is malformed; it ends with trailer fields), by this
+    # rule, for this reason: the refusal to answer.
+    on_bad_body: Callable[[http.HTTPFlow, str, str], Refusal] = lambda flow, rule, reason: _unrecorded_bad_body(
+        rule, reason)
     idle_closed: RecentIds = field(default_factory=RecentIds)  # client connections mitmproxy's watchdog closed
     first_byte_timer: bool = True  # False when the front already enforced limits.first_byte_timeout
 
@@ -243,16 +253,16 @@ def _start_request_stream(self: HttpStream):
 
 def _consume_request_body(self: HttpStream, event: events.Event):
     limit = self.flow.metadata.get(BODY_LIMIT)
+    bad = getattr(self.flow.request, _BODY_BAD, None)
+    if bad is not None and isinstance(event, RequestData):
+        yield from _refuse_buffered_body(self, state().on_bad_body(self.flow, *bad))
+        return
     if limit is not None and isinstance(event, (RequestData, RequestEndOfMessage)):
         data = len(event.data) if isinstance(event, RequestData) else 0
         # The wire bytes as the reading side counted them (they include the data: the larger is taken in
         # case a body came some other way than through Http1Server.read_body).
         wire = max(getattr(self.flow.request, _BODY_WIRE, 0), len(self.request_body_buf) + data)
-        long_line = getattr(self.flow.request, _BODY_LONG_LINE, None)
-        if long_line is not None:
-            refusal = state().on_body_line_too_long(self.flow, long_line)
-        else:
-            refusal = state().on_body_over_limit(self.flow, limit) if wire > limit else None
+        refusal = state().on_body_over_limit(self.flow, limit) if wire > limit else None
         if refusal is None and data:
             refusal = state().on_body_buffered(self.flow, data)
         if refusal is not None:
@@ -281,8 +291,9 @@ def _server_read_body(self: Http1Server, event: events.Event):
     if request is None or not isinstance(self.body_reader, ChunkedReader):
         yield from _originals["server_read_body"](self, event)
         return
-    if getattr(request, _BODY_REFUSED, False) and isinstance(event, events.DataReceived):
-        self.buf = ReceiveBuffer()  # refused and answered: read and dropped, never parsed or held
+    if isinstance(event, events.DataReceived) and (getattr(request, _BODY_REFUSED, False)
+                                                   or getattr(request, _BODY_BAD, None) is not None):
+        self.buf = ReceiveBuffer()  # refused (or to be): read and dropped, never parsed or held
         return
     if isinstance(event, events.DataReceived):
         fed = getattr(request, _BODY_FED, None)
@@ -296,6 +307,24 @@ def _server_read_body(self: Http1Server, event: events.Event):
             command = original.send(value)
         except StopIteration:
             break
+        except NotImplementedError:  # "HTTP trailers are not implemented yet.": the body ended with trailers
+            yield from _body_cannot_be_read(self, request, "http:trailers", TRAILERS_REASON)
+            return
+        if (isinstance(command, commands.CloseConnection) and isinstance(event, events.DataReceived)
+                and not request.stream):
+            # The chunk reader refused the body (mitmproxy closes, then reports a protocol error): the
+            # stream answers 400 with the reason instead, as the fast path does.
+            following = next(original, None)
+            if isinstance(following, ReceiveHttp) and isinstance(following.event, RequestProtocolError):
+                original.close()
+                self.buf = ReceiveBuffer()
+                error = following.event.message.removeprefix("HTTP/1 protocol error: ")
+                yield from _body_cannot_be_read(self, request, "http:bad-chunked", body_unparseable_reason(error))
+                return
+            value = yield command
+            if following is None:
+                break
+            command = following
         if isinstance(command, ReceiveHttp) and isinstance(command.event, (RequestData, RequestEndOfMessage)):
             # What h11 consumed of the buffer so far is the body's (the reader has taken this piece out).
             setattr(request, _BODY_WIRE, getattr(request, _BODY_FED, 0) - len(self.buf))
@@ -311,16 +340,29 @@ def _server_read_body(self: Http1Server, event: events.Event):
         # What the reader left is one unfinished line (it takes every whole line and all data it can):
         # a size line with its extensions, or a trailer, longer than a head may be. h11, which reads the
         # fast path's bodies, refuses such a line at the same bound (proxy/fast_http.py).
-        setattr(request, _BODY_LONG_LINE, limits.max_header_bytes)
+        yield from _body_cannot_be_read(self, request, "http:bad-chunked",
+                                        body_line_too_long_reason(limits.max_header_bytes))
     elif getattr(request, _BODY_FED, 0) > limits.max_request_body:
         # The body has not ended, so every byte received is the body's, yet no piece of data came out of
         # them (a size line or extension that does not end: mitmproxy's reader buffers it without limit).
         setattr(request, _BODY_WIRE, getattr(request, _BODY_FED, 0))
-    else:
-        return
-    # An empty piece makes the stream look at the count. (Only a buffered body's stream gets it:
-    # ``request.stream`` is False for every chunked body, proxy/addons/body_limit.py.)
+        yield ReceiveHttp(RequestData(self.stream_id, b""))  # an empty piece: the stream looks at the count
+
+
+def _body_cannot_be_read(self: Http1Server, request: http.Request, rule: str, reason: str):
+    """The buffered body cannot be read on: what comes after is dropped, and an empty piece makes the stream
+    refuse it by ``rule`` for ``reason`` (only a buffered body's stream gets it: ``request.stream`` is False
+    for every chunked body, proxy/addons/body_limit.py)."""
+    setattr(request, _BODY_BAD, (rule, reason))
+    self.buf = ReceiveBuffer()
     yield ReceiveHttp(RequestData(self.stream_id, b""))
+
+
+def _unrecorded_bad_body(rule: str, reason: str) -> Refusal:
+    """``on_bad_body`` where no gate records refusals (in-process tests of the patches)."""
+    from policy.decision import Verdict
+
+    return Refusal(400, Verdict(False, "form", rule, reason))
 
 
 # ---- heads: size, time, first byte ----------------------------------------------------------------

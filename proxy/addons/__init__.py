@@ -13,7 +13,7 @@ from ..gate import Gate
 from ..peers import peer_of
 from .admission import AdmissionAddon
 from .audit_trail import AuditTrail
-from .body_limit import BodyLimit, refuse_body_line_too_long, refuse_body_over_limit, reserve_body
+from .body_limit import BodyLimit, refuse_bad_body, refuse_body_over_limit, reserve_body
 from .connections import ConnectionTable
 from .decision import DecisionAddon
 from .hop_by_hop import HopByHop
@@ -45,7 +45,7 @@ def patch_state_for(gate: Gate, first_byte_timer: bool) -> mitm_patches.PatchSta
                                                                                rule, reason),
         on_body_over_limit=lambda flow, limit: refuse_body_over_limit(gate, flow, limit),
         on_body_buffered=lambda flow, size: reserve_body(gate, flow, size),
-        on_body_line_too_long=lambda flow, limit: refuse_body_line_too_long(gate, flow, limit),
+        on_bad_body=lambda flow, rule, reason: refuse_bad_body(gate, flow, rule, reason),
         first_byte_timer=first_byte_timer)
 
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 from mitmproxy import connection, http
 
 from ..body_budget import BodyHold
-from ..gate import Gate, body_line_too_long_reason, body_over_limit_reason
+from ..body_reasons import body_over_limit_reason
+from ..gate import Gate
 from ..mitm_patches import BODY_LIMIT
 from ..peers import peer_of
 from ..refusals import Refusal
@@ -30,9 +31,10 @@ def refuse_body_over_limit(gate: Gate, flow: http.HTTPFlow, limit: int) -> Refus
     return _refuse_body(gate, flow, 413, "limits.max_request_body", body_over_limit_reason(limit))
 
 
-def refuse_body_line_too_long(gate: Gate, flow: http.HTTPFlow, limit: int) -> Refusal:
-    """A line of a buffered body passed limits.max_header_bytes unfinished (proxy/mitm_patches.py): 400."""
-    return _refuse_body(gate, flow, 400, "http:bad-chunked", body_line_too_long_reason(limit), stage="form")
+def refuse_bad_body(gate: Gate, flow: http.HTTPFlow, rule: str, reason: str) -> Refusal:
+    """A buffered body cannot be read on (proxy/mitm_patches.py: a line of it passed limits.max_header_bytes
+    unfinished, its framing is malformed, it ends with trailer fields): 400 and its record."""
+    return _refuse_body(gate, flow, 400, rule, reason, stage="form")
 
 
 def reserve_body(gate: Gate, flow: http.HTTPFlow, size: int) -> Refusal | None:
