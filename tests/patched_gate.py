@@ -16,7 +16,7 @@ from proxy.reload import PolicyHolder
 @contextmanager
 def patched_gate(folder: Path, policy_text: str) -> Iterator[Gate]:
     """A gate over ``policy_text`` (its audit log in ``folder``, as ``gate.log_path``), the patches installed
-    for as long as the block runs and uninstalled after."""
+    for as long as the block runs and uninstalled after (and the audit log closed)."""
     policy = folder / "policy.yaml"
     policy.write_text(policy_text)
     gate = Gate(PolicyHolder(str(policy)), AuditLog(str(folder / "audit.jsonl")), Metrics())
@@ -27,3 +27,4 @@ def patched_gate(folder: Path, policy_text: str) -> Iterator[Gate]:
         yield gate
     finally:
         mitm_patches.uninstall()
+        gate.audit.close()

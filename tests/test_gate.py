@@ -23,6 +23,8 @@ SCHEMA = json.loads(SCHEMA_PATH.read_text())
 
 @pytest.fixture
 def make_gate(lab, tmp_path):
+    made: list[Gate] = []
+
     def make(extra: str = "", default: str = "allow", limits: str = "", connect_to_http_port: bool = False) -> Gate:
         policy = tmp_path / "policy.yaml"
         text = lab.policy_text(extra, default=default, limits=limits)
@@ -31,8 +33,11 @@ def make_gate(lab, tmp_path):
         policy.write_text(text)
         gate = Gate(PolicyHolder(str(policy)), AuditLog(str(tmp_path / "audit.jsonl")), Metrics())
         gate.log_path = tmp_path / "audit.jsonl"
+        made.append(gate)
         return gate
-    return make
+    yield make
+    for gate in made:
+        gate.audit.close()
 
 
 def judge_whole(gate: Gate, tunnel: Tunnel, data: bytes) -> FirstBytes:
