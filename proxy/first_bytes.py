@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import h11
 
 from .head_end import HeadEnd
-from .tls_hello import MAX_HELLO_BYTES, HelloError, read_client_hello
+from .tls_hello import MAX_HELLO_BYTES, HelloError, HelloScan, read_client_hello
 
 MAX_HTTP_HEAD = 64 * 1024
 
@@ -45,13 +45,15 @@ class FirstMessage:
 
     A head may be dripped a byte at a time: its end is searched for in each read's new bytes only
     (proxy/head_end.py) and h11 parses it once, when it is whole — never the whole buffer again per read,
-    which cost the square of the head's size on the event loop."""
+    which cost the square of the head's size on the event loop. A ClientHello likewise: its records are
+    read on from where the last read stopped (``HelloScan``, proxy/tls_hello.py) and it is parsed once."""
 
     def __init__(self, connect_host: str, http_inside: bool, max_head: int = MAX_HTTP_HEAD) -> None:
         self.connect_host, self.http_inside, self.max_head = connect_host, http_inside, max_head
         self.data = bytearray()  # every byte so far, grown in place (the transport hands it on once judged)
         self._head_end = HeadEnd()
         self._start_asked = False  # h11 has judged the head's first byte
+        self._hello_scan = HelloScan()  # how far the ClientHello's records have been read
 
     def feed(self, chunk: bytes, ech_allowed: bool) -> FirstBytes:
         """The judgement of everything fed so far, ``chunk`` the newest read."""
@@ -60,7 +62,7 @@ class FirstMessage:
             return FirstBytes.more()
         if self.http_inside and self.data[0] != 0x16:
             return self._http_head()  # a TLS record starts 0x16; no HTTP method does
-        return _tls_hello(bytes(self.data), self.connect_host, ech_allowed)
+        return _tls_hello(self.data, self._hello_scan, self.connect_host, ech_allowed)
 
     def _http_head(self) -> FirstBytes:
         if not self._start_asked:
@@ -86,9 +88,9 @@ def classify_tunnel_start(data: bytes, connect_host: str, http_inside: bool, ech
     return FirstMessage(connect_host, http_inside, max_head).feed(data, ech_allowed)
 
 
-def _tls_hello(data: bytes, connect_host: str, ech_allowed: bool) -> FirstBytes:
+def _tls_hello(data: bytes | bytearray, scan: HelloScan, connect_host: str, ech_allowed: bool) -> FirstBytes:
     try:
-        hello = read_client_hello(data)
+        hello = read_client_hello(data, scan)
     except HelloError as err:
         if err.rule == "tls:not-tls":
             return FirstBytes.refuse(err.rule, "the tunnel does not start with a TLS ClientHello; egresswall passes "

@@ -44,17 +44,71 @@ class ClientHelloInfo:
     size: int  # bytes of records it took
 
 
-def read_client_hello(data: bytes) -> ClientHelloInfo | None:
-    if len(data) < 3:
-        if data and data[0] != 0x16:
+class HelloScan:
+    """How far the records at the start of one growing buffer have been read, so that each read goes on
+    from the last whole record. Read from the start on every read, a hello dripped a byte per write in
+    MAX_HELLO_RECORDS small records cost seconds of the event loop per connection (every client waits);
+    read on from where it stopped, it costs its size once. One per buffer, which may only grow at its end;
+    the hello starts at ``start`` in it (after a change_cipher_spec record, for a second ClientHello)."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.start = start
+        self.offset = start  # where the first record not yet whole starts
+        self.payload = 0  # handshake bytes in the whole records before it
+        self.head = b""  # the handshake message's first 4 bytes (type and length), as far as they came
+        self.records = 0
+        self.done = False  # the hello is whole: asked again, the answer stays
+
+    def at(self, start: int) -> HelloScan:
+        """This scan, its hello starting at ``start`` in the buffer: set before anything was read, then fixed."""
+        if start != self.start:
+            if self.offset != self.start:
+                raise ValueError("a HelloScan's start cannot move once records were read")
+            self.start = self.offset = start
+        return self
+
+    def whole(self, data: bytes | bytearray) -> bool:
+        """Whether the records at the start of ``data`` hold the whole first handshake message, read from
+        the record headers alone; a hello in more than MAX_HELLO_RECORDS records is refused."""
+        while not self.done and self.offset + 5 <= len(data):
+            header = bytes(data[self.offset:self.offset + 5])
+            if not starts_like_tls_record(header):
+                raise HelloError("tls:invalid-hello", "a TLS record other than a handshake record came before the "
+                                                      "ClientHello was whole")
+            size = int.from_bytes(header[3:5], "big")
+            if size == 0:
+                raise HelloError("tls:invalid-hello", "an empty TLS record came before the ClientHello was whole")
+            if self.offset + 5 + size > len(data):
+                return False
+            self.records += 1
+            if self.records > MAX_HELLO_RECORDS:
+                raise HelloError("tls:hello-records", f"the ClientHello is split into more than {MAX_HELLO_RECORDS} "
+                                                      "TLS records")
+            if len(self.head) < 4:
+                self.head += bytes(data[self.offset + 5:self.offset + 5 + min(size, 4 - len(self.head))])
+            self.payload += size
+            self.offset += 5 + size
+            self.done = len(self.head) == 4 and self.payload >= 4 + int.from_bytes(self.head[1:4], "big")
+        return self.done
+
+
+def read_client_hello(data: bytes | bytearray, scan: HelloScan | None = None) -> ClientHelloInfo | None:
+    """The ClientHello at the start of ``data`` (at ``scan.start``); None while it is not whole. A transport
+    that reads a hello as it comes passes its growing buffer and the same ``scan`` each time: the buffer is
+    read in place, from where the last read stopped, and copied once, when the hello is whole."""
+    scan = scan or HelloScan()
+    start = bytes(data[scan.start:scan.start + 3])
+    if len(start) < 3:
+        if start and start[0] != 0x16:
             raise HelloError("tls:not-tls", "the tunnel does not start with a TLS handshake record")
         return NEED_MORE
-    if not starts_like_tls_record(data):
+    if not starts_like_tls_record(start):
         raise HelloError("tls:not-tls", "the tunnel does not start with a TLS handshake record")
-    if not _hello_is_whole(data):
-        if len(data) > MAX_HELLO_BYTES:
+    if not scan.whole(data):
+        if len(data) - scan.start > MAX_HELLO_BYTES:
             raise HelloError("tls:hello-too-large", f"the ClientHello is larger than {MAX_HELLO_BYTES} bytes")
         return NEED_MORE
+    data = bytes(data[scan.start:])  # whole: copied once, for mitmproxy's reader
     try:
         handshake = get_client_hello(data)
     except ValueError as err:
@@ -76,36 +130,6 @@ def read_client_hello(data: bytes) -> ClientHelloInfo | None:
     sni = _server_name(names[0]) if names else None
     ech = any(kind == ENCRYPTED_CLIENT_HELLO for kind, _ in extensions)
     return ClientHelloInfo(sni, ech, _records_length(data, len(handshake)))
-
-
-def _hello_is_whole(data: bytes) -> bool:
-    """Whether the records at the start of ``data`` hold the whole first handshake message, read from the
-    record headers alone. The transports judge the tunnel's bytes again on every read until the hello is
-    whole, and mitmproxy's reassembly walks (and copies) every record each time: a hello sent in one-byte
-    records, a few bytes per write, cost a minute of the event loop per connection (every client waits).
-    So the records are counted here first, and a hello in more than MAX_HELLO_RECORDS is refused."""
-    offset, payload, head, records = 0, 0, b"", 0
-    while offset + 5 <= len(data):
-        header = data[offset:offset + 5]
-        if not starts_like_tls_record(header):
-            raise HelloError("tls:invalid-hello", "a TLS record other than a handshake record came before the "
-                                                  "ClientHello was whole")
-        size = int.from_bytes(header[3:5], "big")
-        if size == 0:
-            raise HelloError("tls:invalid-hello", "an empty TLS record came before the ClientHello was whole")
-        if offset + 5 + size > len(data):
-            return False
-        records += 1
-        if records > MAX_HELLO_RECORDS:
-            raise HelloError("tls:hello-records", f"the ClientHello is split into more than {MAX_HELLO_RECORDS} TLS "
-                                                  "records")
-        if len(head) < 4:
-            head += data[offset + 5:offset + 5 + min(size, 4 - len(head))]
-        payload += size
-        offset += 5 + size
-        if len(head) == 4 and payload >= 4 + int.from_bytes(head[1:4], "big"):
-            return True
-    return False
 
 
 def _server_name(body: bytes) -> str:

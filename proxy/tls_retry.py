@@ -27,7 +27,7 @@ from typing import Final, NamedTuple
 
 from mitmproxy.net.tls import starts_like_tls_record
 
-from .tls_hello import MAX_HELLO_BYTES, ClientHelloInfo, HelloError, read_client_hello
+from .tls_hello import MAX_HELLO_BYTES, ClientHelloInfo, HelloError, HelloScan, read_client_hello
 
 HELLO_RETRY_RANDOM: Final = hashlib.sha256(b"HelloRetryRequest").digest()
 NEED_MORE, HELLO_RETRY, NOT_RETRY = "need-more", "hello-retry", "not-retry"
@@ -103,10 +103,11 @@ def _handshake_prefix(data: bytes) -> bytes:
     return prefix
 
 
-def read_retry_hello(data: bytes) -> ClientHelloInfo | None:
+def read_retry_hello(data: bytes | bytearray, scan: HelloScan | None = None) -> ClientHelloInfo | None:
     """The client's second ClientHello (after at most one compatibility change_cipher_spec), read as strictly
-    as the first; None while it is not whole."""
-    rest = data
+    as the first; None while it is not whole. A caller that reads it as it comes passes its growing buffer
+    and the same ``scan`` each time (proxy/tls_hello.py: read on from where the last read stopped)."""
+    rest = 0  # where the second ClientHello starts in ``data``
     if data[:1] == bytes([CHANGE_CIPHER_SPEC]):
         if len(data) < len(COMPAT_CHANGE_CIPHER_SPEC):
             if not COMPAT_CHANGE_CIPHER_SPEC.startswith(data):
@@ -116,21 +117,21 @@ def read_retry_hello(data: bytes) -> ClientHelloInfo | None:
         if not data.startswith(COMPAT_CHANGE_CIPHER_SPEC):
             raise HelloError(RETRY_INVALID, "the client's change_cipher_spec record before its second ClientHello "
                                             "is not the one-byte record TLS 1.3 allows")
-        rest = data[len(COMPAT_CHANGE_CIPHER_SPEC):]
-    if not rest:
+        rest = len(COMPAT_CHANGE_CIPHER_SPEC)
+    if len(data) == rest:
         return None
-    if rest[0] != HANDSHAKE:
+    if data[rest] != HANDSHAKE:
         raise HelloError(RETRY_INVALID, f"after the server's HelloRetryRequest the client sent a record of type "
-                                        f"{rest[0]}, not its second ClientHello (at most one change_cipher_spec "
+                                        f"{data[rest]}, not its second ClientHello (at most one change_cipher_spec "
                                         f"may come first)")
     try:
-        hello = read_client_hello(rest)
+        hello = read_client_hello(data, (scan or HelloScan()).at(rest))
     except HelloError as err:
         raise HelloError(err.rule if err.rule != "tls:not-tls" else RETRY_INVALID,
                          f"the second ClientHello (after the server's HelloRetryRequest): {err.reason}") from None
     if hello is None:
         return None
-    return ClientHelloInfo(hello.sni, hello.ech, hello.size + len(data) - len(rest))
+    return ClientHelloInfo(hello.sni, hello.ech, hello.size + rest)
 
 
 def judge_retry_hello(first_sni: str | None, second: ClientHelloInfo, ech_allowed: bool) -> HelloError | None:
@@ -174,7 +175,10 @@ class RetryWatch:
         self.first_sni, self.ech_allowed = first_sni, ech_allowed
         self.phase = AWAIT_SERVER
         self.server_held = b""
-        self.client_held = held_client  # sent after the first ClientHello, before the question was answered
+        # Sent after the first ClientHello, before the question was answered (grown in place: it may come a
+        # byte per write), and how far the second ClientHello in it has been read.
+        self.client_held = bytearray(held_client)
+        self._retry_scan = HelloScan()
 
     @property
     def done(self) -> bool:
@@ -195,7 +199,7 @@ class RetryWatch:
         to_client, self.server_held = data, b""
         if answer == NOT_RETRY:
             self.phase = DONE
-            to_server, self.client_held = self.client_held, b""
+            to_server, self.client_held = bytes(self.client_held), bytearray()
             return Released(to_client, to_server)
         self.phase = AWAIT_RETRY
         step = self._judge_retry()
@@ -237,7 +241,7 @@ class RetryWatch:
         if not self.client_held:
             return NOTHING
         try:
-            second = read_retry_hello(self.client_held)
+            second = read_retry_hello(self.client_held, self._retry_scan)
         except HelloError as err:
             return self._refuse(err)
         if second is None:
@@ -246,9 +250,9 @@ class RetryWatch:
         if problem is not None:
             return self._refuse(problem)
         self.phase = DONE
-        to_server, self.client_held = self.client_held, b""
+        to_server, self.client_held = bytes(self.client_held), bytearray()
         return Released(to_server=to_server)
 
     def _refuse(self, err: HelloError) -> Released:
-        self.phase, self.server_held, self.client_held = DONE, b"", b""
+        self.phase, self.server_held, self.client_held = DONE, b"", bytearray()
         return Released(refused=err)

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from patched_gate import patched_gate
 from proxyproc import TRANSPORTS, ProxyProcess, parse_response
 from rawclient import read_all, tunnel
-from tls_build import client_hello
+from tls_build import client_hello, counted_record_headers, padded_hello
 
 from policy.decision import Verdict
 from policy.hosts import parse_authority
@@ -171,6 +171,32 @@ GARBAGE = st.one_of(
     st.lists(st.sampled_from([b"\r\n", b"\n", b"\r", b"GET ", b"a", b"\x00", b"\x16", b" ", b"HTTP/1.1", b"/",
                               b"Host: x", b":", b"PRI * HTTP/2.0", b"\x03\x01"]), max_size=60).map(b"".join),
 )
+
+
+def test_a_hello_in_many_records_fed_a_byte_at_a_time_has_each_record_header_read_once(monkeypatch):
+    """Read from the start on every read, a 30 KB hello in 255 records, dripped a byte per write, had its
+    record headers read 4 million times: seconds of the event loop for one connection (every client waits).
+    Each record is read once now: the work of a read no longer grows with the records before it (the
+    first record's start and the header of the one being received are looked at again per read)."""
+    hello = padded_hello(HOST.encode(), 119)
+    records = -(-len(hello) // 124)  # records of 5 + 119 bytes, rounded up
+    headers = counted_record_headers(monkeypatch)
+    judged, at = in_reads(FirstMessage(HOST, http_inside=False), [hello[i:i + 1] for i in range(len(hello))])
+    assert (judged.kind, judged.sni, at) == ("tls", HOST, len(hello) - 1)
+    assert 200 < records <= 256
+    assert headers[0] <= 2 * len(hello) + records, headers[0]  # was about len(hello) * records / 2
+
+
+@given(st.integers(1, 400), st.lists(st.integers(0, 40_000), max_size=60))
+@settings(max_examples=60, deadline=None)
+def test_any_split_of_a_hello_in_any_records_gives_the_answer_of_the_whole_at_its_last_byte(record_size, cuts):
+    hello = padded_hello(HOST.encode(), record_size, padding=4_000)
+    whole = classify_tunnel_start(hello, HOST, False, True)
+    chunks = split(hello, cuts)
+    judged, at = in_reads(FirstMessage(HOST, http_inside=False), chunks)
+    assert judged == whole  # the same hello (or, past MAX_HELLO_RECORDS records, the same refusal)
+    if whole.kind == "tls":  # judged at the read that completes it, not before
+        assert sum(len(c) for c in chunks[:at + 1]) == len(hello) and chunks[at] != b""
 
 
 @settings(max_examples=500, deadline=None)

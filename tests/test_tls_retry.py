@@ -9,7 +9,7 @@ import ssl
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tls_build import ECH, client_hello, extension
+from tls_build import ECH, client_hello, counted_record_headers, extension, padded_hello
 from tls_flights import first_hello, is_hello_retry, retry_handshake, server_first_flight
 
 from proxy.tls_hello import HelloError, read_client_hello
@@ -279,3 +279,36 @@ def test_random_bytes_either_way_never_crash_the_watch(server, client, order):
         if released.refused is not None:
             assert released.refused.rule and released.refused.reason and watch.done
             return
+
+
+@pytest.mark.parametrize("change_cipher_spec", [True, False], ids=["after-change-cipher-spec", "alone"])
+def test_a_second_hello_in_many_records_dripped_a_byte_at_a_time_has_each_record_read_once(monkeypatch,
+                                                                                          change_cipher_spec):
+    """As for the first hello (test_first_bytes.py): the held bytes were read from the start, and copied
+    whole, on every read: a 30 KB second hello in 250 records, dripped a byte per write, had its record
+    headers read millions of times. Each record is read once now, and the hello goes on whole."""
+    flights = handshake()
+    second = padded_hello(b"public.lab.example", 121)
+    if change_cipher_spec:
+        second = COMPAT_CHANGE_CIPHER_SPEC + second
+    headers = counted_record_headers(monkeypatch)
+    watch = RetryWatch("public.lab.example", False)
+    assert watch.from_server(flights.retry).to_client == flights.retry and watch.phase == AWAIT_RETRY
+    released = [watch.from_client(second[i:i + 1]) for i in range(len(second))]
+    assert all(r == (b"", b"", None) for r in released[:-1]) and released[-1].to_server == second
+    assert watch.done
+    assert headers[0] <= 2 * len(second) + 260, headers[0]
+
+
+@given(st.integers(20, 300), st.lists(st.integers(0, 10_000), max_size=30), st.booleans())
+@settings(max_examples=60, deadline=None)
+def test_any_split_of_a_second_hello_goes_on_whole_at_its_last_byte(record_size, cuts, change_cipher_spec):
+    flights = handshake()
+    second = padded_hello(b"public.lab.example", record_size, padding=3_000)
+    if change_cipher_spec:
+        second = COMPAT_CHANGE_CIPHER_SPEC + second
+    points = [0, *sorted(cut % (len(second) + 1) for cut in cuts), len(second)]
+    watch = RetryWatch("public.lab.example", False)
+    watch.from_server(flights.retry)
+    sent = b"".join(watch.from_client(second[a:b]).to_server for a, b in zip(points, points[1:], strict=False))
+    assert sent == second and watch.done

@@ -1,7 +1,9 @@
 """Build TLS ClientHello records byte by byte, so tests can send exactly the malformed ones they mean.
 
 ``real_client_hello`` asks Python's own TLS stack for a genuine one; ``client_hello`` assembles one from
-parts (RFC 8446 section 4.1.2) with any server_name extension body, extra extensions, and record split.
+parts (RFC 8446 section 4.1.2) with any server_name extension body, extra extensions, and record split;
+``padded_hello`` makes a large one. ``counted_record_headers`` counts the record headers egresswall's
+ClientHello reader looks at (the work of reading a hello, counted, never timed).
 """
 
 from __future__ import annotations
@@ -50,3 +52,24 @@ def real_client_hello(server_hostname: str | None) -> bytes:
     with contextlib.suppress(ssl.SSLWantReadError):
         tls.do_handshake()
     return outgoing.read()
+
+
+def padded_hello(name: bytes, record_size: int, padding: int = 30_000) -> bytes:
+    """A ClientHello for ``name`` of about ``padding`` bytes (a padding extension), in records of
+    ``record_size`` bytes."""
+    return client_hello(name, extra=(extension(21, b"\0" * padding),), record_size=record_size)
+
+
+def counted_record_headers(monkeypatch) -> list[int]:
+    """How many TLS record headers proxy/tls_hello.py looks at from now on, in a one-item list."""
+    from proxy import tls_hello
+
+    seen = [0]
+    real = tls_hello.starts_like_tls_record
+
+    def counting(data) -> bool:
+        seen[0] += 1
+        return real(data)
+
+    monkeypatch.setattr(tls_hello, "starts_like_tls_record", counting)
+    return seen
