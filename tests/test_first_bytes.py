@@ -343,3 +343,51 @@ def test_a_dripped_first_head_in_a_tunnel_is_parsed_once_through_the_real_proxy(
     parsers, parsed = after["parsers"] - before["parsers"], after["parsed"] - before["parsed"]
     # Old code: a parser per read over all the bytes so far (hundreds of parsers, megabytes parsed).
     assert parsers <= 4 and parsed <= 2 * len(head) + 200, (parsers, parsed)
+
+
+RECORD_COUNTING_PRELUDE = """
+import json as _json
+import proxy.tls_hello as _tls_hello
+_counts = {"headers": 0}
+_real = _tls_hello.starts_like_tls_record
+def _counting(data):
+    _counts["headers"] += 1
+    if _counts["headers"] % 500 == 0:
+        with open(COUNT_PATH, "w") as f:
+            f.write(_json.dumps(_counts))
+    return _real(data)
+_tls_hello.starts_like_tls_record = _counting
+"""
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_a_hello_in_many_records_dripped_through_the_real_proxy_is_read_once_and_passes_whole(lab, tmp_path,
+                                                                                             transport):
+    """The record headers the proxy process's ClientHello reader looks at, counted in that process, for a
+    30 KB hello in 250 records sent a byte per write: about two per read (it was the records so far, per
+    read: millions), and the hello reaches the upstream whole, after the upstream's banner is let through."""
+    from test_review_uvloop import SpeakFirstUpstream, _policy, _recv_until
+
+    counts = tmp_path / "record-counts.json"
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(_policy(lab))
+    upstream = SpeakFirstUpstream()
+    proxy = ProxyProcess(["--policy", str(policy), *TRANSPORTS[transport]], tmp_path / "audit.jsonl",
+                         prelude=RECORD_COUNTING_PRELUDE.replace("COUNT_PATH", repr(str(counts))))
+    hello = padded_hello(HOST.encode(), 121)
+    try:
+        with tunnel(proxy, f"{HOST}:{upstream.port}") as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for i in range(len(hello)):
+                sock.send(hello[i:i + 1])
+                if i % 16 == 0:
+                    time.sleep(0.0002)  # so that the proxy gets it in many reads
+            sock.settimeout(10)
+            got = _recv_until(sock, hello)
+        assert got == SpeakFirstUpstream.BANNER + hello
+        assert upstream.ended_all(1, 10) and bytes(upstream.received[0]) == hello
+        headers = json.loads(counts.read_text())["headers"]
+    finally:
+        proxy.stop()
+        upstream.close()
+    assert headers <= 2 * len(hello) + 1000, headers  # a few hundred records, two looks per read at most
