@@ -108,7 +108,7 @@ BODY_LIMIT = "egresswall_body_limit"  # flow.metadata: bytes a buffered (chunked
 # On the http.Request (the one object the reading layer and the flow share), for a chunked body:
 _BODY_FED = "egresswall_body_fed"  # bytes received since its head ended (all of them body, until it ends)
 _BODY_WIRE = "egresswall_body_wire"  # its wire bytes read so far (what the stream checks against the limit)
-_BODY_REFUSED = "egresswall_body_refused"  # the stream refused it: what still comes is read and dropped
+_BODY_REFUSED = "egresswall_body_refused"  # refused (by the stream, or before it): what comes is read and dropped
 _BODY_BAD = "egresswall_body_bad"  # (rule, reason) it cannot be read on: a line that never ended, a framing
 # h11 refused, trailer fields
 
@@ -238,6 +238,11 @@ def refuse_before_body(flow: http.HTTPFlow, response: http.Response) -> None:
     if has_body:
         flow.metadata[REFUSE_BEFORE_BODY] = True
         flow.request.stream = True
+        # Its body is read and dropped, never parsed (_server_read_body). mitmproxy's master runs hooks
+        # eagerly, so this can run before the bytes that came with the head are read: a framing error in
+        # them made mitmproxy close the client before the refusal was sent (the record said 403 all the
+        # same). Test: test_review_round7.py::test_a_bad_body_on_a_request_the_policy_refuses_...
+        setattr(flow.request, _BODY_REFUSED, True)
 
 
 def _start_request_stream(self: HttpStream):
