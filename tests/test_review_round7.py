@@ -14,6 +14,10 @@ Defects found and fixed (proxy/mitm_patches.py):
   eagerly, so the refusal set ``request.stream`` before the reader met the framing, the patch stood
   aside for a "streamed" body, and mitmproxy closed the client before the 403 went out: the client got
   nothing, the record said 403 and 655 bytes sent. A body refused before it is read is now dropped unread;
+* trailers (or a bad framing) behind data already over limits.max_request_body, in the head's read: while
+  the decision hook held the stream, the reader found the trailers, and the stream answered 400
+  ``http:trailers``; split over two reads (and on the fast path) the same request got 413. The limit is
+  now checked first, in wire order, on both transports.
 """
 
 from __future__ import annotations
@@ -344,6 +348,26 @@ def test_a_client_that_leaves_right_after_the_bad_chunk(proxy, origin, shape, ho
 
 
 # ---- trailers and the limit ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("writes", ["one-write", "byte-by-byte-trailer"])
+def test_trailers_behind_a_body_over_the_limit(proxy, origin, writes):
+    path = f"/over-trailers-{writes}"
+    data = b"".join(b"64\r\n" + MARK * 10 + b"\r\n" for _ in range(15))  # 1500 bytes of data, over 1000
+    trailer = b"0\r\nX-Trailer: 1\r\n\r\n"
+    with socket.create_connection((proxy.host, proxy.port), timeout=10) as sock:
+        if writes == "one-write":
+            sock.sendall(_head(_authority(origin), path) + data + trailer)
+        else:
+            sock.sendall(_head(_authority(origin), path) + data)
+            time.sleep(0.3)
+            _send(sock, [bytes([b]) for b in trailer], 0.005)
+        raw, closed = _read_to_end(sock, IDLE + 3)
+    assert _statuses(raw) == [413], raw[:400]
+    _answered(raw, 413, "limits.max_request_body")
+    assert closed
+    _assert_refused_once(proxy, path, 413, "limits.max_request_body")
+    _origin_untouched(origin, [path])
+
 
 def test_a_bad_line_after_data_under_the_limit_with_junk_past_it(proxy, origin):
     """Read in wire order: the data is under the limit when the bad line comes, so it is the framing that
