@@ -39,6 +39,10 @@ gate's owner builds — installing a second, different state is an error, never 
   dropped as unexpected data). Whole 1xx heads other than 101 are dropped, as on the fast path, and the
   final head is still due within ``limits.header_timeout`` of the first one's first byte (a flood of them
   gets 502). Test: test_review_round5.py::test_an_origins_interim_response_is_not_the_answer.
+* **Response trailers** (``Http1Client.read_body``): mitmproxy's reader raises on an upstream's trailer
+  fields ("not implemented"); the client was left with a body that never ended. They end the body and
+  are dropped, as on the fast path. Test:
+  test_fast_http.py::test_an_origins_response_trailers_are_dropped_and_the_response_ends.
 * **First byte** (``Http1Server._handle_event``): a connection that has sent nothing is closed after
   ``limits.first_byte_timeout`` (the front does this for ``egresswall run``; this is for mitmdump).
 * **Pipelined bytes** (``Http1Server.wait``): bytes a client sends while its request waits for a response
@@ -93,6 +97,7 @@ from mitmproxy.proxy.layers.http._events import (
     RequestData,
     RequestEndOfMessage,
     RequestProtocolError,
+    ResponseEndOfMessage,
     ResponseProtocolError,
 )
 from mitmproxy.proxy.layers.http._http1 import Http1Client, Http1Server
@@ -176,6 +181,7 @@ def install(state: PatchState) -> None:
         return
     _originals.update(start_request_stream=HttpStream.start_request_stream,
                       consume=HttpStream.state_consume_request_body, server_read_body=Http1Server.read_body,
+                      client_read_body=Http1Client.read_body,
                       server_read_headers=Http1Server.read_headers, server_wait=Http1Server.wait,
                       server_handle_event=Http1Server._handle_event,
                       client_read_headers=Http1Client.read_headers, server_send=Http1Server.send,
@@ -186,6 +192,7 @@ def install(state: PatchState) -> None:
     HttpStream.start_request_stream = _start_request_stream
     HttpStream.state_consume_request_body = _consume_request_body
     Http1Server.read_body = _server_read_body
+    Http1Client.read_body = _client_read_body
     Http1Server.read_headers = _server_read_headers
     Http1Server.wait = _server_wait
     Http1Server._handle_event = _server_handle_event
@@ -209,6 +216,7 @@ def uninstall() -> None:
         HttpStream.start_request_stream = _originals["start_request_stream"]
         HttpStream.state_consume_request_body = _originals["consume"]
         Http1Server.read_body = _originals["server_read_body"]
+        Http1Client.read_body = _originals["client_read_body"]
         Http1Server.read_headers = _originals["server_read_headers"]
         Http1Server.wait = _originals["server_wait"]
         Http1Server._handle_event = _originals["server_handle_event"]
@@ -292,6 +300,19 @@ def _refuse_buffered_body(self: HttpStream, refusal: Refusal):
     # (_server_read_body) until it closes or the idle timeout, so its kernel does not answer our answer
     # with a reset that would destroy it before the client read it.
     yield commands.CloseTcpConnection(self.context.client, half_close=True)
+
+
+def _client_read_body(self: Http1Client, event: events.Event):
+    """An upstream's response body as mitmproxy reads it, except that trailer fields end it: mitmproxy's
+    reader raises on them ("not implemented"), and its client was left with a body that never ended. The
+    trailers are dropped, as on the fast path (h11 re-frames the response there, without them)."""
+    try:
+        yield from _originals["client_read_body"](self, event)
+    except NotImplementedError:  # "HTTP trailers are not implemented yet.": the last chunk came, with trailers
+        assert self.request is not None and self.stream_id is not None
+        if self.request.data.method.upper() != b"CONNECT":
+            yield ReceiveHttp(ResponseEndOfMessage(self.stream_id))
+        yield from self.mark_done(response=True)
 
 
 def _server_read_body(self: Http1Server, event: events.Event):

@@ -25,13 +25,15 @@ FOLDED = b"HTTP/1.1 200 OK\r\nX-Folded: a\r\n b\r\nContent-Length: 5\r\n\r\nhell
 HOP_BY_HOP = (b"HTTP/1.1 200 OK\r\nConnection: X-Origin-Hop, keep-alive\r\nX-Origin-Hop: secret\r\n"
               b"Keep-Alive: timeout=5\r\nProxy-Authenticate: Basic realm=origin\r\nX-End-To-End: kept\r\n"
               b"Content-Length: 5\r\n\r\nhello")
+TRAILERS = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTrailer: X-Trailer\r\n\r\n"
+            b"5\r\nhello\r\n0\r\nX-Trailer: secret\r\n\r\n")
 DIFFERENT_LENGTHS = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 3\r\n\r\nhello"
 
 
 @pytest.fixture(scope="module")
 def origins():
     servers = {"both": Scripted(BOTH_WAYS), "after": Scripted(AFTERWARDS), "folded": Scripted(FOLDED),
-               "lengths": Scripted(DIFFERENT_LENGTHS), "hop": Scripted(HOP_BY_HOP)}
+               "lengths": Scripted(DIFFERENT_LENGTHS), "hop": Scripted(HOP_BY_HOP), "trailers": Scripted(TRAILERS)}
     yield servers
     for server in servers.values():
         server.close()
@@ -104,6 +106,21 @@ def test_a_response_framed_two_ways_is_refused_with_502(proxy, origins):
         rest = sock.recv(65536)
     assert [status for status, _, _ in answered] == [502]
     assert b"hello" not in answered[0][2] and rest == b""
+
+
+def test_an_origins_response_trailers_are_dropped_and_the_response_ends(proxy, origins):
+    """Trailer fields after a chunked response body: the client gets the body, whole and ended, without them,
+    and the connection serves the next request — on both transports (mitmproxy's reader raised on them and
+    its client was left with a body that never ended)."""
+    port = origins["trailers"].port
+    with socket.create_connection((proxy.host, proxy.port), timeout=10) as sock:
+        sock.sendall(_get(port, "/t1"))
+        first = _responses(sock, 1)
+        sock.sendall(_get(port, "/t2"))
+        second = _responses(sock, 1)
+    assert [(status, body) for status, _, body in first + second] == [(200, b"hello")] * 2
+    assert all(b"x-trailer" not in headers for _, headers, _ in first + second)
+    assert "Traceback" not in proxy.stderr
 
 
 def test_bytes_an_origin_sends_after_its_response_never_answer_the_next_request(proxy, origins):
