@@ -33,6 +33,7 @@ import pytest
 from hostile import _Server
 from labnet import PUBLIC_IP
 from proxyproc import TRANSPORTS, ProxyProcess, parse_response
+from rawclient import tunnel
 
 pytestmark = pytest.mark.integration
 
@@ -246,24 +247,12 @@ def test_a_bad_body_after_a_good_request_on_a_kept_alive_connection(proxy, origi
 
 # ---- inside a tunnel to a plain-HTTP port -------------------------------------------------------------
 
-def _tunnel(proxy: ProxyProcess, authority: str) -> socket.socket:
-    sock = socket.create_connection((proxy.host, proxy.port), timeout=10)
-    sock.sendall(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
-    head = b""
-    while b"\r\n\r\n" not in head:
-        chunk = sock.recv(1)
-        assert chunk, head
-        head += chunk
-    assert head.startswith(b"HTTP/1.1 200"), head
-    return sock
-
-
 @pytest.mark.parametrize("split", ["with-head", "byte-by-byte"])
 @pytest.mark.parametrize("shape", list(BAD_BODIES))
 def test_a_bad_body_inside_a_tunnel_to_a_plain_http_port(proxy, origin, shape, split):
     path, hidden = f"/tunnel-{shape}-{split}", f"/hidden-tunnel-{shape}-{split}"
     connections = len(origin.ended)
-    sock = _tunnel(proxy, _authority(origin))
+    sock = tunnel(proxy, _authority(origin))
     with sock:
         head = _head(_authority(origin), path, absolute=False)
         rest = BAD_BODIES[shape] + _smuggled(_authority(origin), hidden)
@@ -311,7 +300,7 @@ def test_expect_100_continue_then_a_bad_body(proxy, origin, shape):
 def test_a_bad_body_on_a_request_the_policy_refuses_has_only_the_policy_refusal(proxy, origin, shape, split):
     path = f"/denied/{shape}-{split}"
     in_tunnel = split == "in-a-tunnel"
-    with (_tunnel(proxy, _authority(origin)) if in_tunnel
+    with (tunnel(proxy, _authority(origin)) if in_tunnel
           else socket.create_connection((proxy.host, proxy.port), timeout=10)) as sock:
         if split != "after-head":
             sock.sendall(_head(_authority(origin), path, absolute=not in_tunnel) + BAD_BODIES[shape])
