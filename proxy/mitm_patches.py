@@ -73,6 +73,14 @@ gate's owner builds — installing a second, different state is an error, never 
   closes both sides while the upstream's first bytes wait for the lock) kept its socket open and its
   transport registered for the life of the process. The patch closes what the original left open. Tests:
   test_mitm_patches_sockets.py.
+* **No reading while a request is decided** (``ConnectionHandler.hook_task``, the client's reader in
+  ``handle_connection``): the decision hook waits for the name's DNS answer, which the name's owner can make
+  slow (up to ``resolver.timeout``), and mitmproxy read the client on meanwhile, queueing every piece of
+  the body for the stream the hook holds — outside the budget for buffered bodies, up to
+  ``limits.max_request_body`` a connection (2,000 connections of 10 MB each). The client's reads wait
+  while one of its ``requestheaders`` hooks runs, as on the fast path, which reads a body only after
+  deciding: what is held is the one read under way and the socket buffers. Test:
+  test_body_while_deciding.py::test_bodies_sent_while_their_decisions_wait_are_not_read_meanwhile.
 """
 
 from __future__ import annotations
@@ -102,6 +110,7 @@ from mitmproxy.proxy.layers.http._events import (
     ResponseEndOfMessage,
     ResponseProtocolError,
 )
+from mitmproxy.proxy.layers.http._hooks import HttpRequestHeadersHook
 from mitmproxy.proxy.layers.http._http1 import Http1Client, Http1Server
 
 from policy.model import Limits
@@ -192,6 +201,7 @@ def install(state: PatchState) -> None:
                       should_make_pipe=_http1.should_make_pipe,
                       on_timeout=mitmproxy.proxy.server.ConnectionHandler.on_timeout,
                       handle_connection=mitmproxy.proxy.server.ConnectionHandler.handle_connection,
+                      hook_task=mitmproxy.proxy.server.ConnectionHandler.hook_task,
                       asyncio_module=mitmproxy.proxy.server.asyncio)
     HttpStream.start_request_stream = _start_request_stream
     HttpStream.state_consume_request_body = _consume_request_body
@@ -205,6 +215,7 @@ def install(state: PatchState) -> None:
     _http1.should_make_pipe = _should_make_pipe
     mitmproxy.proxy.server.ConnectionHandler.on_timeout = _on_timeout
     mitmproxy.proxy.server.ConnectionHandler.handle_connection = _handle_connection
+    mitmproxy.proxy.server.ConnectionHandler.hook_task = _hook_task
     # mitmproxy's connection handler calls ``asyncio.open_connection``: give that module its own
     # asyncio namespace whose open_connection has a timeout, leaving asyncio itself untouched.
     bounded = types.ModuleType("asyncio")
@@ -229,6 +240,7 @@ def uninstall() -> None:
         _http1.should_make_pipe = _originals["should_make_pipe"]
         mitmproxy.proxy.server.ConnectionHandler.on_timeout = _originals["on_timeout"]
         mitmproxy.proxy.server.ConnectionHandler.handle_connection = _originals["handle_connection"]
+        mitmproxy.proxy.server.ConnectionHandler.hook_task = _originals["hook_task"]
         mitmproxy.proxy.server.asyncio = _originals["asyncio_module"]
         _originals.clear()
     _state = None
@@ -588,6 +600,9 @@ async def _handle_connection(self: mitmproxy.proxy.server.ConnectionHandler, con
     """mitmproxy's, and then: a connection it left registered (an exception, in practice a cancel, escaped
     from an ``await`` the original does not guard) has its socket closed and is told closed, as the original
     would have done."""
+    io = self.transports.get(conn)
+    if conn is self.client and io is not None and io.reader is not None:
+        io.reader = HeldReader(io.reader)  # the original takes its reader from here when it starts
     try:
         await _originals["handle_connection"](self, conn)
     finally:
@@ -600,6 +615,49 @@ async def _handle_connection(self: mitmproxy.proxy.server.ConnectionHandler, con
                     io.writer.close()
             if not told:
                 await self.server_event(events.ConnectionClosed(conn))
+
+
+class HeldReader:
+    """A client connection's reader whose reads wait while one of its requests is being decided.
+
+    Held from the start of a ``requestheaders`` hook to its end (an HTTP/2 connection may have several at
+    once: the reads wait until the last ends). A read already under way when the hold starts completes; the
+    next one waits. Whatever else mitmproxy asks of the reader goes to the one it wraps."""
+
+    def __init__(self, reader) -> None:
+        self._reader = reader
+        self._holds = 0
+        self._released: asyncio.Future[None] | None = None
+
+    def hold(self) -> None:
+        self._holds += 1
+
+    def release(self) -> None:
+        self._holds -= 1
+        if self._holds == 0 and self._released is not None and not self._released.done():
+            self._released.set_result(None)
+
+    async def read(self, n: int = -1) -> bytes:
+        while self._holds:
+            self._released = asyncio.get_running_loop().create_future()
+            await self._released
+        return await self._reader.read(n)
+
+    def __getattr__(self, name: str):
+        return getattr(self._reader, name)
+
+
+async def _hook_task(self: mitmproxy.proxy.server.ConnectionHandler, hook: commands.StartHook) -> None:
+    io = self.transports.get(self.client) if isinstance(hook, HttpRequestHeadersHook) else None
+    reader = io.reader if io is not None else None
+    if not isinstance(reader, HeldReader):
+        await _originals["hook_task"](self, hook)
+        return
+    reader.hold()
+    try:
+        await _originals["hook_task"](self, hook)
+    finally:
+        reader.release()
 
 
 async def _open_connection(*args, **kwargs):
