@@ -78,9 +78,16 @@ gate's owner builds — installing a second, different state is an error, never 
   slow (up to ``resolver.timeout``), and mitmproxy read the client on meanwhile, queueing every piece of
   the body for the stream the hook holds — outside the budget for buffered bodies, up to
   ``limits.max_request_body`` a connection (2,000 connections of 10 MB each). The client's reads wait
-  while one of its ``requestheaders`` hooks runs, as on the fast path, which reads a body only after
-  deciding: what is held is the one read under way and the socket buffers. Test:
-  test_body_while_deciding.py::test_bodies_sent_while_their_decisions_wait_are_not_read_meanwhile.
+  while a blocking hook of its connection runs, as on the fast path, which reads a body only after
+  deciding: what is held is the socket buffers. Tests:
+  test_body_while_deciding.py::test_bodies_sent_while_their_decisions_wait_are_not_read_meanwhile,
+  test_mitm_patches_reads.py.
+* **A half-closed client is answered** (``Http1Server.wait``, ``Http1Server.mark_done``): a client that
+  shuts its sending side after a whole request (``nc -N``, some scripts) was closed unanswered ("a peer
+  which sent at least a FIN is not interested in any more data from us"), its refusal recorded as sent; it
+  gets its answer, then the connection closes, as on the fast path. A body refused for its framing or size
+  is answered too when the client's end comes first (``_server_read_body``). Test:
+  test_half_close_while_deciding.py.
 """
 
 from __future__ import annotations
@@ -91,7 +98,7 @@ import re
 import time
 import types
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Coroutine, Generator
 from dataclasses import dataclass, field
 
 import mitmproxy.proxy.server
@@ -110,7 +117,6 @@ from mitmproxy.proxy.layers.http._events import (
     ResponseEndOfMessage,
     ResponseProtocolError,
 )
-from mitmproxy.proxy.layers.http._hooks import HttpRequestHeadersHook
 from mitmproxy.proxy.layers.http._http1 import Http1Client, Http1Server
 
 from policy.model import Limits
@@ -182,6 +188,7 @@ _STARTED = "_egresswall_head_started"
 _TIMER = "_egresswall_timer"
 _TIMER_FOR = "_egresswall_timer_for"  # which head the timer is for
 _SPOKE = "_egresswall_spoke"
+_HALF_CLOSED = "_egresswall_half_closed"  # on an Http1Server: its client half-closed after a whole request
 _originals: dict[str, object] = {}
 
 
@@ -196,6 +203,7 @@ def install(state: PatchState) -> None:
                       consume=HttpStream.state_consume_request_body, server_read_body=Http1Server.read_body,
                       client_read_body=Http1Client.read_body,
                       server_read_headers=Http1Server.read_headers, server_wait=Http1Server.wait,
+                      server_mark_done=Http1Server.mark_done,
                       server_handle_event=Http1Server._handle_event,
                       client_read_headers=Http1Client.read_headers, server_send=Http1Server.send,
                       should_make_pipe=_http1.should_make_pipe,
@@ -209,6 +217,7 @@ def install(state: PatchState) -> None:
     Http1Client.read_body = _client_read_body
     Http1Server.read_headers = _server_read_headers
     Http1Server.wait = _server_wait
+    Http1Server.mark_done = _server_mark_done
     Http1Server._handle_event = _server_handle_event
     Http1Client.read_headers = _client_read_headers
     Http1Server.send = _server_send
@@ -234,6 +243,7 @@ def uninstall() -> None:
         Http1Client.read_body = _originals["client_read_body"]
         Http1Server.read_headers = _originals["server_read_headers"]
         Http1Server.wait = _originals["server_wait"]
+        Http1Server.mark_done = _originals["server_mark_done"]
         Http1Server._handle_event = _originals["server_handle_event"]
         Http1Client.read_headers = _originals["client_read_headers"]
         Http1Server.send = _originals["server_send"]
@@ -338,9 +348,13 @@ def _server_read_body(self: Http1Server, event: events.Event):
     if request is None or not isinstance(self.body_reader, ChunkedReader):
         yield from _originals["server_read_body"](self, event)
         return
-    if isinstance(event, events.DataReceived) and (getattr(request, _BODY_REFUSED, False) or getattr(
-            request, _BODY_OVER, False) or getattr(request, _BODY_BAD, None) is not None):
-        self.buf = ReceiveBuffer()  # refused (or to be): read and dropped, never parsed or held
+    if getattr(request, _BODY_REFUSED, False) or getattr(request, _BODY_OVER, False) or getattr(
+            request, _BODY_BAD, None) is not None:
+        # Refused (or to be): what comes is read and dropped, never parsed or held. And a client that
+        # half-closes now has sent what it will: the stream answers, then closes (the original reader took
+        # the end as a body cut short and closed the client, unanswered, if the stream was still held by
+        # its decision hook: test_half_close_while_deciding.py::test_a_bad_body_then_a_half_close_is_answered).
+        self.buf = ReceiveBuffer()
         return
     if isinstance(event, events.DataReceived):
         fed = getattr(request, _BODY_FED, None)
@@ -520,7 +534,15 @@ def _server_read_headers(self: Http1Server, event: events.Event):
 
 
 def _server_wait(self: Http1Server, event: events.Event):
-    """A request is out, its response not yet back: bytes the client sends meanwhile are only buffered."""
+    """A request is out, its response not yet back: bytes the client sends meanwhile are only buffered. A
+    client that half-closes now is answered, then closed (``_server_mark_done``), as on the fast path:
+    mitmproxy took the end of its sending side for "not interested in any more data from us" and closed
+    it unanswered — a refusal's record said sent, and the client never saw it
+    (test_half_close_while_deciding.py)."""
+    if (isinstance(event, events.ConnectionClosed) and event.connection.state & connection.ConnectionState.CAN_WRITE
+            and self.request is not None and "upgrade" not in self.request.headers):
+        setattr(self, _HALF_CLOSED, True)
+        return
     limit = state().limits().max_header_bytes
     if isinstance(event, events.DataReceived) and len(self.buf) > limit:
         reason = (f"the client sent more than {limit} bytes (limits.max_header_bytes) after a request that is "
@@ -531,6 +553,13 @@ def _server_wait(self: Http1Server, event: events.Event):
         state().on_refusal(self.conn, 0, "limits.max_header_bytes", reason)
         return
     yield from _originals["server_wait"](self, event)
+
+
+def _server_mark_done(self: Http1Server, *, request: bool = False, response: bool = False):
+    yield from _originals["server_mark_done"](self, request=request, response=response)
+    if response and getattr(self, _HALF_CLOSED, False) and self.state not in (self.done, self.passthrough):
+        yield commands.CloseConnection(self.conn)  # its answer is out, and the client sends nothing more
+        self.state = self.done
 
 
 def _client_read_headers(self: Http1Client, event: events.Event):
@@ -620,9 +649,10 @@ async def _handle_connection(self: mitmproxy.proxy.server.ConnectionHandler, con
 class HeldReader:
     """A client connection's reader whose reads wait while one of its requests is being decided.
 
-    Held from the start of a ``requestheaders`` hook to its end (an HTTP/2 connection may have several at
-    once: the reads wait until the last ends). A read already under way when the hold starts completes; the
-    next one waits. Whatever else mitmproxy asks of the reader goes to the one it wraps."""
+    Held from the making of a blocking hook's task to its end (several may run at once, an HTTP/2
+    connection's streams: the reads wait until the last ends). A read already under way when the hold
+    starts completes; the next one waits. Whatever else mitmproxy asks of the reader goes to the one it
+    wraps."""
 
     def __init__(self, reader) -> None:
         self._reader = reader
@@ -647,13 +677,24 @@ class HeldReader:
         return getattr(self._reader, name)
 
 
-async def _hook_task(self: mitmproxy.proxy.server.ConnectionHandler, hook: commands.StartHook) -> None:
-    io = self.transports.get(self.client) if isinstance(hook, HttpRequestHeadersHook) else None
+def _hook_task(self: mitmproxy.proxy.server.ConnectionHandler, hook: commands.StartHook) -> Coroutine:
+    """The hook's task, as mitmproxy's, holding its client's reads from the moment the task is made until
+    the hook has ended (the task may start after the read loop's next read has begun).
+
+    Every blocking hook holds them, not only ``requestheaders``: the events a hook holds up are queued by
+    mitmproxy's layers anyway, and the hook before it (``next_layer``, which picks the HTTP layer for the
+    connection's first bytes) let the next read take the body and the client's end before the request's
+    head reached its decision. None of these hooks waits for more of the client's bytes."""
+    io = self.transports.get(self.client) if hook.blocking else None
     reader = io.reader if io is not None else None
     if not isinstance(reader, HeldReader):
-        await _originals["hook_task"](self, hook)
-        return
+        return _originals["hook_task"](self, hook)
     reader.hold()
+    return _held_hook_task(self, hook, reader)
+
+
+async def _held_hook_task(self: mitmproxy.proxy.server.ConnectionHandler, hook: commands.StartHook,
+                          reader: HeldReader) -> None:
     try:
         await _originals["hook_task"](self, hook)
     finally:

@@ -19,6 +19,7 @@ import threading
 import time
 
 import dns.message
+import dns.name
 import dns.rrset
 from audit_watch import rss_kib
 from labnet import PUBLIC_IP
@@ -57,9 +58,12 @@ class LateNameserver:
         question = query.question[0]
         if question.rdtype == 1:
             time.sleep(self.answer_after)
-            response.answer.append(dns.rrset.from_text(question.name, 5, "IN", "A", PUBLIC_IP))
+            response.answer.append(dns.rrset.from_text(question.name, 5, "IN", "A", self.address_of(question.name)))
         with contextlib.suppress(OSError):  # closed meanwhile
             self.sock.sendto(response.to_wire(), peer)
+
+    def address_of(self, name: dns.name.Name) -> str:
+        return PUBLIC_IP
 
     def close(self) -> None:
         stop_serving(self.sock, self._thread)
