@@ -69,14 +69,19 @@ class LateNameserver:
         stop_serving(self.sock, self._thread)
 
 
+def late_policy(lab, nameserver: LateNameserver, timeout: float, max_request_body: int) -> str:
+    """Default allow, the lab's origin open to plain HTTP, names resolved by ``nameserver`` (late)."""
+    return (f"version: 1\ndefault: allow\nports:\n  http: [{lab.public.port}]\n"
+            f"addresses:\n  allow: [{PUBLIC_IP}/32]\n"
+            f"resolver:\n  nameservers: ['{nameserver.address}']\n  timeout: {timeout:g}\n"
+            f"limits:\n  max_request_body: {max_request_body}\n")
+
+
 @both_transports
 def test_a_chunked_body_sent_while_its_decision_waits_holds_no_more_than_the_limit(lab, start_proxy, transport):
     nameserver = LateNameserver()
     try:
-        proxy = start_proxy(f"version: 1\ndefault: allow\nports:\n  http: [{lab.public.port}]\n"
-                            f"addresses:\n  allow: [{PUBLIC_IP}/32]\n"
-                            f"resolver:\n  nameservers: ['{nameserver.address}']\n  timeout: 3\n"
-                            f"limits:\n  max_request_body: {LIMIT}\n")
+        proxy = start_proxy(late_policy(lab, nameserver, 3, LIMIT))
         before = rss_kib(proxy.process.pid)
         name = f"late{time.monotonic_ns()}.lab.example"
         authority = f"{name}:{lab.public.port}"
@@ -119,10 +124,7 @@ def test_bodies_sent_while_their_decisions_wait_are_not_read_meanwhile(lab, star
     and then each body goes to the origin whole."""
     nameserver = LateNameserver(SLOW_ANSWER)
     try:
-        proxy = start_proxy(f"version: 1\ndefault: allow\nports:\n  http: [{lab.public.port}]\n"
-                            f"addresses:\n  allow: [{PUBLIC_IP}/32]\n"
-                            f"resolver:\n  nameservers: ['{nameserver.address}']\n  timeout: 4\n"
-                            f"limits:\n  max_request_body: {8 << 20}\n")
+        proxy = start_proxy(late_policy(lab, nameserver, 4, 8 << 20))
         before = rss_kib(proxy.process.pid)
         answers: list[bytes] = []
         body = b"y" * BODY

@@ -18,7 +18,7 @@ import dns.name
 import pytest
 from labnet import INTERNAL_IP, PUBLIC_IP
 from proxyproc import TRANSPORTS, ProxyProcess
-from test_body_while_deciding import LateNameserver
+from test_body_while_deciding import LateNameserver, late_policy
 from test_review_round7 import BAD_BODIES
 
 LIMIT = 4096
@@ -37,10 +37,7 @@ def proxy(lab, tmp_path_factory, request):
     nameserver = SplitNameserver(ANSWER_AFTER)
     folder = tmp_path_factory.mktemp("halfclose")
     policy = folder / "policy.yaml"
-    policy.write_text(f"version: 1\ndefault: allow\nports:\n  http: [{lab.public.port}]\n"
-                      f"addresses:\n  allow: [{PUBLIC_IP}/32]\n"
-                      f"resolver:\n  nameservers: ['{nameserver.address}']\n  timeout: 3\n"
-                      f"limits:\n  max_request_body: {LIMIT}\n")
+    policy.write_text(late_policy(lab, nameserver, 3, LIMIT))
     process = ProxyProcess(["--policy", str(policy), *TRANSPORTS[request.param]], folder / "audit.jsonl")
     yield process
     process.stop()
