@@ -43,6 +43,10 @@ def decisions(records: list[dict]) -> list[dict]:
     return [r for r in records if r["event"] == "decision"]
 
 
+def refusals(records: list[dict]) -> list[dict]:
+    return [r for r in records if r["verdict"] == "refuse"]
+
+
 def rules(records: list[dict]) -> list[str]:
     return [r["rule"] for r in decisions(records)]
 

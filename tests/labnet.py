@@ -179,3 +179,9 @@ def self_signed(names: list[str], directory: str | None = None) -> tuple[ssl.SSL
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert_file, key_file)
     return context, cert_file
+
+
+def seen_since(lab, before: int) -> list[str]:
+    """The paths lab.public was asked for after its first ``before`` requests."""
+    time.sleep(0.3)  # the origin's handler thread records the request
+    return [path for _, path, _ in lab.public.requests[before:]]

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -285,3 +285,18 @@ def proxy_with_origins(lab, folder: Path, origin_ports: Iterable[int], transport
     process = ProxyProcess(["--policy", str(policy), *TRANSPORTS[transport]], folder / "audit.jsonl")
     process.transport = transport
     return process
+
+
+def serve_module_proxy(folder: Path, policy_text: str, transport: str) -> Iterator[ProxyProcess]:
+    """For a module-scoped fixture (``yield from``): a proxy on ``transport`` (a TRANSPORTS key) with
+    ``policy_text``, stopped after the module, and then checked to have connected to the lab's public
+    address only."""
+    from labnet import PUBLIC_IP
+
+    policy = folder / "policy.yaml"
+    policy.write_text(policy_text)
+    process = ProxyProcess(["--policy", str(policy), *TRANSPORTS[transport]], folder / "audit.jsonl")
+    process.transport = transport
+    yield process
+    process.stop()
+    assert not [e for e in process.outbound() if e["host"] != PUBLIC_IP], process.outbound()

@@ -30,3 +30,10 @@ def read_all(sock: socket.socket, timeout: float = 10) -> bytes:
     except (ConnectionResetError, TimeoutError):
         pass
     return data
+
+
+def exchange(proxy: ProxyProcess, data: bytes, timeout: float = 5) -> bytes:
+    """``data`` sent in one write on a new connection to ``proxy``; everything that came back (read_all)."""
+    with socket.create_connection((proxy.host, proxy.port), timeout=timeout) as sock:
+        sock.sendall(data)
+        return read_all(sock, timeout)

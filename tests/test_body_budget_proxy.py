@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
-from audit_watch import AuditWatch
+from audit_watch import AuditWatch, refusals
 from labnet import PUBLIC_IP
 from metrics_page import value
 from proxyproc import TRANSPORTS, ProxyProcess, parse_response, read_response
@@ -98,8 +98,6 @@ def wait_held(proxy: ProxyProcess, size: int, timeout: float = 10) -> None:
         time.sleep(0.05)
 
 
-def refusals(records: list[dict]) -> list[dict]:
-    return [r for r in records if r["verdict"] == "refuse"]
 
 
 def requests_to(lab, prefix: str) -> list[str]:

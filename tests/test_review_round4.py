@@ -39,14 +39,14 @@ import subprocess
 import time
 
 import pytest
-from audit_watch import AuditWatch, decisions, open_fds
+from audit_watch import AuditWatch, decisions, open_fds, refusals
 from dnslab import Record
 from hypothesis import given
 from hypothesis import strategies as st
-from labnet import PUBLIC_IP
+from labnet import PUBLIC_IP, seen_since
 from mitmproxy.test import tflow
-from proxyproc import TRANSPORTS, ProxyProcess, both_transports, parse_response, read_response
-from rawclient import read_all, tunnel
+from proxyproc import TRANSPORTS, ProxyProcess, both_transports, parse_response, read_response, serve_module_proxy
+from rawclient import exchange, read_all, tunnel
 from test_review_uvloop import SpeakFirstUpstream, _nothing_arrives, _open_tunnel, _policy, _recv_until
 from tls_build import client_hello
 
@@ -76,13 +76,7 @@ def proxy(lab, tmp_path_factory, request):
                f"  idle_timeout: {IDLE_TIMEOUT}\n  max_request_body: {BODY_LIMIT}\n")
     tls_ports = sorted({443, lab.public_tls.port})
     text = text.replace(f"  connect: {tls_ports}", f"  connect: {sorted({*tls_ports, lab.public.port})}")
-    policy = folder / "policy.yaml"
-    policy.write_text(text)
-    process = ProxyProcess(["--policy", str(policy), *TRANSPORTS[request.param]], folder / "audit.jsonl")
-    process.transport = request.param
-    yield process
-    process.stop()
-    assert not [e for e in process.outbound() if e["host"] != PUBLIC_IP], process.outbound()
+    yield from serve_module_proxy(folder, text, request.param)
 
 
 @pytest.fixture
@@ -92,22 +86,13 @@ def speaker():
     server.close()
 
 
-def exchange(proxy: ProxyProcess, data: bytes, timeout: float = 5) -> bytes:
-    with socket.create_connection((proxy.host, proxy.port), timeout=timeout) as sock:
-        sock.sendall(data)
-        return read_all(sock, timeout)
 
 
 
 
 
-def seen_since(lab, before: int) -> list[str]:
-    time.sleep(0.3)  # the origin's handler thread records the request
-    return [path for _, path, _ in lab.public.requests[before:]]
 
 
-def refusals(records: list[dict]) -> list[dict]:
-    return [r for r in records if r["verdict"] == "refuse"]
 
 
 # ---- a body on a GET: the origin reads it as a request egresswall never decided ------------------------

@@ -48,11 +48,11 @@ import socket
 import time
 
 import pytest
-from audit_watch import AuditWatch
+from audit_watch import AuditWatch, refusals
 from hostile import Scripted, _Server
-from labnet import PUBLIC_IP
-from proxyproc import TRANSPORTS, ProxyProcess, parse_response
-from rawclient import read_all, tunnel
+from labnet import PUBLIC_IP, seen_since
+from proxyproc import TRANSPORTS, parse_response, serve_module_proxy
+from rawclient import exchange, read_all, tunnel
 from tls_build import client_hello
 
 from policy.model import HostRule, Limits, without_parameters
@@ -139,28 +139,13 @@ def proxy(lab, origins, tmp_path_factory, request):
                                   f"  idle_timeout: {IDLE_TIMEOUT}\n  max_request_body: 1000\n")
     text = text.replace(f"  http: {sorted({80, lab.public.port})}", "  http: [80, '1024-65535']")
     text = text.replace(f"  connect: {sorted({443, lab.public_tls.port})}", "  connect: [443, '1024-65535']")
-    policy = folder / "policy.yaml"
-    policy.write_text(text)
-    process = ProxyProcess(["--policy", str(policy), *TRANSPORTS[request.param]], folder / "audit.jsonl")
-    process.transport = request.param
-    yield process
-    process.stop()
-    assert not [e for e in process.outbound() if e["host"] != PUBLIC_IP], process.outbound()
+    yield from serve_module_proxy(folder, text, request.param)
 
 
-def exchange(proxy: ProxyProcess, data: bytes, timeout: float = 5) -> bytes:
-    with socket.create_connection((proxy.host, proxy.port), timeout=timeout) as sock:
-        sock.sendall(data)
-        return read_all(sock, timeout)
 
 
-def seen_since(lab, before: int) -> list[str]:
-    time.sleep(0.3)  # the origin's handler thread records the request
-    return [path for _, path, _ in lab.public.requests[before:]]
 
 
-def refusals(records: list[dict]) -> list[dict]:
-    return [r for r in records if r["verdict"] == "refuse"]
 
 
 def get(authority: str, path: str, extra: str = "", close: bool = True) -> str:

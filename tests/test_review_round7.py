@@ -31,8 +31,7 @@ import time
 import h11
 import pytest
 from hostile import _Server
-from labnet import PUBLIC_IP
-from proxyproc import TRANSPORTS, ProxyProcess, parse_response
+from proxyproc import TRANSPORTS, ProxyProcess, parse_response, serve_module_proxy
 from rawclient import tunnel
 
 pytestmark = pytest.mark.integration
@@ -96,13 +95,7 @@ def proxy(lab, origin, tmp_path_factory, request):
                            limits=f"limits:\n  max_request_body: {LIMIT}\n  idle_timeout: {IDLE}\n")
     text = text.replace(f"  http: {sorted({80, lab.public.port})}", f"  http: {sorted({80, origin.port})}")
     text = text.replace(f"  connect: {sorted({443, lab.public_tls.port})}", f"  connect: {sorted({443, origin.port})}")
-    policy = folder / "policy.yaml"
-    policy.write_text(text)
-    process = ProxyProcess(["--policy", str(policy), *TRANSPORTS[request.param]], folder / "audit.jsonl")
-    process.transport = request.param
-    yield process
-    process.stop()
-    assert not [e for e in process.outbound() if e["host"] != PUBLIC_IP], process.outbound()
+    yield from serve_module_proxy(folder, text, request.param)
 
 
 BAD_BODIES = {
