@@ -9,6 +9,7 @@ time after that. Its validators are built on first use and kept.
 from __future__ import annotations
 
 import json
+import reprlib
 from collections.abc import Iterable
 from functools import cache
 from importlib import resources
@@ -140,17 +141,18 @@ def _most_specific(err: jsonschema.ValidationError) -> jsonschema.ValidationErro
 
 
 def _explain(err: jsonschema.ValidationError) -> str:
-    """Turn a schema error into 'what was found, what was expected'."""
-    kind, expected, found = err.validator, err.validator_value, err.instance
+    """Turn a schema error into 'what was found, what was expected'. What was found is shown shortened (a
+    list of a million names in the wrong place is named by its first few)."""
+    kind, expected, found = err.validator, err.validator_value, _Shown(err.instance)
     if kind == "required":
-        missing = [key for key in expected if not isinstance(found, dict) or key not in found]
+        missing = [key for key in expected if not isinstance(err.instance, dict) or key not in err.instance]
         return f"missing key; expected {', '.join(map(repr, missing or expected))}"
     if kind == "enum":
         return f"got {found!r}; expected one of: {', '.join(map(str, expected))}"
     if kind == "const":
         return f"got {found!r}; expected {expected!r}"
     if kind == "type":
-        return f"got {type(found).__name__} {found!r}; expected {expected}"
+        return f"got {type(err.instance).__name__} {found!r}; expected {expected}"
     if kind == "oneOf":
         return f"got {found!r}; expected a host pattern string or a mapping with 'host'"
     if kind == "pattern":
@@ -158,7 +160,22 @@ def _explain(err: jsonschema.ValidationError) -> str:
         return f"got {found!r}; expected text matching {expected}" + (f" ({what})" if what else "")
     if kind in ("minimum", "maximum", "exclusiveMinimum"):
         return f"got {found!r}; expected a value {_BOUND_WORDS[kind]} {expected}"
-    return err.message
+    return err.message if len(err.message) <= _MESSAGE_MAX else err.message[:_MESSAGE_MAX] + "..."
+
+
+_SHORT = reprlib.Repr(maxlevel=2, maxlist=4, maxdict=4, maxstring=80, maxother=80)
+_MESSAGE_MAX = 400
+
+
+class _Shown:
+    """A found value in a message: its repr, shortened (reprlib: at most a few items of each list and
+    mapping, two levels deep, long text cut)."""
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return _SHORT.repr(self.value)
 
 
 _BOUND_WORDS = {"minimum": ">=", "maximum": "<=", "exclusiveMinimum": ">"}

@@ -159,6 +159,9 @@ class YamlDocument:
             raise PolicyError(source, 0, 0, "", f"not valid YAML: {err}") from None
         if root is None:
             return cls(source, None, None, [])
+        alias_problem = _alias_problem(root, text)
+        if alias_problem is not None:
+            raise _alias_error(text, source, alias_problem)
         problems = list(_duplicate_keys(root, source))
         loader = _StrictLoader("")
         loader.text_lists = {}
@@ -249,6 +252,85 @@ def _yaml_error(source: str, err: yaml.MarkedYAMLError, what: str) -> PolicyErro
     mark = err.problem_mark or err.context_mark
     line, column = (mark.line + 1, mark.column + 1) if mark else (0, 0)
     return PolicyError(source, line, column, "", f"{what}: {err.problem or err}")
+
+
+ALIAS_GROWTH = 4  # a document's aliases may make it at most this many times the values written (plus _ALIAS_SLACK)
+_ALIAS_SLACK = 1000
+
+
+def _alias_problem(root: yaml.Node, text: str) -> str | None:
+    """What is wrong with the document's YAML aliases (``*name``), or None.
+
+    The composer makes an alias the very node its anchor (``&name``) named, so every later walk goes through
+    it each time it is named: nine lists each naming the one before nine times make a billion values out of
+    ten lines, and a list that names itself (``&x [*x]``) never ends. Refused: an alias inside what it
+    names, and aliases that make the document more than ALIAS_GROWTH times the values written. One walk, each
+    list and mapping once, its expanded size kept (a list of text only is counted, not walked). An alias needs
+    an anchor, written with ``&``: a document without one is answered from its text alone."""
+    if "&" not in text:
+        return None
+    expanded: dict[int, int] = {}  # id of a finished list or mapping -> its values, aliases expanded
+    open_: set[int] = set()  # started, not finished: the path from the root
+    written = 0
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, finished = stack.pop()
+        key = id(node)
+        if finished:
+            open_.discard(key)
+            expanded[key] = 1 + (len(node.value) if _scalar_list(node) else sum(
+                expanded.get(id(child), 1) for child in _children(node)))
+            continue
+        if key in expanded or isinstance(node, yaml.ScalarNode):
+            continue  # named again (counted where it was written), or a value with nothing inside
+        if key in open_:
+            return "cycle"
+        open_.add(key)
+        written += 1
+        stack.append((node, True))
+        if _scalar_list(node):
+            written += len(node.value)
+        else:
+            stack.extend((child, False) for child in _children(node))
+    total = expanded.get(id(root), 1)
+    if total > ALIAS_GROWTH * written + _ALIAS_SLACK:
+        return f"its aliases make the document {total:,} values long, from {written:,} written"
+    return None
+
+
+def _scalar_list(node: yaml.Node) -> bool:
+    return isinstance(node, yaml.SequenceNode) and _only_scalars(node.value)
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    return node.value if isinstance(node, yaml.SequenceNode) else []
+
+
+def _alias_error(text: str, source: str, problem: str) -> PolicyError:
+    """The refusal, at the alias that names what holds it (a cycle) or at the first alias written (the parser's
+    events: a composed node carries its anchor's position, not the alias's)."""
+    anchors_open: list[str | None] = []
+    first: yaml.AliasEvent | None = None
+    for event in yaml.parse(text, Loader=_StrictCLoader):
+        if isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+            anchors_open.append(event.anchor)
+        elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
+            anchors_open.pop()
+        elif isinstance(event, yaml.AliasEvent):
+            first = first or event
+            if problem == "cycle" and event.anchor in anchors_open:
+                return _at(source, event, f"a YAML alias (*{event.anchor}) inside the value it names: the "
+                                          "value would never end")
+    if first is None:
+        return PolicyError(source, 0, 0, "", f"not a policy: {problem}")
+    return _at(source, first, f"{problem}; a policy's YAML aliases (*{first.anchor}) may repeat at most "
+                              f"{ALIAS_GROWTH} times what is written: write the values out")
+
+
+def _at(source: str, event: yaml.Event, message: str) -> PolicyError:
+    return PolicyError(source, event.start_mark.line + 1, event.start_mark.column + 1, "", message)
 
 
 def _duplicate_keys(root: yaml.Node, source: str) -> Iterable[PolicyProblem]:

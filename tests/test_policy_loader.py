@@ -614,3 +614,21 @@ def test_derived_ids_for_a_list_number_repeats() -> None:
     assert derived_for_list("roles.ci.deny", []) == []
     assert [implied(host_list(action, role)) for action in ("allow", "deny") for role in (None, "ci")] == [
         True, False, True, False]
+
+
+@pytest.mark.parametrize("misplaced", [
+    "[" + ", ".join(f"n{i}.example" for i in range(100_000)) + "]",  # a whole list where one name goes
+    "'" + "a" * 200_000 + "'",  # a long text where a mapping goes
+])
+def test_a_value_in_the_wrong_place_is_named_by_its_start_not_written_out(misplaced: str) -> None:
+    """The error says what was found, shortened: a list of a hundred thousand names (or a long text) in the
+    wrong place is named by its first few, and the message stays a line an operator can read."""
+    field = "allow" if misplaced.startswith("[") else "deny"
+    text = f"version: 1\nhosts:\n  {field}:\n    - {misplaced}\n" if field == "allow" else (
+        f"version: 1\nroles:\n  - {misplaced}\n")
+    with pytest.raises(PolicyError) as refused:
+        parse_policy(text, "big.yaml")
+    message = str(refused.value)
+    assert len(message) < 1000, message[:2000]
+    assert "big.yaml:4:7:" in message or "big.yaml:3:5:" in message, message
+    assert ("n0.example" in message and "..." in message) if field == "allow" else "aaaa" in message, message

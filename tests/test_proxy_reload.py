@@ -212,3 +212,25 @@ def test_a_sighup_reload_of_a_big_policy_leaves_the_proxy_answering_while_it_loa
     assert answered_while_loading >= 3, f"only {answered_while_loading} request(s) answered during the reload"
     wait_for(lambda: status_of(proxy, lab) == 403, timeout=5.0)
     assert reloads(proxy) == (1, 0)
+
+
+@pytest.mark.parametrize("bad", [
+    "hosts:\n  deny: &x [public.lab.example, *x]\n",  # a list that holds itself: its walk never ended
+    "hosts:\n  deny:\n    - &a [a.example, a.example, a.example, a.example, a.example, a.example]\n"
+    + "".join(f"    - &{n} [{', '.join([f'*{p}'] * 6)}]\n" for p, n in zip("abcdefg", "bcdefgh", strict=True)),
+])
+def test_an_edit_with_aliases_that_never_end_is_refused_and_the_next_edit_applies(lab, start_proxy, bad):
+    """A policy whose YAML aliases expand without end (or into millions of values) was walked for as long as
+    that took — forever for a list that names itself — and the reloader, which runs one reload at a time,
+    never reloaded again. Now it is refused with where the alias is, the last good policy stays, and the
+    next good edit applies."""
+    proxy = start_proxy(lab.policy_text("hosts:\n  deny:\n    - public.lab.example\n"))
+    assert status_of(proxy, lab) == 403
+    proxy.policy_path.write_text(lab.policy_text(bad))
+    wait_for(lambda: "reload refused" in proxy.stderr, timeout=5.0)
+    line = [ln for ln in proxy.stderr.splitlines() if "reload refused" in ln][0]
+    assert re.search(rf"{re.escape(str(proxy.policy_path))}:\d+:\d+: .*YAML alias", line), line
+    assert status_of(proxy, lab) == 403 and reloads(proxy) == (0, 1)
+    proxy.policy_path.write_text(lab.policy_text())
+    wait_for(lambda: status_of(proxy, lab) == 200, timeout=5.0)
+    assert reloads(proxy) == (1, 1)

@@ -126,3 +126,95 @@ def test_property_item_paths_are_each_items_path(at: str, count: int) -> None:
     from policy.yamldoc import _item_paths
 
     assert _item_paths(at, count) == [f"{at}[{i}]" for i in range(count)]
+
+
+# ---- YAML aliases: a value named again (*name) is the very node its anchor (&name) named --------------------
+
+def _parse_within(text: str, seconds: float = 20.0) -> YamlDocument | PolicyError:
+    """The parse, or its refusal, run in a thread: a parse that walks an alias forever fails the test instead of
+    hanging it (nothing here is timed; the bound is only how long a hang is waited for)."""
+    import threading
+
+    outcome: list[YamlDocument | PolicyError] = []
+
+    def parse() -> None:
+        try:
+            outcome.append(YamlDocument.parse(text, "a.yaml"))
+        except PolicyError as err:
+            outcome.append(err)
+
+    worker = threading.Thread(target=parse, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert outcome, f"the parse had not ended after {seconds:g}s (an alias walked without end)"
+    return outcome[0]
+
+
+@pytest.mark.parametrize(("text", "where"), [
+    ("hosts:\n  allow: &x [*x]\n", "2:14"),  # a list that names itself
+    ("a: &m {b: *m}\n", "1:11"),  # a mapping that holds itself
+    ("hosts:\n  allow: &x\n    - a.example\n    - [b.example, [*x]]\n", "4:20"),  # deeper inside
+])
+def test_an_alias_inside_the_value_it_names_is_refused_at_the_alias(text: str, where: str) -> None:
+    refused = _parse_within(text)
+    assert isinstance(refused, PolicyError), refused
+    assert f"a.yaml:{where}:" in str(refused) and "inside the value it names" in str(refused), str(refused)
+
+
+def _laughs(levels: int, repeats: int) -> str:
+    """Each list names the one before ``repeats`` times: repeats**levels values from a few lines."""
+    lines = ["version: 1", "hosts:", "  allow:", "    - &l0 [" + ", ".join(["x.example"] * repeats) + "]"]
+    lines += [f"    - &l{i} [" + ", ".join([f"*l{i - 1}"] * repeats) + "]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+def test_aliases_that_multiply_a_list_are_refused_at_the_first_alias() -> None:
+    refused = _parse_within(_laughs(9, 9))  # 9**9: 387 million values from 13 lines
+    assert isinstance(refused, PolicyError), refused
+    assert "a.yaml:5:12:" in str(refused) and "may repeat at most 4 times" in str(refused), str(refused)
+
+
+def test_an_alias_that_reuses_a_list_is_read() -> None:
+    text = ("hosts:\n  allow: &shared [a.example, b.example]\nroles:\n  - name: r\n    clients: [10.0.0.0/8]\n"
+            "    hosts:\n      allow: *shared\n      deny: [&one c.example, *one]\n")
+    doc = _parse_within(text)
+    assert isinstance(doc, YamlDocument), doc
+    assert doc.data["roles"][0]["hosts"] == {"allow": ["a.example", "b.example"], "deny": ["c.example", "c.example"]}
+
+
+@given(st.integers(1, 7), st.integers(1, 7))
+def test_property_aliases_are_read_only_while_they_repeat_little(levels: int, repeats: int) -> None:
+    """Accepted exactly when the values with aliases expanded stay within ALIAS_GROWTH times those written
+    (plus a slack), and the data then holds every one of them. Written: each list and mapping once, and
+    each item of a list of text; expanded: every node of the tree the aliases make (keys counted)."""
+    from policy.yamldoc import _ALIAS_SLACK, ALIAS_GROWTH
+
+    sizes = [1 + repeats]  # each list l_i, expanded: itself and its items
+    for _ in range(1, levels):
+        sizes.append(1 + repeats * sizes[-1])
+    allow = 1 + sum(sizes)
+    expanded = 6 + allow  # root, version's key and value, hosts' key, hosts, allow's key, then the list
+    written = 3 + (1 + repeats) + (levels - 1)  # root, hosts, allow; l0 and its text; each later list
+    outcome = _parse_within(_laughs(levels, repeats))
+    if expanded > ALIAS_GROWTH * written + _ALIAS_SLACK:
+        assert isinstance(outcome, PolicyError), (levels, repeats, expanded)
+        assert "may repeat at most" in str(outcome), str(outcome)
+    else:
+        assert isinstance(outcome, YamlDocument), outcome
+
+        def values(item) -> int:
+            return 1 + sum(map(values, item)) if isinstance(item, list) else 1
+        assert values(outcome.data["hosts"]["allow"]) == allow
+
+
+def test_a_document_without_an_anchor_is_not_walked_for_aliases() -> None:
+    """'&' appears nowhere: no alias can, and a big allowlist is answered from the text alone."""
+    from policy.yamldoc import _alias_problem
+
+    class Untouchable(yaml.SequenceNode):  # any walk would look at its value
+        def __getattribute__(self, name: str):
+            raise AssertionError(f"walked: {name}")
+
+    assert _alias_problem(Untouchable("tag", []), "hosts: {allow: [a, '*.b']}") is None
+    with pytest.raises(AssertionError, match="walked"):  # with an '&' in the text, it is walked
+        _alias_problem(Untouchable("tag", []), "hosts: {allow: [a, '&b']}")
