@@ -643,7 +643,9 @@ async def _handle_connection(self: mitmproxy.proxy.server.ConnectionHandler, con
                 with contextlib.suppress(OSError):
                     io.writer.close()
             if not told:
-                await self.server_event(events.ConnectionClosed(conn))
+                # Shielded: a second cancel while this waits for mitmproxy's event lock would leave the
+                # layers untold (test_mitm_patches_sockets.py, task-cancelled-twice).
+                await asyncio.shield(self.server_event(events.ConnectionClosed(conn)))
 
 
 class HeldReader:

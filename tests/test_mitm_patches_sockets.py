@@ -34,7 +34,7 @@ TUNNELS = 40
 
 # ---- the patch itself, in process: mitmproxy's own connection handler, real sockets --------------------
 
-async def _cancelled_while_its_event_waits(close_by_command: bool) -> tuple[bytes, bool, list[str]]:
+async def _cancelled_while_its_event_waits(close_by_command: bool, cancels: int = 1) -> tuple[bytes, bool, list[str]]:
     """One upstream connection on mitmproxy's ``SimpleConnectionHandler``; the upstream sends a byte while
     the handler's event lock is taken (as a queued hook task holds it), and the connection is closed (by a
     layer's command, or its task cancelled as when the client is gone). What the upstream reads next (b""
@@ -80,6 +80,9 @@ async def _cancelled_while_its_event_waits(close_by_command: bool) -> tuple[byte
         handler.close_connection(server)
     else:
         task.cancel()
+    for _ in range(cancels - 1):  # another cancel while the patch waits for the lock to tell the layers
+        await asyncio.sleep(0.05)
+        task.cancel()
     handler._server_event_lock.release()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -95,13 +98,14 @@ async def _cancelled_while_its_event_waits(close_by_command: bool) -> tuple[byte
     return after, server in handler.transports, seen
 
 
-@pytest.mark.parametrize("close_by_command", [True, False], ids=["closed-by-a-layer", "task-cancelled"])
+@pytest.mark.parametrize(("close_by_command", "cancels"), [(True, 1), (False, 1), (False, 2)],
+                         ids=["closed-by-a-layer", "task-cancelled", "task-cancelled-twice"])
 def test_a_connection_cancelled_while_its_event_waits_for_mitmproxys_lock_has_its_socket_closed(
-        close_by_command):
+        close_by_command, cancels):
     mitm_patches.install(mitm_patches.PatchState(limits=Limits, on_refusal=lambda *a: None,
                                                  on_body_over_limit=lambda *a: None))
     try:
-        after, registered, seen = asyncio.run(_cancelled_while_its_event_waits(close_by_command))
+        after, registered, seen = asyncio.run(_cancelled_while_its_event_waits(close_by_command, cancels))
     finally:
         mitm_patches.uninstall()
     assert after == b"", f"the upstream read {after!r}: the proxy's socket to it was left open"
