@@ -162,6 +162,12 @@ class YamlDocument:
         alias_problem = _alias_problem(root, text)
         if alias_problem is not None:
             raise _alias_error(text, source, alias_problem)
+        deep = _too_deep(root)
+        if deep is not None:
+            mark = deep.start_mark
+            raise PolicyError(source, mark.line + 1, mark.column + 1, "",
+                              f"lists and mappings nested more than {MAX_DEPTH} levels deep; a policy is a few levels "
+                              "deep")
         problems = list(_duplicate_keys(root, source))
         loader = _StrictLoader("")
         loader.text_lists = {}
@@ -241,11 +247,33 @@ def dotted(path: Iterable[str | int]) -> str:
 
 
 def _compose(text: str) -> yaml.Node | None:
-    """libyaml for speed; on an error, the pure-Python parser again for its more precise message."""
+    """libyaml for speed; on an error, the pure-Python parser again for its more precise message — unless
+    that one runs out of Python's stack (a document nested past libyaml's limit of 1,000 levels): then
+    libyaml's error it is."""
     try:
         return yaml.compose(text, Loader=_StrictCLoader)
-    except yaml.YAMLError:
-        return yaml.compose(text, Loader=_StrictLoader)
+    except yaml.YAMLError as err:
+        try:
+            return yaml.compose(text, Loader=_StrictLoader)
+        except RecursionError:
+            raise err from None
+
+
+MAX_DEPTH = 32  # lists and mappings inside each other; a policy is at most eight or so levels deep
+
+
+def _too_deep(root: yaml.Node) -> yaml.Node | None:
+    """The first list or mapping nested deeper than MAX_DEPTH, or None. Iterative (the walks after it, and
+    the schema's validator, recurse: a document a few hundred levels deep ran them out of stack); called
+    once aliases are known to be bounded."""
+    stack = [(root, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            return node
+        if not _scalar_list(node):
+            stack.extend((child, depth + 1) for child in _children(node) if not isinstance(child, yaml.ScalarNode))
+    return None
 
 
 def _yaml_error(source: str, err: yaml.MarkedYAMLError, what: str) -> PolicyError:

@@ -3,6 +3,8 @@ in bulk) give exactly what PyYAML's own steps give."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 from hypothesis import example, given
@@ -218,3 +220,24 @@ def test_a_document_without_an_anchor_is_not_walked_for_aliases() -> None:
     assert _alias_problem(Untouchable("tag", []), "hosts: {allow: [a, '*.b']}") is None
     with pytest.raises(AssertionError, match="walked"):  # with an '&' in the text, it is walked
         _alias_problem(Untouchable("tag", []), "hosts: {allow: [a, '&b']}")
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("hosts:\n  allow: " + "[" * 100_000 + "]" * 100_000 + "\n", "exceeded maximum nesting depth"),  # libyaml's
+    ("hosts:\n  allow:\n" + "".join("  " * (i + 2) + "-\n" for i in range(3000)), "exceeded maximum nesting depth"),
+    ("hosts:\n  allow: " + "[" * 500 + "]" * 500 + "\n", "nested more than 32 levels deep"),  # under libyaml's
+    ("a: " + "{b: " * 40 + "c" + "}" * 40 + "\n", "nested more than 32 levels deep"),
+])
+def test_a_document_nested_too_deep_is_refused_with_a_position_not_a_crash(text: str, says: str) -> None:
+    """Past libyaml's 1,000 levels the pure-Python retry ran out of stack (RecursionError: "internal error" at
+    the command line); under it, the walks and the schema's validator did. A policy is a few levels deep."""
+    refused = _parse_within(text)
+    assert isinstance(refused, PolicyError), refused
+    assert says in str(refused) and re.search(r"a\.yaml:\d+:\d+:", str(refused)), str(refused)
+
+
+def test_a_document_at_the_depth_limit_is_read() -> None:
+    from policy.yamldoc import MAX_DEPTH
+
+    doc = _parse_within("a: " + "[" * (MAX_DEPTH - 1) + "x" + "]" * (MAX_DEPTH - 1) + "\n")
+    assert isinstance(doc, YamlDocument), doc
