@@ -267,7 +267,9 @@ def test_the_admin_api_refuses_a_missing_or_wrong_token(proxy):
 
 def test_the_admin_api_refuses_malformed_json_and_invalid_grants_with_reason_and_field(proxy):
     port = proxy.admin_port
-    for raw in (b"{", b'{"grants": {"hosts": ["a.example"]}, "grants": {}}', b"[1,", b"\xff"):
+    # ... and JSON nested deeper than the decoder's stack (json.loads raised RecursionError: a 500).
+    for raw in (b"{", b'{"grants": {"hosts": ["a.example"]}, "grants": {}}', b"[1,", b"\xff",
+                b"[" * 30_000 + b"]" * 30_000, b'{"grants": ' + b"[" * 30_000 + b"]" * 30_000 + b"}"):
         status, _, body = api(port, "POST", "/v1/sessions", raw=raw)
         assert status == 400 and body["error"] == "malformed", raw
     status, _, body = api(port, "POST", "/v1/sessions", raw=b'{"grants": {}}', content_type="text/plain")

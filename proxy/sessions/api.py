@@ -171,6 +171,8 @@ async def _json_body(request: web.Request) -> Any:
         raise
     except (UnicodeDecodeError, ValueError) as err:
         return _error(400, "malformed", f"the body is not valid JSON: {err}")
+    except RecursionError:  # the decoder's own bound on nesting (a 64 KiB body can nest 32,000 levels)
+        return _error(400, "malformed", "the body is JSON nested deeper than a session's grants ever are")
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
