@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from audit_factory import SCHEMA, VALIDATOR, decided, request, write_log
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from policy.loader import parse_policy
@@ -165,3 +165,18 @@ def test_since_takes_moments_dates_and_durations():
 def test_since_refuses_what_it_cannot_read_exactly(text):
     with pytest.raises(ValueError, match="--since"):
         parse_since(text)
+
+
+@given(st.floats(min_value=0, max_value=4e9, allow_nan=False) | st.integers(0, 4_000_000_000).map(
+    lambda s: s + 0.9995) | st.integers(0, 4_000_000_000).map(lambda s: s + 0.9999996))
+@example(1764572400.0)
+@example(1764572399.9999995)  # rounds up into the next second, as datetime rounds it
+def test_property_rfc3339_is_datetimes_own_text(epoch: float) -> None:
+    """The kept second's text (proxy.audit.rfc3339) gives what formatting the datetime gives, at every instant,
+    seconds on either side of a rounding included, and whatever second was formatted before."""
+    from proxy.audit import rfc3339
+
+    moment = datetime.fromtimestamp(epoch, UTC)
+    expected = moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+    assert rfc3339(epoch) == expected
+    assert rfc3339(epoch + 1) != expected or epoch + 1 == epoch  # a new second is formatted, not the kept one

@@ -235,3 +235,4 @@ def test_mitmdump_shim_gets_the_limits_the_embedded_runner_gets(lab, tmp_path):
     finally:
         process.terminate()
         process.wait(10)
+
