@@ -86,8 +86,11 @@ gate's owner builds — installing a second, different state is an error, never 
   shuts its sending side after a whole request (``nc -N``, some scripts) was closed unanswered ("a peer
   which sent at least a FIN is not interested in any more data from us"), its refusal recorded as sent; it
   gets its answer, then the connection closes, as on the fast path. A body refused for its framing or size
-  is answered too when the client's end comes first (``_server_read_body``). Test:
-  test_half_close_while_deciding.py.
+  is answered too when the client's end comes first (``_server_read_body``). The end held back goes, once
+  the answer is out, to what follows: a CONNECT's tunnel ends (it stayed open until limits.idle_timeout),
+  a request pipelined behind is dropped unparsed, as on the fast path (it was decided and recorded as
+  answered on a connection then closed). Tests: test_half_close_while_deciding.py,
+  test_review_round8.py.
 """
 
 from __future__ import annotations
@@ -556,10 +559,22 @@ def _server_wait(self: Http1Server, event: events.Event):
 
 
 def _server_mark_done(self: Http1Server, *, request: bool = False, response: bool = False):
+    """The answer to a half-closed client is out: the client's end, held back for it, now goes to the state
+    that follows, as on the fast path. A tunnel's pipe (a CONNECT answered 200, a 101) takes it with what
+    was sent after the head: its layer learns the client is done and ends the tunnel (kept from it, the
+    tunnel stayed open until limits.idle_timeout). Anything else closes: a request pipelined behind the
+    answered one is dropped unparsed, as the fast path drops it (parsed, it was decided and recorded as
+    answered on a connection that was then closed). Test: test_review_round8.py."""
+    half_closed = response and getattr(self, _HALF_CLOSED, False)
+    if half_closed and self.request_done and self.request is not None and self.response is not None and not (
+            _http1.should_make_pipe(self.request, self.response)):
+        self.buf = ReceiveBuffer()  # the client's next request, if any: never parsed, never answered
     yield from _originals["server_mark_done"](self, request=request, response=response)
-    if response and getattr(self, _HALF_CLOSED, False) and self.state not in (self.done, self.passthrough):
-        yield commands.CloseConnection(self.conn)  # its answer is out, and the client sends nothing more
-        self.state = self.done
+    if half_closed and self.state != self.done:
+        setattr(self, _HALF_CLOSED, False)
+        yield from self.state(events.ConnectionClosed(self.conn))
+        if self.state == self.read_headers:
+            self.state = self.done  # closed (mitmproxy's read_headers closes on the end, and stays)
 
 
 def _client_read_headers(self: Http1Client, event: events.Event):
