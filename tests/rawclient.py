@@ -11,13 +11,19 @@ def tunnel(proxy: ProxyProcess, authority: str, timeout: float = 10) -> socket.s
     """A CONNECT through ``proxy`` that was answered 200, its head read byte by byte (nothing after it)."""
     sock = socket.create_connection((proxy.host, proxy.port), timeout=timeout)
     sock.sendall(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
+    head = read_head(sock)
+    assert head.startswith(b"HTTP/1.1 200"), head
+    return sock
+
+
+def read_head(sock: socket.socket) -> bytes:
+    """A response head read byte by byte, so that nothing after it is taken from the socket."""
     head = b""
     while b"\r\n\r\n" not in head:
         chunk = sock.recv(1)
         assert chunk, head
         head += chunk
-    assert head.startswith(b"HTTP/1.1 200"), head
-    return sock
+    return head
 
 
 def read_all(sock: socket.socket, timeout: float = 10) -> bytes:

@@ -42,6 +42,7 @@ import pytest
 from hostile import Silent, _Server
 from labnet import PUBLIC_IP
 from proxyproc import TRANSPORTS, ProxyProcess
+from rawclient import read_head
 from test_half_close_while_deciding import SplitNameserver
 
 pytestmark = pytest.mark.integration
@@ -216,6 +217,15 @@ def _read_all(sock: socket.socket, timeout: float = 10) -> tuple[bytes, float]:
     return data, time.monotonic() - started
 
 
+def _connect_and_half_close(proxy: ProxyProcess, authority: str) -> tuple[bytes, float]:
+    """A CONNECT to ``authority`` and nothing after it but the end of the client's sending side: what came
+    back until the proxy closed, and how long that took."""
+    with socket.create_connection((proxy.host, proxy.port), timeout=10) as sock:
+        sock.sendall(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
+        sock.shutdown(socket.SHUT_WR)
+        return _read_all(sock)
+
+
 def _statuses(answer: bytes) -> list[int]:
     return [int(m[1]) for m in re.finditer(rb"HTTP/1\.[01] (\d{3}) ", answer)]
 
@@ -255,10 +265,7 @@ def test_a_half_closed_connect_ends_when_its_answer_is_out(proxy, lab):
     (mitmproxy's path held it open that long)."""
     name = _name("open")
     authority = f"{name}:{lab.public_tls.port}"
-    with socket.create_connection((proxy.host, proxy.port), timeout=10) as sock:
-        sock.sendall(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
-        sock.shutdown(socket.SHUT_WR)
-        answer, took = _read_all(sock)
+    answer, took = _connect_and_half_close(proxy, authority)
     assert answer == b"HTTP/1.1 200 Connection established\r\n\r\n" and took < ANSWER_AFTER + 1.5, (answer, took)
     tunnels = [r for r in _records(proxy, "host", name, settle=0.3) if r["event"] == "tunnel"]
     assert len(tunnels) == 1 and tunnels[0]["status"] == 200 and tunnels[0]["bytes_up"] == 0, tunnels
@@ -267,10 +274,7 @@ def test_a_half_closed_connect_ends_when_its_answer_is_out(proxy, lab):
 def test_a_half_closed_refused_connect_is_answered_403(proxy, lab):
     name = _name("inside")
     authority = f"{name}:{lab.public_tls.port}"
-    with socket.create_connection((proxy.host, proxy.port), timeout=10) as sock:
-        sock.sendall(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
-        sock.shutdown(socket.SHUT_WR)
-        answer, _ = _read_all(sock)
+    answer, _ = _connect_and_half_close(proxy, authority)
     assert _statuses(answer) == [403], answer[:200]
     refused = [r for r in _records(proxy, "host", name, settle=0.3) if r["verdict"] == "refuse"]
     assert len(refused) == 1 and refused[0]["status"] == 403 and refused[0]["bytes_down"], refused
@@ -501,11 +505,7 @@ def test_websocket_frames_after_an_upgrade_while_messages_are_decided(proxy, ws_
         sock.sendall(f"GET http://{authority}/ws HTTP/1.1\r\nHost: {authority}\r\nConnection: Upgrade\r\n"
                      "Upgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
                      "Sec-WebSocket-Version: 13\r\n\r\n".encode() + _ws_frame(b"early"))
-        head = b""
-        while b"\r\n\r\n" not in head:
-            chunk = sock.recv(1)
-            assert chunk, head
-            head += chunk
+        head = read_head(sock)
         assert head.startswith(b"HTTP/1.1 101"), head
         frames = _ws_frame(b"one") + _ws_frame(b"two") + _ws_frame(b"three")
         for index in range(0, len(frames), 5):
