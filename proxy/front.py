@@ -259,8 +259,7 @@ class Front:
                 self.gate.tunnel_start_timed_out(tunnel, len(first.data))
                 return None
             if not chunk:
-                self.gate.tunnel_closed(tunnel, len(first.data), 0, "the client closed the tunnel before its first "
-                                                                    "message was complete")
+                self.gate.tunnel_cut_short(tunnel, len(first.data))
                 return None
 
     async def _relay(self, conn: socket.socket, upstream: socket.socket, tunnel: Tunnel, sent: int,

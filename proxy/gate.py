@@ -247,6 +247,11 @@ class Gate:
                            f"the tunnel's first message (a TLS ClientHello or an HTTP request head) was not complete "
                            f"{timeout:g}s after the tunnel opened ({what}; limits.header_timeout)")
 
+    def tunnel_cut_short(self, tunnel: Tunnel, seen: int) -> None:
+        """The client closed the tunnel after its 200 with ``seen`` bytes of a first message that was not whole
+        (none at all, too): the same closing line whichever transport carried it."""
+        self.tunnel_closed(tunnel, seen, 0, "the client closed the tunnel before its first message was complete")
+
     def retry_watch(self, judged: FirstBytes, held: bytes) -> RetryWatch:
         """The watch a passed-through TLS tunnel keeps after its first ClientHello (``judged``; ``held``: what the
         client sent after it), until the server's first answer shows whether a second one is asked for."""

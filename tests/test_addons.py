@@ -150,6 +150,29 @@ def test_admission_without_the_front_closes_a_connection_over_the_cap(gate):
     assert gate.admission.total == 0
 
 
+@pytest.mark.parametrize("closer, reason", [
+    ("client", "the client closed the tunnel before its first message was complete"),
+    ("server", "the server closed the connection before the client's first message was complete")])
+def test_a_tunnel_closed_before_its_first_message_is_whole_names_who_closed_it(gate, closer, reason):
+    from mitmproxy.proxy import events
+
+    table = ConnectionTable()
+    with taddons.context() as tctx:
+        context = Context(tflow.tclient_conn(), tctx.options)
+        context.server = tflow.tserver_conn()
+        table.tunnels[context.server.id] = Tunnel("t1", parse_authority("a.example:443"), ALLOWED, "10.0.0.1",
+                                                  intercept=False, http_inside=False)
+        nextlayer = mlayer.NextLayer(context)
+        TunnelWatch(gate, table).next_layer(nextlayer)
+        start = nextlayer.layer
+        list(start.handle_event(events.Start()))
+        list(start.handle_event(events.DataReceived(context.client, b"\x16\x03\x01\x02\x00\x01")))
+        list(start.handle_event(events.ConnectionClosed(getattr(context, closer))))
+    (line,) = [r for r in records(gate) if r["event"] == "tunnel"]
+    assert (line["bytes_up"], line["error"]) == (6, reason)
+    assert context.server.id not in table.tunnels
+
+
 def test_a_tunnel_of_ours_gets_a_tunnel_start_before_any_relay(gate):
     table = ConnectionTable()
     watch = TunnelWatch(gate, table)

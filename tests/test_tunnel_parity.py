@@ -106,3 +106,47 @@ def test_both_transports_record_the_same_connect_decisions(lab, tmp_path):
     cap = next(r for r in front if r["rule"] == "limits.max_connections_per_client")
     assert cap["host"] == "public.lab.example" and cap["port"] == lab.public_tls.port  # named, refused at accept
     assert front == mitm
+
+
+def cut_short(proxy: ProxyProcess, lab, sent: bytes) -> None:
+    """An allowed CONNECT whose client closes after its 200, having sent ``sent`` of its first message."""
+    authority = f"public.lab.example:{lab.public_tls.port}"
+    with socket.create_connection((proxy.host, proxy.port), timeout=10) as sock:
+        sock.sendall(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += sock.recv(4096)
+        assert head.startswith(b"HTTP/1.1 200"), head
+        if sent:
+            sock.sendall(sent)
+            time.sleep(0.3)  # read by the proxy before the close
+
+
+def closing_lines(proxy: ProxyProcess, count: int) -> list[dict]:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and len([r for r in proxy.audit() if r["event"] == "tunnel"]) < count:
+        time.sleep(0.05)
+    return [{k: v for k, v in r.items() if k not in VOLATILE} for r in proxy.audit() if r["event"] == "tunnel"]
+
+
+def test_a_tunnel_its_client_closes_before_its_first_message_is_whole_ends_the_same_on_both(lab, tmp_path):
+    """Closed after the 200 with nothing sent, and with half a ClientHello sent: the same closing line (its
+    reason and the bytes that came) whichever transport carried the tunnel."""
+    hello = client_hello(b"public.lab.example")
+    results = {}
+    for path, args in (("front", []), ("mitmproxy", ["--no-fast-tunnels"])):
+        policy = tmp_path / "policy.yaml"
+        policy.write_text(policy_text(lab))
+        proxy = ProxyProcess(["--policy", str(policy), "--listen", f"{PUBLIC_IP}:0", "--admin", f"{PUBLIC_IP}:0",
+                              *args], tmp_path / f"cut-{path}.jsonl")
+        try:
+            cut_short(proxy, lab, b"")
+            cut_short(proxy, lab, hello[:40])
+            results[path] = closing_lines(proxy, 2)
+        finally:
+            proxy.stop()
+    front = results["front"]
+    assert [(r["bytes_up"], r["error"]) for r in front] == [
+        (0, "the client closed the tunnel before its first message was complete"),
+        (40, "the client closed the tunnel before its first message was complete")], front
+    assert results["mitmproxy"] == front

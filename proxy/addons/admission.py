@@ -36,4 +36,7 @@ class AdmissionAddon:
             self.gate.release(key)
         # Whatever ended this connection, its tunnels end with it: each gets its closing line.
         for tunnel in self.table.forget_client(client.id):
-            self.gate.tunnel_closed(tunnel, 0, 0, "the client connection closed")
+            if tunnel.first_byte_at is None:  # mitmproxy asks for a tunnel's layer at its first byte: none came
+                self.gate.tunnel_cut_short(tunnel, 0)
+            else:
+                self.gate.tunnel_closed(tunnel, 0, 0, "the client connection closed")

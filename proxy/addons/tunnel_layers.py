@@ -29,9 +29,10 @@ RetryRefused = Callable[[str, str, int, int], None]  # (rule, reason, bytes up, 
 
 class TunnelStart(layer.Layer):
     def __init__(self, context: Context, first: FirstMessage, judge: Judge, choose: Choose, timeout: float,
-                 on_timeout: Callable[[int], None]) -> None:
+                 on_timeout: Callable[[int], None], on_cut_short: Callable[[int, bool], None]) -> None:
         super().__init__(context)
         self.judge, self.choose, self.timeout, self.on_timeout = judge, choose, timeout, on_timeout
+        self.on_cut_short = on_cut_short  # (bytes that came, by the client)
         self.held: list[events.Event] = []
         # The client's bytes so far, and where judging them stopped: each read is judged once, as it comes
         # (judging the whole buffer again on every read cost the square of a dripped head's size).
@@ -56,7 +57,9 @@ class TunnelStart(layer.Layer):
             yield self.timer
             return
         if isinstance(event, events.ConnectionClosed):
-            self.on_timeout(-1)  # closed before a whole first message: the tunnel ends here
+            # Closed before a whole first message: the tunnel ends here (a server that closes first is told
+            # apart only in the reason).
+            self.on_cut_short(len(self.first.data), event.connection == self.context.client)
             yield from self._close()
             return
         if isinstance(event, events.DataReceived) and event.connection == self.context.client:

@@ -65,17 +65,21 @@ class TunnelWatch:
 
         def timed_out(seen: int) -> None:
             self.table.tunnels.pop(server_id, None)
-            if seen < 0:
-                self.gate.tunnel_closed(tunnel, 0, 0, "the client closed the tunnel before its first message "
-                                                            "was complete")
+            self.gate.tunnel_start_timed_out(tunnel, seen)
+
+        def cut_short(seen: int, by_client: bool) -> None:
+            self.table.tunnels.pop(server_id, None)
+            if by_client:
+                self.gate.tunnel_cut_short(tunnel, seen)
             else:
-                self.gate.tunnel_start_timed_out(tunnel, seen)
+                self.gate.tunnel_closed(tunnel, seen, 0, "the server closed the connection before the client's first "
+                                                         "message was complete")
 
         # The bound runs from the tunnel's opening (mitmproxy asks for a layer only at the first byte).
         remaining = max(0.0, self.gate.policy.limits.header_timeout - (time.monotonic() - tunnel.started))
         nextlayer.layer = TunnelStart(context, self.gate.first_message(tunnel),
                                       lambda first, chunk: self.gate.tunnel_start(tunnel, first, chunk), choose,
-                                      remaining, timed_out)
+                                      remaining, timed_out, cut_short)
 
     def _relay_done(self, server_id: str, tunnel: Tunnel, up: int, down: int, error: str | None) -> None:
         self.table.tunnels.pop(server_id, None)
