@@ -150,6 +150,17 @@ def test_admission_without_the_front_closes_a_connection_over_the_cap(gate):
     assert gate.admission.total == 0
 
 
+def tunnel_layer_choice(watch: TunnelWatch, table: ConnectionTable, tctx) -> tuple[Context, mlayer.NextLayer]:
+    """A passed-through TLS tunnel of ours at its first byte: its context, and the layer ``watch`` chose."""
+    context = Context(tflow.tclient_conn(), tctx.options)
+    context.server = tflow.tserver_conn()
+    table.tunnels[context.server.id] = Tunnel("t1", parse_authority("a.example:443"), ALLOWED, "10.0.0.1",
+                                              intercept=False, http_inside=False)
+    nextlayer = mlayer.NextLayer(context)
+    watch.next_layer(nextlayer)
+    return context, nextlayer
+
+
 @pytest.mark.parametrize("closer, reason", [
     ("client", "the client closed the tunnel before its first message was complete"),
     ("server", "the server closed the connection before the client's first message was complete")])
@@ -158,12 +169,7 @@ def test_a_tunnel_closed_before_its_first_message_is_whole_names_who_closed_it(g
 
     table = ConnectionTable()
     with taddons.context() as tctx:
-        context = Context(tflow.tclient_conn(), tctx.options)
-        context.server = tflow.tserver_conn()
-        table.tunnels[context.server.id] = Tunnel("t1", parse_authority("a.example:443"), ALLOWED, "10.0.0.1",
-                                                  intercept=False, http_inside=False)
-        nextlayer = mlayer.NextLayer(context)
-        TunnelWatch(gate, table).next_layer(nextlayer)
+        context, nextlayer = tunnel_layer_choice(TunnelWatch(gate, table), table, tctx)
         start = nextlayer.layer
         list(start.handle_event(events.Start()))
         list(start.handle_event(events.DataReceived(context.client, b"\x16\x03\x01\x02\x00\x01")))
@@ -177,12 +183,7 @@ def test_a_tunnel_of_ours_gets_a_tunnel_start_before_any_relay(gate):
     table = ConnectionTable()
     watch = TunnelWatch(gate, table)
     with taddons.context() as tctx:
-        context = Context(tflow.tclient_conn(), tctx.options)
-        context.server = tflow.tserver_conn()
-        table.tunnels[context.server.id] = Tunnel("t1", parse_authority("a.example:443"), ALLOWED, "10.0.0.1",
-                                                  intercept=False, http_inside=False)
-        nextlayer = mlayer.NextLayer(context)
-        watch.next_layer(nextlayer)
+        context, nextlayer = tunnel_layer_choice(watch, table, tctx)
         assert isinstance(nextlayer.layer, TunnelStart)
         again = mlayer.NextLayer(context)
         watch.next_layer(again)  # the start was judged: mitmproxy's own choice stands from here on
