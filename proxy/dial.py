@@ -36,11 +36,22 @@ async def connect_pinned(address: str, port: int, timeout: float) -> tuple[socke
         await asyncio.wait_for(connect_socket(sock, (address, port)), timeout)
     except TimeoutError:
         sock.close()
-        return None, f"connect to {address}:{port} timed out after {timeout:g}s (limits.connect_timeout)"
+        return None, connect_timed_out(address, port, timeout)
     except OSError as err:
         sock.close()
-        return None, f"connect to {address}:{port} failed: {err.strerror or err}"
+        return None, connect_failed(address, port, err)
     return sock, ""
+
+
+# One wording for a failed connect, whichever transport made it (mitmproxy's connects are worded here too:
+# proxy/mitm_patches.py ``_open_connection``): the records and the 502's reason say the same on both paths.
+
+def connect_failed(address: str, port: int, err: OSError) -> str:
+    return f"connect to {address}:{port} failed: {err.strerror or err}"
+
+
+def connect_timed_out(address: str, port: int, timeout: float) -> str:
+    return f"connect to {address}:{port} timed out after {timeout:g}s (limits.connect_timeout)"
 
 
 async def connect_socket(sock: socket.socket, address: tuple) -> None:

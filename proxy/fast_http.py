@@ -50,7 +50,7 @@ from .gate import Gate, HttpAsk, plain_target, refusal_for
 from .head_reader import HeadProblem, answer_then_drain, read_head
 from .http_head import PlainRequest, take_head
 from .http_hygiene import ALWAYS_HOP_BY_HOP, hop_by_hop_names, tokens
-from .refusals import OWN_HEADER_PREFIX, Refusal, refusal_bytes
+from .refusals import OWN_HEADER_PREFIX, UNRELAYABLE_RESPONSE, Refusal, refusal_bytes
 
 Handoff = Callable[[socket.socket, bytes], None]
 READ = 65536
@@ -473,11 +473,14 @@ class FastHttp:
                     raise Ended("", refusal) from None
                 if status is None:
                     if "too long" in str(err).lower() or len(seen) > limits.max_header_bytes:
-                        reason = (f"egresswall: the upstream response head is over {limits.max_header_bytes} bytes "
-                                  "(limits.max_header_bytes)")
+                        reason = answered = (f"egresswall: the upstream response head is over "
+                                             f"{limits.max_header_bytes} bytes (limits.max_header_bytes)")
                     else:
+                        # h11's words quote the upstream's bytes: the record keeps them, the client's answer
+                        # does not (no upstream text in a refusal; mitmproxy's path answers the same).
                         reason = f"egresswall: the upstream response cannot be parsed: {err}"[:300]
-                    raise Ended(reason, self._connect_refusal(reason, Verdict(False, "connect", "connect", reason),
+                        answered = UNRELAYABLE_RESPONSE
+                    raise Ended(reason, self._connect_refusal(answered, Verdict(False, "connect", "connect", answered),
                                                               target, accept)) from None
                 raise Ended(f"the upstream response broke off: {err}"[:300]) from None
             if event is h11.NEED_DATA:

@@ -52,10 +52,15 @@ gate's owner builds — installing a second, different state is an error, never 
   test_hardening_adversarial.py::test_bytes_pipelined_behind_a_waiting_request_are_bounded.
 * **Unparseable heads**: mitmproxy answers 400 and no hook runs; ``on_refusal`` gives it its record. Test:
   test_hardening_adversarial.py::test_request_smuggling_shapes_are_refused_and_not_forwarded.
-* **mitmproxy's own error answers** (``Http1Server.send``): a request mitmproxy refuses after reading its
-  head but before any hook (no Host and origin form, a Host it cannot parse, an invalid request) gets
-  mitmproxy's 400 and no record; the patch records every such error answer for a request egresswall's
-  ``requestheaders`` never saw. Test: test_hardening_proxy_security.py::test_mitmproxys_own_400_is_recorded.
+* **mitmproxy's own error answers** (``Http1Server.send``, ``_http1.make_error_response``): a request
+  mitmproxy refuses after reading its head but before any hook (no Host and origin form, a Host it cannot
+  parse, an invalid request) got mitmproxy's 400 and no record; the patch records every such error answer
+  for a request egresswall's ``requestheaders`` never saw. Each of mitmproxy's own answers — those, a head
+  it cannot parse, a connect that failed — was its HTML page (``Server: mitmproxy``, no ``X-Egresswall-*``
+  headers, an upstream's unparseable bytes quoted): it is egresswall's refusal, with its record's rule and
+  reason, as the fast path answers. mitmproxy's connects fail with the fast front's wording
+  (``_open_connection``). Tests: test_hardening_proxy_security.py::test_mitmproxys_own_400_is_recorded,
+  test_own_answers.py.
 * **No pipe after a refused 101** (``_http1.should_make_pipe``): an upstream's unasked ``101`` is answered
   with a 502 by the audit-trail addon, but mitmproxy would still turn the upstream connection into a pipe
   and crash on its next bytes. Test:
@@ -64,7 +69,8 @@ gate's owner builds — installing a second, different state is an error, never 
   than mitmproxy's "Client disconnected.". Test:
   test_hardening_adversarial.py::test_upstream_that_never_answers_is_closed_after_the_idle_timeout.
 * **Connect time** (``asyncio.open_connection`` as mitmproxy's server module sees it): asyncio has no
-  connect timeout; mitmproxy's connects get ``limits.connect_timeout``. Test:
+  connect timeout; mitmproxy's connects get ``limits.connect_timeout``, and fail worded as the fast front's
+  (``proxy/dial.py``). Test:
   test_hardening_adversarial.py::test_upstream_connect_that_hangs_times_out.
 * **Every closed connection's socket is closed** (``ConnectionHandler.handle_connection``): mitmproxy
   closes a connection's socket only when the cancel that ends it finds it reading or draining. Its master
@@ -122,11 +128,14 @@ from mitmproxy.proxy.layers.http._events import (
 )
 from mitmproxy.proxy.layers.http._http1 import Http1Client, Http1Server
 
+from policy.decision import Verdict
 from policy.model import Limits
 
+from .accept import prefers_json
 from .body_reasons import TRAILERS_REASON, body_line_too_long_reason, body_unparseable_reason
+from .dial import connect_failed, connect_timed_out
 from .head_end import HEAD_END  # what h11's ReceiveBuffer accepts as the end of a head
-from .refusals import Refusal, refusal_bytes
+from .refusals import UNRELAYABLE_RESPONSE, Refusal, refusal_bytes
 
 REFUSE_BEFORE_BODY = "egresswall_refuse_before_body"
 BODY_LIMIT = "egresswall_body_limit"  # flow.metadata: bytes a buffered (chunked) body may have
@@ -209,7 +218,7 @@ def install(state: PatchState) -> None:
                       server_mark_done=Http1Server.mark_done,
                       server_handle_event=Http1Server._handle_event,
                       client_read_headers=Http1Client.read_headers, server_send=Http1Server.send,
-                      should_make_pipe=_http1.should_make_pipe,
+                      should_make_pipe=_http1.should_make_pipe, make_error_response=_http1.make_error_response,
                       on_timeout=mitmproxy.proxy.server.ConnectionHandler.on_timeout,
                       handle_connection=mitmproxy.proxy.server.ConnectionHandler.handle_connection,
                       hook_task=mitmproxy.proxy.server.ConnectionHandler.hook_task,
@@ -225,6 +234,7 @@ def install(state: PatchState) -> None:
     Http1Client.read_headers = _client_read_headers
     Http1Server.send = _server_send
     _http1.should_make_pipe = _should_make_pipe
+    _http1.make_error_response = _error_answer
     mitmproxy.proxy.server.ConnectionHandler.on_timeout = _on_timeout
     mitmproxy.proxy.server.ConnectionHandler.handle_connection = _handle_connection
     mitmproxy.proxy.server.ConnectionHandler.hook_task = _hook_task
@@ -251,6 +261,7 @@ def uninstall() -> None:
         Http1Client.read_headers = _originals["client_read_headers"]
         Http1Server.send = _originals["server_send"]
         _http1.should_make_pipe = _originals["should_make_pipe"]
+        _http1.make_error_response = _originals["make_error_response"]
         mitmproxy.proxy.server.ConnectionHandler.on_timeout = _originals["on_timeout"]
         mitmproxy.proxy.server.ConnectionHandler.handle_connection = _originals["handle_connection"]
         mitmproxy.proxy.server.ConnectionHandler.hook_task = _originals["hook_task"]
@@ -533,7 +544,7 @@ def _server_read_headers(self: Http1Server, event: events.Event):
         if self.state == self.done and self.request is None and isinstance(event, events.DataReceived):
             # mitmproxy answered 400 ("Bad HTTP request line", "Invalid header line"...) before any flow.
             detail = logs[-1].split(": ", 1)[-1] if logs else "unparseable request head"
-            state().on_refusal(self.conn, 400, "http:malformed", f"the request head cannot be parsed: {detail}"[:400])
+            state().on_refusal(self.conn, 400, "http:malformed", _unparseable(detail))
 
 
 def _server_wait(self: Http1Server, event: events.Event):
@@ -585,8 +596,8 @@ def _client_read_headers(self: Http1Client, event: events.Event):
         if problem is not None:
             self.state = self.done
             yield commands.CloseConnection(self.conn)
-            yield ReceiveHttp(ResponseProtocolError(self.stream_id, f"egresswall: {problem[1]}",
-                                                    ErrorCode.GENERIC_SERVER_ERROR))
+            yield ReceiveHttp(OwnResponseError(self.stream_id, f"egresswall: {problem[1]}",
+                                               ErrorCode.GENERIC_SERVER_ERROR))
             return
     interim = isinstance(event, events.DataReceived) and _drop_interim_heads(self.buf)
     yield from _originals["client_read_headers"](self, event)
@@ -617,14 +628,68 @@ def _start_of(buf, size: int = 16) -> bytes:
 
 # ---- mitmproxy's own answers -------------------------------------------------------------------------
 
+class OwnResponseError(ResponseProtocolError):
+    """An upstream failure egresswall itself ended (a bound on the response head): its message is egresswall's
+    own words, which the client's answer may carry (mitmproxy's may quote the upstream's bytes)."""
+
+
 def _server_send(self: Http1Server, event):
-    if isinstance(event, ResponseProtocolError) and self.response is None and not (
-            self.request is not None and getattr(self.request, "egresswall_seen", False)):
-        status = event.code.http_status_code()
-        if status is not None:  # an answer mitmproxy makes itself, for a request no hook of ours saw
-            state().on_refusal(self.conn, status, "http:invalid-request",
-                               f"mitmproxy refused the request before any decision: {event.message}"[:400])
-    yield from _originals["server_send"](self, event)
+    """mitmproxy's own error answers (its branch for ``ResponseProtocolError``, taken over): egresswall's
+    refusal, as the fast path answers, not mitmproxy's HTML page (``Server: mitmproxy``, no reason headers,
+    "consider setting connection_strategy"). For a request no hook of ours saw, the refusal is recorded here;
+    one our hooks saw has its record already (the decision's, the error hook's): the answer says the same."""
+    if not isinstance(event, ResponseProtocolError) or self.response is not None:
+        yield from _originals["server_send"](self, event)
+        return
+    if not (self.conn.state & connection.ConnectionState.CAN_WRITE):
+        return
+    status = event.code.http_status_code()
+    if status is not None:
+        seen = self.request is not None and getattr(self.request, "egresswall_seen", False)
+        if seen:
+            refusal = _answer_to_seen(self.request, status, event.code, event.message,
+                                      isinstance(event, OwnResponseError))
+        else:
+            reason = f"mitmproxy refused the request before any decision: {event.message}"[:400]
+            state().on_refusal(self.conn, status, "http:invalid-request", reason)
+            refusal = Refusal(status, Verdict(False, "form", "http:invalid-request", reason))
+        yield commands.SendData(self.conn, refusal_bytes(refusal))
+    yield commands.CloseConnection(self.conn)
+
+
+def _answer_to_seen(request: http.Request, status: int, code: ErrorCode, message: str, own: bool) -> Refusal:
+    """mitmproxy's error answer to a request egresswall decided: a failed connect (502), worded as its record
+    is (``connect_error_text``); a bound of egresswall's on the upstream (``own``: its words); another
+    upstream failure (502), whose text may quote the upstream's bytes, which never reach a refusal (README,
+    "Refusals an agent can read": the record has them); or a framing mitmproxy refused (its decision
+    record's reason)."""
+    target, role, accept = getattr(request, "egresswall_answer_context", (None, None, ()))
+    if code is ErrorCode.CONNECT_FAILED:
+        verdict = Verdict(False, "connect", "connect", connect_error_text(message), role=role)
+    elif own:
+        verdict = Verdict(False, "connect", "connect", message, role=role)
+    elif status == 502:
+        verdict = Verdict(False, "connect", "connect", UNRELAYABLE_RESPONSE, role=role)
+    else:
+        verdict = Verdict(False, "form", "http:invalid-request", f"mitmproxy refused the request: {message}"[:400])
+    host, port = (target.host, target.port) if target is not None else (None, None)
+    return Refusal(status, verdict, host, port, json=prefers_json(accept))
+
+
+def connect_error_text(message: str) -> str:
+    """mitmproxy's text for a failed connect, as egresswall words it: the fast front's wording already
+    (``_open_connection``), but for the prefix mitmproxy puts before a connect a hook refused."""
+    return message.removeprefix("Connection killed: ")
+
+
+def _error_answer(status: int, message: str) -> bytes:
+    """``_http1.make_error_response``, which mitmproxy's request-head reader calls for a head it cannot parse
+    (``_server_read_headers`` records it): egresswall's refusal, with the record's rule and reason."""
+    return refusal_bytes(Refusal(status, Verdict(False, "form", "http:malformed", _unparseable(message))))
+
+
+def _unparseable(detail: str) -> str:
+    return f"the request head cannot be parsed: {detail}"[:400]
 
 
 def _should_make_pipe(request, response) -> bool:
@@ -718,18 +783,19 @@ async def _held_hook_task(self: mitmproxy.proxy.server.ConnectionHandler, hook: 
         reader.release()
 
 
-async def _open_connection(*args, **kwargs):
+async def _open_connection(host, port, *args, **kwargs):
     timeout = state().limits().connect_timeout
+    # Each failure is an OSError whose text is the fast front's (proxy/dial.py): mitmproxy reports it as the
+    # connect error (the 502's reason, the error hook's, a tunnel's closing line).
     try:
-        return await asyncio.wait_for(asyncio.open_connection(*args, **kwargs), timeout)
+        return await asyncio.wait_for(asyncio.open_connection(host, port, *args, **kwargs), timeout)
     except TimeoutError:
-        # An OSError with a message: mitmproxy reports it as the connect error (502, error hook).
-        raise TimeoutError(f"connect timed out after {timeout:g}s (limits.connect_timeout)") from None
+        raise TimeoutError(connect_timed_out(host, port, timeout)) from None
+    except OSError as err:
+        raise OSError(connect_failed(host, port, err)) from None
 
 
 def _plain_refusal(status: int, rule: str, reason: str) -> http.Response:
-    from policy.decision import Verdict
-
     from .refusals import refusal_parts
 
     code, headers, body = refusal_parts(Refusal(status, Verdict(False, "limits", rule, reason)))

@@ -23,7 +23,7 @@ from policy.wire import OWN_HEADER_PREFIX, REASON_HEADER, RULE_HEADER, RULE_ID_H
 from .hints import hint_for
 from .records import rule_id_of
 
-__all__ = ["OWN_HEADER_PREFIX", "Refusal", "refusal_bytes", "refusal_parts"]
+__all__ = ["OWN_HEADER_PREFIX", "UNRELAYABLE_RESPONSE", "Refusal", "refusal_bytes", "refusal_parts"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,9 @@ def one_line(text: str, limit: int = 400) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+# The reason a response that cannot be read is refused with, on both transports: its parser's words quote the
+# upstream's bytes, so they go to the record only (nothing an upstream sent reaches a refusal).
+UNRELAYABLE_RESPONSE = "egresswall could not relay the upstream's response (the audit record's error says why)"
 ERROR_CODES = {"form": "malformed", "limits": "limited", "audit": "unavailable", "connect": "unavailable"}
 PROXY_AUTHENTICATE = 'Basic realm="egresswall", charset="UTF-8"'  # with every 407: present a session
 

@@ -8,14 +8,17 @@ import uuid
 
 from mitmproxy import http
 
-from ..gate import Gate, HttpAsk
+from policy.decision import Verdict
+
+from ..gate import Gate, HttpAsk, refusal_for
 from ..http_hygiene import OTHER_UPGRADE, WEBSOCKET, upgrade_kind
-from ..mitm_patches import refuse_before_body
+from ..mitm_patches import connect_error_text, refuse_before_body
 from ..peers import peer_of
 from ..refusals import Refusal, refusal_parts
 from .connections import ConnectionTable
 
 VERDICT, TARGET, STARTED, FLOW_ID = "egresswall_verdict", "egresswall_target", "egresswall_started", "egresswall_id"
+CONNECT_ANSWER = "egresswall_connect_answer"  # an allowed CONNECT's (target, role, Accept), should its connect fail
 # Bytes a header value may not carry (RFC 9110, 5.5): mitmproxy keeps an obs-fold as "\r\n " inside the
 # value and passes a bare CR on, and an upstream may read either as the start of another header.
 _BAD_VALUE_BYTES = re.compile(rb"[\r\n\x00]")
@@ -50,9 +53,20 @@ class DecisionAddon:
             return
         tunnel = outcome.tunnel
         assert tunnel is not None and tunnel.verdict.pinned is not None
+        flow.metadata[CONNECT_ANSWER] = (tunnel.target, tunnel.verdict.role, accept_of(flow))
         tunnel.client_conn_id = flow.client_conn.id
         self.table.pins[(flow.client_conn.id, tunnel.target.host, tunnel.target.port)] = tunnel.verdict.pinned
         self.table.tunnels[flow.server_conn.id] = tunnel
+
+    def http_connect_error(self, flow: http.HTTPFlow) -> None:
+        """The allowed CONNECT's connect failed (its tunnel's closing line is pinning.py's): answered 502 as the
+        front answers it (``Front._connect_failed``), not with mitmproxy's "Cannot connect" text."""
+        if CONNECT_ANSWER not in flow.metadata or not flow.server_conn.error:
+            return  # refused before any connect (mitmproxy calls this for every CONNECT not answered 2xx)
+        target, role, accept = flow.metadata[CONNECT_ANSWER]
+        reason = connect_error_text(flow.server_conn.error)
+        flow.response = to_response(refusal_for(502, Verdict(False, "connect", "connect", reason, role=role), target,
+                                                accept))
 
     def http_connected(self, flow: http.HTTPFlow) -> None:
         """The CONNECT was answered 2xx: a connect that fails from now on fails inside an open tunnel."""
@@ -106,6 +120,9 @@ class DecisionAddon:
             request.authority = ""  # forwarded in origin form: the tunnel's host is the only one it can name
         flow.metadata[VERDICT] = outcome.verdict
         flow.metadata[TARGET] = target
+        # Should mitmproxy answer it itself (a failed connect: proxy/mitm_patches.py ``_server_send``), the
+        # answer names the target and takes the client's Accept, as every other refusal does.
+        request.egresswall_answer_context = (target, outcome.verdict.role, accept_of(flow))
 
 
 def _malformed(flow: http.HTTPFlow) -> tuple[str, str] | None:
