@@ -29,6 +29,7 @@ from policy.decision import Request, Resolution, Verdict, refuse_form, role_of
 from policy.hosts import HostFormError, Target, host_header_agrees, parse_authority, parse_url
 from policy.model import Policy
 from policy.resolver import DnsResolver, Resolver, resolve_and_decide
+from policy.sessions import STAGE as SESSION_STAGE
 from policy.sessions import Session
 
 from .accept import prefers_json
@@ -202,7 +203,10 @@ class Gate:
         except HostFormError as err:
             verdict, target = refuse_form(err), None
         else:
-            session, verdict, status = await self._session_first(policy, client, tuple(credentials), target, False)
+            # A tunnel neither intercepted nor to a plain-HTTP port carries TLS passed through unread.
+            tls = not (policy.intercepts(target.host) or target.port in policy.http_ports)
+            session, verdict, status = await self._session_first(policy, client, tuple(credentials), target, False,
+                                                                 tls)
             if verdict is None:
                 verdict, resolution = await self.decide(policy, Request(target, "CONNECT", client, tunnel=True))
                 verdict, status = await self._session_charge(session, verdict, target, None)
@@ -235,6 +239,12 @@ class Gate:
         if tunnel.first_byte_at is None and chunk:
             tunnel.first_byte_at = time.monotonic()
         judged = first.feed(chunk, ech_allowed(self.policy))
+        if judged.kind == "tls" and not tunnel.intercept and tunnel.session is not None:
+            # TLS in a tunnel to a plain-HTTP port, passed through: the CONNECT was admitted for HTTP inside,
+            # whose requests are each held to the grants; TLS would reach any https path there.
+            refusal = self.sessions.check_passthrough(tunnel.session, tunnel.target, tunnel.verdict.role)
+            if refusal is not None:
+                judged = FirstBytes.refuse(refusal.rule, refusal.reason)
         if judged.refused:
             self.refuse_tunnel(tunnel, judged.rule, judged.reason)
         return judged
@@ -253,7 +263,8 @@ class Gate:
         return RetryWatch(judged.sni, ech_allowed(self.policy), held)
 
     def refuse_tunnel(self, tunnel: Tunnel, rule: str, reason: str, up: int = 0, down: int = 0) -> None:
-        stage = LIMITS if rule.startswith("limits.") else TLS if rule.startswith("tls:") else HTTP
+        stage = (LIMITS if rule.startswith("limits.") else TLS if rule.startswith("tls:")
+                 else SESSION_STAGE if rule.startswith("session:") else HTTP)
         verdict = Verdict(False, stage, rule, reason, role=tunnel.verdict.role, addresses=tunnel.verdict.addresses,
                           session=tunnel.verdict.session)
         record = self.recorder.record(DECISION, tunnel.id + "-tls", tunnel.client, "CONNECT", tunnel.target, verdict,
@@ -356,9 +367,10 @@ class Gate:
     # ---- sessions --------------------------------------------------------------------------------
 
     async def _session_first(self, policy: Policy, client: str, credentials: tuple[str, ...], target: Target,
-                             visible: bool) -> tuple[Session | None, Verdict | None, int]:
+                             visible: bool, tls: bool = False) -> tuple[Session | None, Verdict | None, int]:
         """Before the policy decides (so an ungranted name is never looked up): who the request came as,
-        and whether its session grants the target. (session, refusal or None, status of a refusal)."""
+        and whether its session grants the target (``tls``: a tunnel carrying TLS passed through). (session,
+        refusal or None, status of a refusal)."""
         identity = await self.sessions.identify(policy, client, credentials)
         if identity.refusal is not None:
             return None, identity.refusal, identity.status
@@ -366,7 +378,7 @@ class Gate:
         if session is None:
             return None, None, 403
         role = role_of(policy, client)
-        return session, self.sessions.check(session, target, visible, role.name if role else None), 403
+        return session, self.sessions.check(session, target, visible, role.name if role else None, tls), 403
 
     async def _session_charge(self, session: Session | None, verdict: Verdict, target: Target,
                               content_length: int | None) -> tuple[Verdict, int]:
