@@ -315,29 +315,31 @@ class Gate:
         try:
             target = self._request_target(ask, tunnel)
         except HostFormError as err:
-            return self._request_refused(ask, None, refuse_form(err), 403, url=f"{ask.scheme}://{ask.host}{ask.path}")
+            return self._request_refused(ask, None, refuse_form(err), 403, url=f"{ask.scheme}://{ask.host}{ask.path}",
+                                         tunnel=tunnel)
         if tunnel is not None and ask.authority and not host_header_agrees(target, ask.authority):
             # Absolute-form inside a tunnel: an origin must use the URI's authority over Host (RFC 9112
             # 3.2.2), so one naming another host than the tunnel's would reach that host.
             verdict = Verdict(False, "form", "form:authority",
                               f"the request target names {safe_text(ask.authority, 100)!r}, not the tunnel's "
                               f"{target.authority}")
-            return self._request_refused(ask, target, verdict, 403)
+            return self._request_refused(ask, target, verdict, 403, tunnel=tunnel)
         if ask.host_header is not None and not host_header_agrees(target, ask.host_header):
             verdict = Verdict(False, "form", "form:host-header",
                               f"the Host header {safe_text(ask.host_header, 100)!r} does not agree with the target "
                               f"{target.authority}")
-            return self._request_refused(ask, target, verdict, 403)
+            return self._request_refused(ask, target, verdict, 403, tunnel=tunnel)
         body_refused = unexpected_body(ask.method, ask.content_length, ask.chunked, policy.http.body_allowed_on)
         if body_refused:
-            return self._request_refused(ask, target, Verdict(False, "form", UNEXPECTED_BODY, body_refused), 400)
+            return self._request_refused(ask, target, Verdict(False, "form", UNEXPECTED_BODY, body_refused), 400,
+                                         tunnel=tunnel)
         limit = policy.limits.max_request_body
         if ask.content_length is not None and ask.content_length > limit:
             verdict = Verdict(False, LIMITS, "limits.max_request_body",
                               f"the request body of {ask.content_length} bytes is over the limit of {limit} "
                               "(limits.max_request_body)")
             self.metrics.refusal("limits.max_request_body")
-            return self._request_refused(ask, target, verdict, 413)
+            return self._request_refused(ask, target, verdict, 413, tunnel=tunnel)
         resolution = None
         if tunnel is not None:  # the CONNECT's session applies inside; a header inside names no other one
             session, verdict, status = None, None, 403
@@ -402,7 +404,9 @@ class Gate:
         return plain_target(ask)
 
     def _request_refused(self, ask: HttpAsk, target: Target | None, verdict: Verdict, status: int,
-                         url: str | None = None) -> RequestOutcome:
+                         url: str | None = None, tunnel: Tunnel | None = None) -> RequestOutcome:
+        if tunnel is not None:  # inside a tunnel every request is its CONNECT's session's, refused ones too
+            verdict = replace(verdict, session=tunnel.verdict.session)
         record = self.recorder.record(DECISION, ask.flow_id, ask.client, ask.method, target, verdict)
         refusal = refusal_for(status, verdict, target, ask.accept)
         record.status, record.bytes_down = status, refusal.size
@@ -413,10 +417,12 @@ class Gate:
 
     def refuse(self, client: str, method: str | None, target: Target | None, status: int, stage: str, rule: str,
                reason: str, url: str | None = None, flow_id: str | None = None, event: str = DECISION,
-               accept: Iterable[str] = ()) -> Refusal:
-        """A refusal made before any policy decision (malformed, over a bound, over a cap): its one record.
-        ``accept``: the request's Accept header values, when a head was read (they choose the body)."""
-        verdict = Verdict(False, stage, rule, reason)
+               accept: Iterable[str] = (), session: str | None = None) -> Refusal:
+        """A refusal made before any policy decision (malformed, over a bound, over a cap), or after one
+        (a body refused while it is read): its one record. ``accept``: the request's Accept header values,
+        when a head was read (they choose the body); ``session``: the id of the session the request was
+        admitted under, which every line of its requests names."""
+        verdict = Verdict(False, stage, rule, reason, session=session)
         record = self.recorder.record(event, flow_id or uuid.uuid4().hex, client, method, target, verdict)
         refusal = refusal_for(status, verdict, target, accept)
         record.status, record.bytes_down = status or None, refusal.size if status else 0

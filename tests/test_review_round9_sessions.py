@@ -106,3 +106,66 @@ def test_an_http_url_grant_lets_http_inside_a_tunnel_to_its_port_but_no_tls(lab,
     assert b"hello from" not in answer and tls_on_http_port.requests == []
     refused = [r for r in proxy.decisions() if r.get("rule") == "session:not-granted"]
     assert refused and refused[-1]["session"] == session["id"], proxy.decisions()
+
+
+# ---- the audit record names the session of every request made under it ---------------------------
+
+def _ask(sock: socket.socket, request: bytes) -> tuple[int, bytes]:
+    """One request on an open connection: its status and the whole answer (to its Content-Length)."""
+    sock.sendall(request)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return 0, data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")[1:]
+                   if line.lower().startswith(b"content-length:")), 0)
+    while len(body) < length and (chunk := sock.recv(65536)):
+        body += chunk
+    return int(head.split(b" ", 2)[1]), data
+
+
+@both_transports
+def test_a_request_refused_inside_a_sessions_tunnel_is_recorded_under_that_session(lab, start_proxy, tmp_path):
+    """Inside a tunnel the CONNECT's session applies to every request (README): a request there that the
+    form checks refuse — the one that names another host, the exfiltration attempt itself — is that
+    session's too, and its record must say so, as the records of the tunnel's other requests do."""
+    proxy = start_proxy(_policy(lab, "limits:\n  max_request_body: 100\n"), "--admin-token-file",
+                        str(token_file(tmp_path)))
+    session = create(proxy.admin_port, {"hosts": ["public.lab.example"]})
+    port = lab.public.port
+    attempts = [f"GET /r9/other HTTP/1.1\r\nHost: other.lab.example:{port}\r\n\r\n",
+                f"GET http://other.lab.example:{port}/r9/abs HTTP/1.1\r\nHost: other.lab.example:{port}\r\n\r\n",
+                f"POST /r9/big HTTP/1.1\r\nHost: public.lab.example:{port}\r\nContent-Length: 1000\r\n\r\n"]
+    for attempt in attempts:  # each in a tunnel of its own, after a request the tunnel's session admits
+        sock, status, _, body = connect(proxy, f"public.lab.example:{port}", session)
+        assert status == 200, body
+        with sock:
+            first = f"GET /r9/first HTTP/1.1\r\nHost: public.lab.example:{port}\r\n\r\n"
+            assert _ask(sock, first.encode())[0] == 200
+            assert _ask(sock, attempt.encode())[0] in (400, 403, 413)
+    inside = [r for r in proxy.decisions() if r["method"] in ("GET", "POST")]
+    assert [r["rule"] for r in inside[1::2]] == ["form:host-header", "form:authority", "limits.max_request_body"]
+    assert [r["session"] for r in inside] == [session["id"]] * 6, inside
+
+
+@both_transports
+def test_an_admitted_requests_body_refused_midway_is_recorded_under_its_session(lab, start_proxy, tmp_path):
+    """A chunked body over limits.max_request_body is refused while it is read, after the request was
+    admitted under its session: that refusal is the flow's closing record, and it is the session's."""
+    proxy = start_proxy(_policy(lab, "limits:\n  max_request_body: 100\n"), "--admin-token-file",
+                        str(token_file(tmp_path)))
+    session = create(proxy.admin_port, {"hosts": ["public.lab.example"]})
+    port = lab.public.port
+    chunk = b"c8\r\n" + b"x" * 200 + b"\r\n0\r\n\r\n"
+    with socket.create_connection((proxy.host, proxy.port), timeout=10) as sock:
+        status, _ = _ask(sock, f"POST http://public.lab.example:{port}/r9/chunked HTTP/1.1\r\n"
+                               f"Host: public.lab.example:{port}\r\nTransfer-Encoding: chunked\r\n"
+                               f"Proxy-Authorization: {session['proxy_authorization']}\r\n\r\n".encode() + chunk)
+    assert status == 413
+    lines = [r for r in proxy.audit() if r["method"] == "POST"]
+    assert [r["rule"] for r in lines][-1] == "limits.max_request_body", lines
+    assert [r["session"] for r in lines] == [session["id"]] * len(lines), lines
+
