@@ -7,9 +7,12 @@ the session, a request inside a session's tunnel recorded as no session's.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import shutil
 import socket
 import ssl
+import time
 
 import pytest
 from labnet import PUBLIC_IP, Upstream, self_signed
@@ -17,7 +20,7 @@ from proxyproc import both_transports, read_response
 from session_client import connect, create, token_file
 
 from policy.hosts import parse_authority
-from policy.sessions import Grants, parse_url_grant
+from policy.sessions import Grants, Session, parse_session_spec, parse_url_grant, secret_digest
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("internal_saw_nothing")]
 
@@ -169,3 +172,37 @@ def test_an_admitted_requests_body_refused_midway_is_recorded_under_its_session(
     assert [r["rule"] for r in lines][-1] == "limits.max_request_body", lines
     assert [r["session"] for r in lines] == [session["id"]] * len(lines), lines
 
+
+# ---- the Redis store keeps a session's counters as long as the session ----------------------------
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs Debian's redis-server (ci/install.sh --redis)")
+def test_a_charge_judged_on_the_session_read_before_its_extension_keeps_its_counters_for_the_extension(tmp_path):
+    """A request reads its session, the platform extends it (PATCH), then the request is counted. The
+    counters must live as long as the session record (the memory store keeps them with the session): were
+    they to expire at the old expiry, the budgets would start again from nothing while the session lives on."""
+    from test_sessions_redis import RedisServer
+
+    from proxy.sessions.redis_store import RedisStore
+
+    server = RedisServer(tmp_path)
+    try:
+        asyncio.run(_charge_after_extension(RedisStore(server.url)))
+    finally:
+        server.stop()
+
+
+async def _charge_after_extension(store) -> None:
+    now = time.time()
+    spec = parse_session_spec({"grants": {"hosts": ["public.lab.example"]}, "ttl": 60, "budgets": {"requests": 5}})
+    session = Session("sr9a", secret_digest("secret"), now, now + 60, spec)
+    try:
+        await store.put(session)
+        assert await store.charge(session, "public.lab.example", None) is None
+        assert await store.set_expiry(session.id, now + 80000) is not None  # extended after the read below
+        assert await store.charge(session, "public.lab.example", None) is None  # judged on the session as read
+        record = await store.client.pexpiretime(store._key(session.id))
+        for part in ("usage", "hosts"):
+            assert await store.client.pexpiretime(store._key(session.id, part)) >= record, part
+        assert (await store.usage(session.id)).requests == 2
+    finally:
+        await store.close()
