@@ -15,6 +15,7 @@ import ssl
 import time
 
 import pytest
+import rawclient
 from labnet import PUBLIC_IP, Upstream, self_signed
 from proxyproc import both_transports, read_response
 from session_client import connect, create, token_file
@@ -206,3 +207,39 @@ async def _charge_after_extension(store) -> None:
         assert (await store.usage(session.id)).requests == 2
     finally:
         await store.close()
+
+
+# ---- one connection, several sessions: each request is its own -----------------------------------
+
+@both_transports
+def test_requests_on_one_connection_each_go_as_the_session_they_present_and_none_carries_it_on(
+        lab, start_proxy, tmp_path):
+    """Kept alive and pipelined, with sessions optional: a request goes as the session it presents (never
+    the previous request's), one without credentials goes as none, and no Proxy-Authorization reaches the
+    origin; the records name each request's own session."""
+    policy = _policy(lab).replace("session: required\n", "")
+    proxy = start_proxy(policy, "--admin-token-file", str(token_file(tmp_path)))
+    first = create(proxy.admin_port, {"hosts": ["public.lab.example"]})
+    second = create(proxy.admin_port, {"hosts": ["other.lab.example"]})
+    port = lab.public.port
+
+    def plain(host: str, path: str, session: dict | None) -> bytes:
+        auth = f"Proxy-Authorization: {session['proxy_authorization']}\r\n" if session else ""
+        return (f"GET http://{host}:{port}{path} HTTP/1.1\r\nHost: {host}:{port}\r\nAccept: application/json\r\n"
+                f"{auth}\r\n").encode()
+
+    sequence = [("public.lab.example", "/ka/1", first), ("other.lab.example", "/ka/2", second),
+                ("public.lab.example", "/ka/3", None), ("public.lab.example", "/ka/4", first)]
+    before = len(lab.public.requests)
+    with socket.create_connection((proxy.host, proxy.port), timeout=10) as sock:
+        assert [_ask(sock, plain(*step))[0] for step in sequence] == [200] * 4
+        # Pipelined in one write: the first session's request, then the second's host under the first.
+        sock.sendall(plain("public.lab.example", "/ka/5", first) + plain("other.lab.example", "/ka/6", first))
+        answers = rawclient.read_all(sock, 5)
+    assert answers.count(b"HTTP/1.1 200") == 1 and b"session:not-granted" in answers
+    seen = lab.public.requests[before:]
+    assert [p for _, p, _ in seen] == ["/ka/1", "/ka/2", "/ka/3", "/ka/4", "/ka/5"]
+    assert not [h for _, _, h in seen if any("authorization" in k.lower() for k in h)]
+    decided = {r["path"]: r["session"] for r in proxy.decisions() if r["method"] == "GET"}
+    assert decided == {"/ka/1": first["id"], "/ka/2": second["id"], "/ka/3": None, "/ka/4": first["id"],
+                       "/ka/5": first["id"], "/ka/6": first["id"]}
