@@ -142,7 +142,9 @@ def test_a_request_refused_inside_a_sessions_tunnel_is_recorded_under_that_sessi
     port = lab.public.port
     attempts = [f"GET /r9/other HTTP/1.1\r\nHost: other.lab.example:{port}\r\n\r\n",
                 f"GET http://other.lab.example:{port}/r9/abs HTTP/1.1\r\nHost: other.lab.example:{port}\r\n\r\n",
-                f"POST /r9/big HTTP/1.1\r\nHost: public.lab.example:{port}\r\nContent-Length: 1000\r\n\r\n"]
+                f"POST /r9/big HTTP/1.1\r\nHost: public.lab.example:{port}\r\nContent-Length: 1000\r\n\r\n",
+                f"GET /r9/h2c HTTP/1.1\r\nHost: public.lab.example:{port}\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n",
+                f"GET /r9/nul HTTP/1.1\r\nHost: public.lab.example:{port}\r\nX-A: a\rb\r\n\r\n"]
     for attempt in attempts:  # each in a tunnel of its own, after a request the tunnel's session admits
         sock, status, _, body = connect(proxy, f"public.lab.example:{port}", session)
         assert status == 200, body
@@ -151,8 +153,9 @@ def test_a_request_refused_inside_a_sessions_tunnel_is_recorded_under_that_sessi
             assert _ask(sock, first.encode())[0] == 200
             assert _ask(sock, attempt.encode())[0] in (400, 403, 413)
     inside = [r for r in proxy.decisions() if r["method"] in ("GET", "POST")]
-    assert [r["rule"] for r in inside[1::2]] == ["form:host-header", "form:authority", "limits.max_request_body"]
-    assert [r["session"] for r in inside] == [session["id"]] * 6, inside
+    assert [r["rule"] for r in inside[1::2]] == ["form:host-header", "form:authority", "limits.max_request_body",
+                                                 "http:upgrade", "http:header-value"]
+    assert [r["session"] for r in inside] == [session["id"]] * 10, inside
 
 
 @both_transports
