@@ -24,6 +24,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 from .decision import Verdict
 from .hosts import HostFormError, Target, parse_url
@@ -41,6 +42,7 @@ STORE_UNAVAILABLE = "session:store-unavailable"  # answered 503
 DEFAULT_TTL = 900.0
 SESSION_ID = re.compile(r"\A[A-Za-z0-9_-]{1,64}\Z")  # \Z: "$" would let a trailing newline in
 _URL_SCHEMES = frozenset({"http", "https"})
+_ASCII_PRINTABLE = "".join(map(chr, range(0x21, 0x7F)))  # kept as given (escapes too) when a path is encoded
 _PLAIN = {"ws": "http", "wss": "https"}  # a WebSocket handshake is a request to the http(s) URL it upgrades
 
 
@@ -174,11 +176,23 @@ def parse_url_grant(text: str) -> UrlGrant:
     if target.scheme not in _URL_SCHEMES:
         raise ValueError(f"got {text!r}; a URL grant is an http or https URL (a WebSocket handshake is a request to "
                          "its http(s) URL)")
-    path = canonical_request_path(target.path)
+    path = canonical_request_path(_as_sent(text, target.path))
     if path is None:
         raise ValueError(f"got {text!r}; the path has dot segments, encoded separators or empty segments, which "
                          "servers read differently: give the path the server serves")
     return UrlGrant(text, target.scheme, target.host, target.port, path)
+
+
+def _as_sent(text: str, path: str) -> str:
+    """The path and query as a request carries them: ASCII. A request target is ASCII on the wire (both
+    transports refuse any other byte), and a browser sends a link's other characters percent-encoded as
+    UTF-8 (``/wiki/Café`` as ``/wiki/Caf%C3%A9``): a grant of the raw text would match no request at all."""
+    if path.isascii():
+        return path
+    try:
+        return quote(path, safe=_ASCII_PRINTABLE)  # escapes already there, and every ASCII character, kept
+    except UnicodeEncodeError:  # a lone surrogate (JSON's "\ud800"): no character, no UTF-8
+        raise ValueError(f"got {text!r}; the path or query is not valid Unicode (a lone surrogate)") from None
 
 
 def parse_session_spec(data: Any) -> SessionSpec:

@@ -18,7 +18,7 @@ import pytest
 import rawclient
 from labnet import PUBLIC_IP, Upstream, self_signed
 from proxyproc import both_transports, read_response
-from session_client import connect, create, token_file
+from session_client import api, connect, create, get, token_file
 
 from policy.hosts import parse_authority
 from policy.sessions import Grants, Session, parse_session_spec, parse_url_grant, secret_digest
@@ -143,7 +143,8 @@ def test_a_request_refused_inside_a_sessions_tunnel_is_recorded_under_that_sessi
     attempts = [f"GET /r9/other HTTP/1.1\r\nHost: other.lab.example:{port}\r\n\r\n",
                 f"GET http://other.lab.example:{port}/r9/abs HTTP/1.1\r\nHost: other.lab.example:{port}\r\n\r\n",
                 f"POST /r9/big HTTP/1.1\r\nHost: public.lab.example:{port}\r\nContent-Length: 1000\r\n\r\n",
-                f"GET /r9/h2c HTTP/1.1\r\nHost: public.lab.example:{port}\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n",
+                f"GET /r9/h2c HTTP/1.1\r\nHost: public.lab.example:{port}\r\nUpgrade: h2c\r\n"
+                "Connection: Upgrade\r\n\r\n",
                 f"GET /r9/nul HTTP/1.1\r\nHost: public.lab.example:{port}\r\nX-A: a\rb\r\n\r\n"]
     for attempt in attempts:  # each in a tunnel of its own, after a request the tunnel's session admits
         sock, status, _, body = connect(proxy, f"public.lab.example:{port}", session)
@@ -246,3 +247,23 @@ def test_requests_on_one_connection_each_go_as_the_session_they_present_and_none
     decided = {r["path"]: r["session"] for r in proxy.decisions() if r["method"] == "GET"}
     assert decided == {"/ka/1": first["id"], "/ka/2": second["id"], "/ka/3": None, "/ka/4": first["id"],
                        "/ka/5": first["id"], "/ka/6": first["id"]}
+
+
+# ---- a link with characters outside ASCII grants the request a browser sends for it --------------
+
+@both_transports
+def test_a_url_grant_with_characters_outside_ascii_grants_the_percent_encoded_request(lab, start_proxy, tmp_path):
+    """A user's link ``/wiki/Café`` is requested as ``/wiki/Caf%C3%A9`` (a request target is ASCII; the raw
+    bytes are refused on both transports): the grant must admit that, and only that. Before, it was taken
+    (201) and admitted no request at all. A path that is no Unicode (a lone surrogate) is a 400."""
+    proxy = start_proxy(_policy(lab), "--admin-token-file", str(token_file(tmp_path)))
+    port = lab.public.port
+    session = create(proxy.admin_port, {"urls": [f"http://public.lab.example:{port}/wiki/Café?lang=dé"]})
+    assert session["grants"]["urls"] == [f"http://public.lab.example:{port}/wiki/Café?lang=dé"]  # as given
+    for path, expected in (("/wiki/Caf%C3%A9?lang=d%C3%A9", 200), ("/wiki/Caf%C3%A9?lang=de", 403),
+                           ("/wiki/Cafe?lang=d%C3%A9", 403)):
+        status, headers, body = get(proxy, f"http://public.lab.example:{port}{path}", session)
+        assert status == expected, (path, status, body)
+    raw = b'{"grants": {"urls": ["http://public.lab.example/wiki/\\ud800"]}}'
+    status, _, body = api(proxy.admin_port, "POST", "/v1/sessions", raw=raw)
+    assert status == 400 and body["field"] == "grants.urls[0]" and "surrogate" in body["reason"], body
