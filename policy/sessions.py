@@ -12,7 +12,8 @@ and error words as the policy file), and the checks:
 
 A URL grant admits its exact URL where the request is visible (plain HTTP, requests inside an
 intercepted or plain-HTTP tunnel) and only its host and port for a passed-through TLS tunnel, where
-egresswall sees no path.
+egresswall sees no path — an https URL's only: TLS passed through reaches every https path there, which
+an http URL never granted.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 from .decision import Verdict
 from .hosts import HostFormError, Target, parse_url
@@ -40,6 +42,7 @@ STORE_UNAVAILABLE = "session:store-unavailable"  # answered 503
 DEFAULT_TTL = 900.0
 SESSION_ID = re.compile(r"\A[A-Za-z0-9_-]{1,64}\Z")  # \Z: "$" would let a trailing newline in
 _URL_SCHEMES = frozenset({"http", "https"})
+_ASCII_PRINTABLE = "".join(map(chr, range(0x21, 0x7F)))  # kept as given (escapes too) when a path is encoded
 _PLAIN = {"ws": "http", "wss": "https"}  # a WebSocket handshake is a request to the http(s) URL it upgrades
 
 
@@ -53,8 +56,11 @@ class UrlGrant:
     port: int
     path: str  # canonical path with the query, e.g. "/a/b?x=1"
 
-    def admits_tunnel(self, target: Target) -> bool:
-        return target.host == self.host and target.port == self.port
+    def admits_tunnel(self, target: Target, tls: bool = False) -> bool:
+        """``tls``: the tunnel carries (or may carry) TLS passed through unread, which reaches any https path
+        there: only an https URL's host and port admit it. An http URL's host and port admit a tunnel
+        whose requests are seen (HTTP inside), each then held to the exact URL."""
+        return target.host == self.host and target.port == self.port and (self.scheme == "https" or not tls)
 
     def admits_request(self, target: Target) -> bool:
         if _PLAIN.get(target.scheme, target.scheme) != self.scheme or not self.admits_tunnel(target):
@@ -67,13 +73,14 @@ class Grants:
     hosts: tuple[HostPattern, ...] = ()
     urls: tuple[UrlGrant, ...] = ()
 
-    def admit(self, target: Target, visible: bool) -> bool:
-        """``visible``: the request's scheme and path are seen (not a passed-through tunnel)."""
+    def admit(self, target: Target, visible: bool, tls: bool = False) -> bool:
+        """``visible``: the request's scheme and path are seen (not a tunnel); ``tls``: a tunnel that carries
+        (or may carry) TLS passed through unread (``UrlGrant.admits_tunnel``)."""
         if any(pattern.matches(target.host) for pattern in self.hosts):
             return True
         if visible:
             return any(url.admits_request(target) for url in self.urls)
-        return any(url.admits_tunnel(target) for url in self.urls)
+        return any(url.admits_tunnel(target, tls) for url in self.urls)
 
     def as_json(self) -> dict[str, list[str]]:
         return {"hosts": [p.text for p in self.hosts], "urls": [u.text for u in self.urls]}
@@ -169,11 +176,23 @@ def parse_url_grant(text: str) -> UrlGrant:
     if target.scheme not in _URL_SCHEMES:
         raise ValueError(f"got {text!r}; a URL grant is an http or https URL (a WebSocket handshake is a request to "
                          "its http(s) URL)")
-    path = canonical_request_path(target.path)
+    path = canonical_request_path(_as_sent(text, target.path))
     if path is None:
         raise ValueError(f"got {text!r}; the path has dot segments, encoded separators or empty segments, which "
                          "servers read differently: give the path the server serves")
     return UrlGrant(text, target.scheme, target.host, target.port, path)
+
+
+def _as_sent(text: str, path: str) -> str:
+    """The path and query as a request carries them: ASCII. A request target is ASCII on the wire (both
+    transports refuse any other byte), and a browser sends a link's other characters percent-encoded as
+    UTF-8 (``/wiki/Café`` as ``/wiki/Caf%C3%A9``): a grant of the raw text would match no request at all."""
+    if path.isascii():
+        return path
+    try:
+        return quote(path, safe=_ASCII_PRINTABLE)  # escapes already there, and every ASCII character, kept
+    except UnicodeEncodeError:  # a lone surrogate (JSON's "\ud800"): no character, no UTF-8
+        raise ValueError(f"got {text!r}; the path or query is not valid Unicode (a lone surrogate)") from None
 
 
 def parse_session_spec(data: Any) -> SessionSpec:
@@ -217,15 +236,25 @@ def refused(rule: str, reason: str, session: Session | None, role: str | None = 
     return Verdict(False, STAGE, rule, reason, role=role, session=session.id if session else None)
 
 
-def check_grant(session: Session, target: Target, visible: bool, now: float, role: str | None = None
-                ) -> Verdict | None:
-    """A refusal when the session is no longer in force or does not grant the target; None: granted."""
+def check_grant(session: Session, target: Target, visible: bool, now: float, role: str | None = None,
+                tls: bool = False) -> Verdict | None:
+    """A refusal when the session is no longer in force or does not grant the target; None: granted.
+    ``tls``: a tunnel that carries (or may carry) TLS passed through (``Grants.admit``)."""
     if now >= session.expires:
         return refused(EXPIRED, f"session {session.id} expired {now - session.expires:.0f}s ago", session, role)
-    if session.grants.admit(target, visible):
+    return grant_refusal(session, target, visible, tls, role)
+
+
+def grant_refusal(session: Session, target: Target, visible: bool, tls: bool, role: str | None = None
+                  ) -> Verdict | None:
+    """The ``session:not-granted`` refusal when the session does not grant the target (expiry aside); None:
+    granted."""
+    if session.grants.admit(target, visible, tls):
         return None
     # Without the query: it is what an exfiltrating request carries, and the audit log keeps none by default.
     where = (target.url().split("?", 1)[0] if visible
+             else f"{target.authority} (a TLS tunnel passed through: only its host and port are seen, and only an "
+                  "https URL grants them)" if tls and session.grants.admit(target, False)
              else f"{target.authority} (a tunnel: only its host and port are seen)")
     return refused(NOT_GRANTED, f"session {session.id} does not grant {where}; it grants "
                                 f"{_grants_text(session.grants)}", session, role)

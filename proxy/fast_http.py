@@ -266,7 +266,7 @@ class FastHttp:
             body: list[bytes] = []
             if request.chunked:  # read whole and bounded before the upstream sees anything
                 up = await self._read_chunked(conn, client, server, request, target, accept, body, ask.flow_id,
-                                              hold)
+                                              hold, verdict.session)
             pinned = verdict.pinned
             if pinned is None:
                 raise Ended("no checked address to connect to")
@@ -288,7 +288,7 @@ class FastHttp:
             watch = ClientWatch(conn, server.trailing_data[0], gate.policy.limits.max_header_bytes, upstream.sock)
             try:
                 status, down, tail = await self._relay_response(conn, client, server, request, target, accept,
-                                                                upstream, watch)
+                                                                upstream, watch, verdict.session)
                 answered = True
             finally:
                 watch.stop()
@@ -336,7 +336,7 @@ class FastHttp:
 
     async def _read_chunked(self, conn: socket.socket, client: str, server: h11.Connection, request: PlainRequest,
                             target: Target, accept: tuple[str, ...], body: list[bytes], flow_id: str,
-                            hold: BodyHold) -> int:
+                            hold: BodyHold, session: str | None) -> int:
         """Read a chunked body whole into ``body`` (its data's size is returned), within
         limits.max_request_body counted on the wire bytes and the budget for buffered bodies (``hold``).
 
@@ -361,11 +361,11 @@ class FastHttp:
                     reason = body_line_too_long_reason(limits.max_header_bytes)
                 else:
                     reason = body_unparseable_reason(str(err))
-                await self._refuse_body(conn, client, request, target, accept, flow_id, 400, "form",
+                await self._refuse_body(conn, client, request, target, accept, flow_id, session, 400, "form",
                                         "http:bad-chunked", reason)
             if event is h11.NEED_DATA:
                 if fed > limit:
-                    await self._refuse_body(conn, client, request, target, accept, flow_id, 413, "limits",
+                    await self._refuse_body(conn, client, request, target, accept, flow_id, session, 413, "limits",
                                             "limits.max_request_body", body_over_limit_reason(limit))
                 chunk = await _body_bytes(conn, limits.idle_timeout)
                 fed += len(chunk)
@@ -373,33 +373,35 @@ class FastHttp:
             elif isinstance(event, h11.Data):
                 if size + len(event.data) > limit:  # the data alone is over (its framing is more): decided now
                     body.clear()
-                    await self._refuse_body(conn, client, request, target, accept, flow_id, 413, "limits",
+                    await self._refuse_body(conn, client, request, target, accept, flow_id, session, 413, "limits",
                                             "limits.max_request_body", body_over_limit_reason(limit))
                 refused = hold.add(len(event.data), limits)
                 if refused is not None:
                     body.clear()
-                    await self._refuse_body(conn, client, request, target, accept, flow_id, refused.status,
+                    await self._refuse_body(conn, client, request, target, accept, flow_id, session, refused.status,
                                             "limits", refused.rule, refused.reason)
                 size += len(event.data)
                 body.append(event.data)
             elif isinstance(event, h11.EndOfMessage):
                 if fed > limit and fed - len(server.trailing_data[0]) > limit:
-                    await self._refuse_body(conn, client, request, target, accept, flow_id, 413, "limits",
+                    await self._refuse_body(conn, client, request, target, accept, flow_id, session, 413, "limits",
                                             "limits.max_request_body", body_over_limit_reason(limit), pending=False)
                 if event.headers:
                     refusal = self.gate.refuse(client, request.method, target, 400, "form", "http:trailers",
-                                               TRAILERS_REASON, flow_id=flow_id, event="response", accept=accept)
+                                               TRAILERS_REASON, flow_id=flow_id, event="response", accept=accept,
+                                               session=session)
                     await self._refuse(conn, refusal, False)
                     raise Ended("")
                 return size
 
     async def _refuse_body(self, conn: socket.socket, client: str, request: PlainRequest, target: Target,
-                           accept: tuple[str, ...], flow_id: str, status: int, stage: str, rule: str, reason: str,
-                           pending: bool = True) -> NoReturn:
-        """A chunked body refused while it is read: the refusal is the flow's closing record, sent (the rest
-        of the body read and dropped for a moment when ``pending``), and the exchange ends."""
+                           accept: tuple[str, ...], flow_id: str, session: str | None, status: int, stage: str,
+                           rule: str, reason: str, pending: bool = True) -> NoReturn:
+        """A chunked body refused while it is read: the refusal is the flow's closing record (the session's,
+        when the request was admitted under one), sent (the rest of the body read and dropped for a moment
+        when ``pending``), and the exchange ends."""
         refusal = self.gate.refuse(client, request.method, target, status, stage, rule, reason, flow_id=flow_id,
-                                   event="response", accept=accept)
+                                   event="response", accept=accept, session=session)
         await self._refuse(conn, refusal, pending)
         raise Ended("")  # the refusal is sent and recorded: nothing more for this flow
 
@@ -450,9 +452,9 @@ class FastHttp:
 
     async def _relay_response(self, conn: socket.socket, client: str, server: h11.Connection,
                               request: PlainRequest, target: Target, accept: tuple[str, ...], upstream: Upstream,
-                              watch: ClientWatch) -> tuple[int | None, int, bytes]:
+                              watch: ClientWatch, session: str | None) -> tuple[int | None, int, bytes]:
         """The origin's response, parsed by h11 and re-framed for the client: (status, body bytes, the
-        response's last bytes, not yet sent)."""
+        response's last bytes, not yet sent). ``session``: the request's (its refusal here names it)."""
         loop = asyncio.get_running_loop()
         limits = self.gate.policy.limits
         parser = upstream.parser
@@ -469,7 +471,7 @@ class FastHttp:
                     refusal = self.gate.refuse(client, request.method, target, 502, "http",
                                                "http:unrequested-upgrade", "the upstream answered 101 Switching "
                                                "Protocols to a request that was not an allowed WebSocket upgrade",
-                                               accept=accept)
+                                               accept=accept, session=session)
                     raise Ended("", refusal) from None
                 if status is None:
                     if "too long" in str(err).lower() or len(seen) > limits.max_header_bytes:

@@ -29,6 +29,7 @@ from policy.decision import Request, Resolution, Verdict, refuse_form, role_of
 from policy.hosts import HostFormError, Target, host_header_agrees, parse_authority, parse_url
 from policy.model import Policy
 from policy.resolver import DnsResolver, Resolver, resolve_and_decide
+from policy.sessions import STAGE as SESSION_STAGE
 from policy.sessions import Session
 
 from .accept import prefers_json
@@ -202,7 +203,10 @@ class Gate:
         except HostFormError as err:
             verdict, target = refuse_form(err), None
         else:
-            session, verdict, status = await self._session_first(policy, client, tuple(credentials), target, False)
+            # A tunnel neither intercepted nor to a plain-HTTP port carries TLS passed through unread.
+            tls = not (policy.intercepts(target.host) or target.port in policy.http_ports)
+            session, verdict, status = await self._session_first(policy, client, tuple(credentials), target, False,
+                                                                 tls)
             if verdict is None:
                 verdict, resolution = await self.decide(policy, Request(target, "CONNECT", client, tunnel=True))
                 verdict, status = await self._session_charge(session, verdict, target, None)
@@ -235,6 +239,12 @@ class Gate:
         if tunnel.first_byte_at is None and chunk:
             tunnel.first_byte_at = time.monotonic()
         judged = first.feed(chunk, ech_allowed(self.policy))
+        if judged.kind == "tls" and not tunnel.intercept and tunnel.session is not None:
+            # TLS in a tunnel to a plain-HTTP port, passed through: the CONNECT was admitted for HTTP inside,
+            # whose requests are each held to the grants; TLS would reach any https path there.
+            refusal = self.sessions.check_passthrough(tunnel.session, tunnel.target, tunnel.verdict.role)
+            if refusal is not None:
+                judged = FirstBytes.refuse(refusal.rule, refusal.reason)
         if judged.refused:
             self.refuse_tunnel(tunnel, judged.rule, judged.reason)
         return judged
@@ -258,7 +268,8 @@ class Gate:
         return RetryWatch(judged.sni, ech_allowed(self.policy), held)
 
     def refuse_tunnel(self, tunnel: Tunnel, rule: str, reason: str, up: int = 0, down: int = 0) -> None:
-        stage = LIMITS if rule.startswith("limits.") else TLS if rule.startswith("tls:") else HTTP
+        stage = (LIMITS if rule.startswith("limits.") else TLS if rule.startswith("tls:")
+                 else SESSION_STAGE if rule.startswith("session:") else HTTP)
         verdict = Verdict(False, stage, rule, reason, role=tunnel.verdict.role, addresses=tunnel.verdict.addresses,
                           session=tunnel.verdict.session)
         record = self.recorder.record(DECISION, tunnel.id + "-tls", tunnel.client, "CONNECT", tunnel.target, verdict,
@@ -309,29 +320,31 @@ class Gate:
         try:
             target = self._request_target(ask, tunnel)
         except HostFormError as err:
-            return self._request_refused(ask, None, refuse_form(err), 403, url=f"{ask.scheme}://{ask.host}{ask.path}")
+            return self._request_refused(ask, None, refuse_form(err), 403, url=f"{ask.scheme}://{ask.host}{ask.path}",
+                                         tunnel=tunnel)
         if tunnel is not None and ask.authority and not host_header_agrees(target, ask.authority):
             # Absolute-form inside a tunnel: an origin must use the URI's authority over Host (RFC 9112
             # 3.2.2), so one naming another host than the tunnel's would reach that host.
             verdict = Verdict(False, "form", "form:authority",
                               f"the request target names {safe_text(ask.authority, 100)!r}, not the tunnel's "
                               f"{target.authority}")
-            return self._request_refused(ask, target, verdict, 403)
+            return self._request_refused(ask, target, verdict, 403, tunnel=tunnel)
         if ask.host_header is not None and not host_header_agrees(target, ask.host_header):
             verdict = Verdict(False, "form", "form:host-header",
                               f"the Host header {safe_text(ask.host_header, 100)!r} does not agree with the target "
                               f"{target.authority}")
-            return self._request_refused(ask, target, verdict, 403)
+            return self._request_refused(ask, target, verdict, 403, tunnel=tunnel)
         body_refused = unexpected_body(ask.method, ask.content_length, ask.chunked, policy.http.body_allowed_on)
         if body_refused:
-            return self._request_refused(ask, target, Verdict(False, "form", UNEXPECTED_BODY, body_refused), 400)
+            return self._request_refused(ask, target, Verdict(False, "form", UNEXPECTED_BODY, body_refused), 400,
+                                         tunnel=tunnel)
         limit = policy.limits.max_request_body
         if ask.content_length is not None and ask.content_length > limit:
             verdict = Verdict(False, LIMITS, "limits.max_request_body",
                               f"the request body of {ask.content_length} bytes is over the limit of {limit} "
                               "(limits.max_request_body)")
             self.metrics.refusal("limits.max_request_body")
-            return self._request_refused(ask, target, verdict, 413)
+            return self._request_refused(ask, target, verdict, 413, tunnel=tunnel)
         resolution = None
         if tunnel is not None:  # the CONNECT's session applies inside; a header inside names no other one
             session, verdict, status = None, None, 403
@@ -361,9 +374,10 @@ class Gate:
     # ---- sessions --------------------------------------------------------------------------------
 
     async def _session_first(self, policy: Policy, client: str, credentials: tuple[str, ...], target: Target,
-                             visible: bool) -> tuple[Session | None, Verdict | None, int]:
+                             visible: bool, tls: bool = False) -> tuple[Session | None, Verdict | None, int]:
         """Before the policy decides (so an ungranted name is never looked up): who the request came as,
-        and whether its session grants the target. (session, refusal or None, status of a refusal)."""
+        and whether its session grants the target (``tls``: a tunnel carrying TLS passed through). (session,
+        refusal or None, status of a refusal)."""
         identity = await self.sessions.identify(policy, client, credentials)
         if identity.refusal is not None:
             return None, identity.refusal, identity.status
@@ -371,7 +385,7 @@ class Gate:
         if session is None:
             return None, None, 403
         role = role_of(policy, client)
-        return session, self.sessions.check(session, target, visible, role.name if role else None), 403
+        return session, self.sessions.check(session, target, visible, role.name if role else None, tls), 403
 
     async def _session_charge(self, session: Session | None, verdict: Verdict, target: Target,
                               content_length: int | None) -> tuple[Verdict, int]:
@@ -395,7 +409,9 @@ class Gate:
         return plain_target(ask)
 
     def _request_refused(self, ask: HttpAsk, target: Target | None, verdict: Verdict, status: int,
-                         url: str | None = None) -> RequestOutcome:
+                         url: str | None = None, tunnel: Tunnel | None = None) -> RequestOutcome:
+        if tunnel is not None:  # inside a tunnel every request is its CONNECT's session's, refused ones too
+            verdict = replace(verdict, session=tunnel.verdict.session)
         record = self.recorder.record(DECISION, ask.flow_id, ask.client, ask.method, target, verdict)
         refusal = refusal_for(status, verdict, target, ask.accept)
         record.status, record.bytes_down = status, refusal.size
@@ -406,10 +422,12 @@ class Gate:
 
     def refuse(self, client: str, method: str | None, target: Target | None, status: int, stage: str, rule: str,
                reason: str, url: str | None = None, flow_id: str | None = None, event: str = DECISION,
-               accept: Iterable[str] = ()) -> Refusal:
-        """A refusal made before any policy decision (malformed, over a bound, over a cap): its one record.
-        ``accept``: the request's Accept header values, when a head was read (they choose the body)."""
-        verdict = Verdict(False, stage, rule, reason)
+               accept: Iterable[str] = (), session: str | None = None) -> Refusal:
+        """A refusal made before any policy decision (malformed, over a bound, over a cap), or after one
+        (a body refused while it is read): its one record. ``accept``: the request's Accept header values,
+        when a head was read (they choose the body); ``session``: the id of the session the request was
+        admitted under, which every line of its requests names."""
+        verdict = Verdict(False, stage, rule, reason, session=session)
         record = self.recorder.record(event, flow_id or uuid.uuid4().hex, client, method, target, verdict)
         refusal = refusal_for(status, verdict, target, accept)
         record.status, record.bytes_down = status or None, refusal.size if status else 0

@@ -37,7 +37,7 @@ class AuditTrail:
             refusal = self.gate.refuse(peer_of(flow.client_conn.peername), flow.request.method, target, 502, "http",
                                        "http:unrequested-upgrade", "the upstream answered 101 Switching Protocols "
                                        "to a request that was not an allowed WebSocket upgrade",
-                                       accept=accept_of(flow))
+                                       accept=accept_of(flow), session=verdict.session)
             flow.response = to_response(refusal)
             # mitmproxy still reads the upstream's body and puts it into flow.response before the response
             # hook: the refusal is set again there, so the client gets exactly our body, never the upstream's.

@@ -56,10 +56,10 @@ def _refuse_body(gate: Gate, flow: http.HTTPFlow, status: int, rule: str, reason
     hold = flow.metadata.pop(BODY_HOLD, None)
     if hold is not None:
         hold.release()
-    flow.metadata.pop(VERDICT, None)
+    verdict = flow.metadata.pop(VERDICT, None)
     refusal = gate.refuse(peer_of(flow.client_conn.peername), flow.request.method, flow.metadata.get(TARGET), status,
                           stage, rule, reason, flow_id=flow.metadata.get(FLOW_ID), event="response",
-                          accept=accept_of(flow))
+                          accept=accept_of(flow), session=verdict.session if verdict is not None else None)
     flow.response = to_response(refusal)
     return refusal
 

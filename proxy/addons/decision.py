@@ -80,12 +80,16 @@ class DecisionAddon:
         flow.metadata[STARTED] = time.monotonic()
         client = peer_of(flow.client_conn.peername)
         request = flow.request
+        tunnel = self.table.tunnels.get(flow.server_conn.id)
+        # Inside a tunnel every request is its CONNECT's session's: a refused one's record names it too.
+        session = tunnel.verdict.session if tunnel is not None else None
         malformed = _malformed(flow)
         if malformed is not None:
             # Framing mitmproxy already refused (it answers 400 itself), or header values it would
             # forward as they are: the decision record says refused, with mitmproxy's or our reason.
             refusal = self.gate.refuse(client, request.method, None, 400, "form", *malformed,
-                                       url=request.pretty_url, flow_id=flow.metadata[FLOW_ID], accept=accept_of(flow))
+                                       url=request.pretty_url, flow_id=flow.metadata[FLOW_ID], accept=accept_of(flow),
+                                       session=session)
             if flow.error is None:
                 refuse_before_body(flow, to_response(refusal))
             return
@@ -95,7 +99,8 @@ class DecisionAddon:
             refusal = self.gate.refuse(client, request.method, None, 403, "form", "http:upgrade",
                                        f"the request asks to upgrade to {values!r}; egresswall relays only "
                                        "WebSocket upgrades (one Upgrade header naming websocket)",
-                                       url=request.pretty_url, flow_id=flow.metadata[FLOW_ID], accept=accept_of(flow))
+                                       url=request.pretty_url, flow_id=flow.metadata[FLOW_ID], accept=accept_of(flow),
+                                       session=session)
             refuse_before_body(flow, to_response(refusal))
             return
         length = request.headers.get("content-length")
@@ -107,7 +112,6 @@ class DecisionAddon:
                       accept=accept_of(flow), authority=request.data.authority.decode("latin-1") or None,
                       credentials=credentials_of(flow),
                       flow_id=flow.metadata[FLOW_ID])
-        tunnel = self.table.tunnels.get(flow.server_conn.id)
         outcome = await self.gate.decide_request(ask, tunnel)
         if outcome.refusal is not None:
             refuse_before_body(flow, to_response(outcome.refusal))

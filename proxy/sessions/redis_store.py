@@ -16,6 +16,7 @@ each arrives at. Every Redis error is ``StoreUnavailable`` (fail closed).
 from __future__ import annotations
 
 import math
+import time
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, WatchError
@@ -108,15 +109,18 @@ class RedisStore:
                      role: str | None = None) -> Verdict | None:
         usage_key, hosts_key, record_key = (self._key(session.id, "usage"), self._key(session.id, "hosts"),
                                             self._key(session.id))
-        at = _expire_at(session.expires)
         for _ in range(MAX_RETRIES):
             async with self.client.pipeline(transaction=True) as pipe:
                 try:
                     await self._call(pipe.watch(usage_key, hosts_key, record_key))
-                    exists = await self._call(pipe.exists(record_key))
-                    if not exists:
+                    # The record's own expiry, not the one ``session`` was read with: an extension since
+                    # (PATCH) moved it, and counters expiring at the old one would let the budgets start
+                    # again from nothing while the session lives on.
+                    remaining = await self._call(pipe.pttl(record_key))
+                    if remaining == -2:  # no such key
                         await pipe.reset()
                         return refused(ENDED, f"session {session.id} has ended", session, role)
+                    at = max(_expire_at(session.expires), math.ceil(time.time() * 1000) + max(remaining, 0))
                     requests, up, down = await self._call(pipe.hmget(usage_key, "requests", "request_bytes",
                                                                      "response_bytes"))
                     seen = await self._call(pipe.sismember(hosts_key, host))

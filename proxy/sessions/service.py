@@ -28,6 +28,7 @@ from policy.sessions import (
     Session,
     SessionSpec,
     check_grant,
+    grant_refusal,
     refused,
     secret_digest,
 )
@@ -112,8 +113,19 @@ class SessionService:
 
     # ---- the checks ---------------------------------------------------------------------------
 
-    def check(self, session: Session, target: Target, visible: bool, role: str | None) -> Verdict | None:
-        refusal = check_grant(session, target, visible, self.clock(), role)
+    def check(self, session: Session, target: Target, visible: bool, role: str | None, tls: bool = False
+              ) -> Verdict | None:
+        """``tls``: a CONNECT whose tunnel may carry TLS passed through unread (policy/sessions.py)."""
+        refusal = check_grant(session, target, visible, self.clock(), role, tls)
+        if refusal is not None:
+            self.metrics.session_refusal(refusal.rule)
+        return refusal
+
+    def check_passthrough(self, session: Session, target: Target, role: str | None) -> Verdict | None:
+        """A tunnel admitted at its CONNECT (within its session's time then) whose first message turned out
+        to be TLS egresswall passes through: does the session grant that (an http URL's host and port do
+        not)? A refusal, counted, or None."""
+        refusal = grant_refusal(session, target, False, True, role)
         if refusal is not None:
             self.metrics.session_refusal(refusal.rule)
         return refusal
