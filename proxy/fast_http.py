@@ -304,6 +304,7 @@ class FastHttp:
                 upstream.close()
                 upstream = None
             if ended.answer is not None and not answered:
+                status = ended.answer.status  # the record says what the client was answered
                 with contextlib.suppress(OSError):
                     await loop.sock_sendall(conn, refusal_bytes(ended.answer))
             if ended.error:  # "" : the refusal that ended it is the flow's closing record already

@@ -58,8 +58,9 @@ gate's owner builds — installing a second, different state is an error, never 
   for a request egresswall's ``requestheaders`` never saw. Each of mitmproxy's own answers — those, a head
   it cannot parse, a connect that failed — was its HTML page (``Server: mitmproxy``, no ``X-Egresswall-*``
   headers, an upstream's unparseable bytes quoted): it is egresswall's refusal, with its record's rule and
-  reason, as the fast path answers. mitmproxy's connects fail with the fast front's wording
-  (``_open_connection``). Tests: test_hardening_proxy_security.py::test_mitmproxys_own_400_is_recorded,
+  reason, as the fast path answers, and its response record says that status (``handle_protocol_error``
+  notes it before the error hook writes the record). mitmproxy's connects fail with the fast front's
+  wording (``_open_connection``). Tests: test_hardening_proxy_security.py::test_mitmproxys_own_400_is_recorded,
   test_own_answers.py.
 * **No pipe after a refused 101** (``_http1.should_make_pipe``): an upstream's unasked ``101`` is answered
   with a 502 by the audit-trail addon, but mitmproxy would still turn the upstream connection into a pipe
@@ -212,6 +213,7 @@ def install(state: PatchState) -> None:
     if _originals:
         return
     _originals.update(start_request_stream=HttpStream.start_request_stream,
+                      handle_protocol_error=HttpStream.handle_protocol_error,
                       consume=HttpStream.state_consume_request_body, server_read_body=Http1Server.read_body,
                       client_read_body=Http1Client.read_body,
                       server_read_headers=Http1Server.read_headers, server_wait=Http1Server.wait,
@@ -224,6 +226,7 @@ def install(state: PatchState) -> None:
                       hook_task=mitmproxy.proxy.server.ConnectionHandler.hook_task,
                       asyncio_module=mitmproxy.proxy.server.asyncio)
     HttpStream.start_request_stream = _start_request_stream
+    HttpStream.handle_protocol_error = _handle_protocol_error
     HttpStream.state_consume_request_body = _consume_request_body
     Http1Server.read_body = _server_read_body
     Http1Client.read_body = _client_read_body
@@ -251,6 +254,7 @@ def uninstall() -> None:
     global _state
     if _originals:
         HttpStream.start_request_stream = _originals["start_request_stream"]
+        HttpStream.handle_protocol_error = _originals["handle_protocol_error"]
         HttpStream.state_consume_request_body = _originals["consume"]
         Http1Server.read_body = _originals["server_read_body"]
         Http1Client.read_body = _originals["client_read_body"]
@@ -291,6 +295,20 @@ def refuse_before_body(flow: http.HTTPFlow, response: http.Response) -> None:
         # them made mitmproxy close the client before the refusal was sent (the record said 403 all the
         # same). Test: test_review_round7.py::test_a_bad_body_on_a_request_the_policy_refuses_...
         setattr(flow.request, _BODY_REFUSED, True)
+
+
+ANSWERED = "egresswall_answered"  # flow metadata: the status mitmproxy answers a failed exchange with
+
+
+def _handle_protocol_error(self: HttpStream, event: RequestProtocolError | ResponseProtocolError):
+    """The error hook runs before mitmproxy answers a failed exchange itself (``_server_send``): the status it
+    will answer is noted on the flow first, so the response record says what the client was answered (a 502
+    for a failed connect), as on the fast path, not null."""
+    if (isinstance(event, ResponseProtocolError) and self.flow.response is None
+            and self.client_state != self.state_errored  # the conditions mitmproxy answers under
+            and self.context.client.state & connection.ConnectionState.CAN_WRITE):
+        self.flow.metadata[ANSWERED] = event.code.http_status_code()
+    yield from _originals["handle_protocol_error"](self, event)
 
 
 def _start_request_stream(self: HttpStream):

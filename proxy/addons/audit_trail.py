@@ -12,6 +12,7 @@ import time
 from mitmproxy import http
 
 from ..gate import Gate
+from ..mitm_patches import ANSWERED, state
 from ..peers import peer_of
 from ..refusals import OWN_HEADER_PREFIX
 from .decision import FLOW_ID, STARTED, TARGET, VERDICT, accept_of, to_response
@@ -68,8 +69,6 @@ class AuditTrail:
         if verdict is None or flow.metadata.get("egresswall_ended"):
             return  # refused (its decision record says so) or already recorded
         flow.metadata["egresswall_ended"] = True
-        from ..mitm_patches import state
-
         if flow.client_conn.id in state().idle_closed and flow.response is None:
             # mitmproxy reports its own idle timeout as "Client disconnected.": say what happened.
             error = (f"nothing moved for limits.idle_timeout ({self.gate.policy.limits.idle_timeout:g}s): the "
@@ -78,7 +77,8 @@ class AuditTrail:
         up = len(flow.request.raw_content or b"")
         self.gate.response_closed(flow.metadata[FLOW_ID], peer_of(flow.client_conn.peername), flow.request.method,
                                   flow.metadata.get(TARGET), verdict, flow.metadata.get(STARTED, time.monotonic()),
-                                  up, down, flow.response.status_code if flow.response else None, error)
+                                  up, down, flow.response.status_code if flow.response else flow.metadata.get(ANSWERED),
+                                  error)
 
 
 def _allowed_websocket(flow: http.HTTPFlow) -> bool:
