@@ -57,6 +57,7 @@ READ = 65536
 DRAIN_AFTER_REFUSAL = 2.0  # how long a refused request's unread body is read and dropped before the close
 DRAIN_BYTES = 1 << 20
 _SWITCHING = re.compile(rb"HTTP/1\.[01] 101[ \r]")
+_UNASKED_SWITCH = "_SWITCH_UPGRADE event without a pending proposal"  # h11's words for a 101 nobody asked for
 _RESPONSE_DROPPED = ALWAYS_HOP_BY_HOP | {"transfer-encoding"}  # re-framed by h11 for the client
 
 
@@ -101,6 +102,14 @@ class Upstream:
 
     def close(self) -> None:
         self.sock.close()
+
+
+@dataclass
+class Relayed:
+    """What of the origin's response has been relayed: its status once its head is read, its body's bytes."""
+
+    status: int | None = None
+    down: int = 0
 
 
 class ClientWatch:
@@ -253,8 +262,8 @@ class FastHttp:
             return False, b"", upstream
         target, verdict = outcome.target, outcome.verdict
         assert target is not None  # an allowed request has its target
-        up = down = 0
-        status: int | None = None
+        up = 0
+        relayed = Relayed()
         answered = False
         watch: ClientWatch | None = None
         # A chunked body's bytes are counted against the budget while they are held (given back once the
@@ -287,8 +296,8 @@ class FastHttp:
             hold.release()  # the body is the upstream's now (_send_request dropped each piece it sent)
             watch = ClientWatch(conn, server.trailing_data[0], gate.policy.limits.max_header_bytes, upstream.sock)
             try:
-                status, down, tail = await self._relay_response(conn, client, server, request, target, accept,
-                                                                upstream, watch, verdict.session)
+                tail = await self._relay_response(conn, client, server, request, target, accept, upstream, watch,
+                                                  relayed, verdict.session)
                 answered = True
             finally:
                 watch.stop()
@@ -304,23 +313,24 @@ class FastHttp:
                 upstream.close()
                 upstream = None
             if ended.answer is not None and not answered:
-                status = ended.answer.status  # the record says what the client was answered
+                relayed.status = ended.answer.status  # the record says what the client was answered
                 with contextlib.suppress(OSError):
                     await loop.sock_sendall(conn, refusal_bytes(ended.answer))
             if ended.error:  # "" : the refusal that ended it is the flow's closing record already
-                gate.response_closed(ask.flow_id, client, request.method, target, verdict, started, up, down,
-                                     status, ended.error)
+                gate.response_closed(ask.flow_id, client, request.method, target, verdict, started, up,
+                                     relayed.down, relayed.status, ended.error)
             return False, b"", upstream
         except (OSError, TimeoutError) as err:
             if upstream is not None:
                 upstream.close()
                 upstream = None
-            gate.response_closed(ask.flow_id, client, request.method, target, verdict, started, up, down, status,
-                                 f"the exchange failed: {getattr(err, 'strerror', None) or err}")
+            gate.response_closed(ask.flow_id, client, request.method, target, verdict, started, up, relayed.down,
+                                 relayed.status, f"the exchange failed: {getattr(err, 'strerror', None) or err}")
             return False, b"", upstream
         finally:  # every way out: sent, refused, reset, timed out, cancelled
             hold.release()
-        gate.response_closed(ask.flow_id, client, request.method, target, verdict, started, up, down, status, None)
+        gate.response_closed(ask.flow_id, client, request.method, target, verdict, started, up, relayed.down,
+                             relayed.status, None)
         assert watch is not None
         try:
             await send_while_moving(conn, tail, gate.policy.limits.idle_timeout, "")
@@ -453,14 +463,14 @@ class FastHttp:
 
     async def _relay_response(self, conn: socket.socket, client: str, server: h11.Connection,
                               request: PlainRequest, target: Target, accept: tuple[str, ...], upstream: Upstream,
-                              watch: ClientWatch, session: str | None) -> tuple[int | None, int, bytes]:
-        """The origin's response, parsed by h11 and re-framed for the client: (status, body bytes, the
-        response's last bytes, not yet sent). ``session``: the request's (its refusal here names it)."""
+                              watch: ClientWatch, relayed: Relayed, session: str | None) -> bytes:
+        """The origin's response, parsed by h11 and re-framed for the client; returns its last bytes, not yet
+        sent. Its status and body bytes are kept in ``relayed`` as they come, so that a response that breaks
+        off is recorded with what the client was sent of it. ``session``: the request's (its refusal here
+        names it)."""
         loop = asyncio.get_running_loop()
         limits = self.gate.policy.limits
         parser = upstream.parser
-        status: int | None = None
-        down = 0
         head_started: float | None = None
         seen = b""  # the response's first bytes, to name a 101 h11 refuses
         out = b""
@@ -468,13 +478,16 @@ class FastHttp:
             try:
                 event = parser.next_event()
             except h11.RemoteProtocolError as err:
-                if status is None and _SWITCHING.match(seen):
+                # An unasked 101 is h11's "_SWITCH_UPGRADE event without a pending proposal", at the start or
+                # after an interim response (a 103 and then a 101 was refused as unparseable, in h11's words,
+                # where mitmproxy's path names the unasked upgrade).
+                if relayed.status is None and (_SWITCHING.match(seen) or _UNASKED_SWITCH in str(err)):
                     refusal = self.gate.refuse(client, request.method, target, 502, "http",
                                                "http:unrequested-upgrade", "the upstream answered 101 Switching "
                                                "Protocols to a request that was not an allowed WebSocket upgrade",
                                                accept=accept, session=session)
                     raise Ended("", refusal) from None
-                if status is None:
+                if relayed.status is None:
                     if "too long" in str(err).lower() or len(seen) > limits.max_header_bytes:
                         reason = answered = (f"egresswall: the upstream response head is over "
                                              f"{limits.max_header_bytes} bytes (limits.max_header_bytes)")
@@ -485,33 +498,37 @@ class FastHttp:
                         answered = UNRELAYABLE_RESPONSE
                     raise Ended(reason, self._connect_refusal(answered, Verdict(False, "connect", "connect", answered),
                                                               target, accept)) from None
+                # What h11 read before the break is the client's (as on mitmproxy's path, which streams it):
+                # the head and the body so far, and then the close, which tells the client it is cut short.
+                with contextlib.suppress(OSError, Ended):
+                    await send_while_moving(conn, out, limits.idle_timeout, "")
                 raise Ended(f"the upstream response broke off: {err}"[:300]) from None
             if event is h11.NEED_DATA:
                 if out:
                     await send_while_moving(conn, out, limits.idle_timeout, _client_stalled(limits.idle_timeout))
                     out = b""
                 timeout = limits.idle_timeout
-                if head_started is not None and status is None:
+                if head_started is not None and relayed.status is None:
                     timeout = min(timeout, head_started + limits.header_timeout - time.monotonic())
                 try:
                     chunk = await asyncio.wait_for(loop.sock_recv(upstream.sock, READ), max(0.0, timeout))
                 except TimeoutError:
-                    if head_started is not None and status is None:
+                    if head_started is not None and relayed.status is None:
                         reason = (f"egresswall: the upstream response head took more than {limits.header_timeout:g}s "
                                   "(limits.header_timeout)")
                         raise Ended(reason, self._connect_refusal(reason, Verdict(False, "connect", "connect",
                                                                                   reason), target, accept)) from None
-                    what = "sent no response" if status is None else "stopped sending its response"
+                    what = "sent no response" if relayed.status is None else "stopped sending its response"
                     raise Ended(f"nothing moved for limits.idle_timeout ({limits.idle_timeout:g}s): the upstream "
                                 f"{what}, and egresswall closed the connection") from None
                 if watch.over:
                     raise Ended(f"egresswall: {_pipelined_reason(limits.max_header_bytes)}")
-                if status is None:
+                if relayed.status is None:
                     if head_started is None and chunk:
                         head_started = time.monotonic()
                     if len(seen) < 64:
                         seen += chunk[:64]
-                if not chunk and status is None:
+                if not chunk and relayed.status is None:
                     reason = "the upstream closed the connection without a response"
                     raise Ended(reason, self._connect_refusal(reason, Verdict(False, "connect", "connect", reason),
                                                               target, accept))
@@ -528,16 +545,16 @@ class FastHttp:
                               "egresswall does not relay a response it could read two ways")
                     raise Ended(reason, self._connect_refusal(reason, Verdict(False, "connect", "connect", reason),
                                                               target, accept))
-                status = event.status_code
+                status = relayed.status = event.status_code
                 out += server.send(h11.Response(status_code=status, reason=event.reason,
                                                 headers=_forwarded_response_headers(event.headers.raw_items(), status)))
             elif isinstance(event, h11.Data):
-                down += len(event.data)
+                relayed.down += len(event.data)
                 out += server.send(h11.Data(data=event.data))
             elif isinstance(event, h11.EndOfMessage):
                 # The last bytes are the caller's to send, after the response record is written: a client
                 # that has its whole answer may look at the audit log at once.
-                return status, down, out + server.send(h11.EndOfMessage())
+                return out + server.send(h11.EndOfMessage())
             elif isinstance(event, h11.ConnectionClosed):
                 raise Ended("the upstream closed the connection mid-response")
 

@@ -41,6 +41,12 @@ gate's owner builds — installing a second, different state is an error, never 
   dropped as unexpected data). Whole 1xx heads other than 101 are dropped, as on the fast path, and the
   final head is still due within ``limits.header_timeout`` of the first one's first byte (a flood of them
   gets 502). Test: test_review_round5.py::test_an_origins_interim_response_is_not_the_answer.
+* **Response heads h11 would refuse** (``http1.read_response_head``): mitmproxy kept a bare CR or a NUL in
+  a header value or the reason phrase and wrote it to the client as it came (a client that ends a line at a
+  bare CR read what followed as a header of its own), and relayed a status code of any number of digits.
+  A control byte other than HTAB, a status code that is not three digits, or a Content-Length of more than
+  20 digits gets the client a 502, as on the fast path. Test:
+  test_review_round9.py::test_a_control_byte_in_an_origins_response_head_never_reaches_the_client.
 * **Response trailers** (``Http1Client.read_body``): mitmproxy's reader raises on an upstream's trailer
   fields ("not implemented"); the client was left with a body that never ended. They end the body and
   are dropped, as on the fast path. Test:
@@ -59,7 +65,8 @@ gate's owner builds — installing a second, different state is an error, never 
   it cannot parse, a connect that failed — was its HTML page (``Server: mitmproxy``, no ``X-Egresswall-*``
   headers, an upstream's unparseable bytes quoted): it is egresswall's refusal, with its record's rule and
   reason, as the fast path answers, and its response record says that status (``handle_protocol_error``
-  notes it before the error hook writes the record). mitmproxy's connects fail with the fast front's
+  and, for a response head mitmproxy's header validation refuses, ``check_invalid`` note it before the
+  error hook writes the record). mitmproxy's connects fail with the fast front's
   wording (``_open_connection``). Tests: test_hardening_proxy_security.py::test_mitmproxys_own_400_is_recorded,
   test_own_answers.py.
 * **No pipe after a refused 101** (``_http1.should_make_pipe``): an upstream's unasked ``101`` is answered
@@ -116,6 +123,7 @@ from h11._readers import ChunkedReader  # mitmproxy's own chunked body reader (a
 from h11._receivebuffer import ReceiveBuffer
 from mitmproxy import connection, http
 from mitmproxy.net.http import http1
+from mitmproxy.net.http.validate import validate_headers
 from mitmproxy.proxy import commands, events
 from mitmproxy.proxy.layers.http import HttpStream, _http1
 from mitmproxy.proxy.layers.http._base import ReceiveHttp
@@ -202,6 +210,11 @@ _TIMER = "_egresswall_timer"
 _TIMER_FOR = "_egresswall_timer_for"  # which head the timer is for
 _SPOKE = "_egresswall_spoke"
 _HALF_CLOSED = "_egresswall_half_closed"  # on an Http1Server: its client half-closed after a whole request
+# In a response head's line, once its line end is gone: a control byte other than HTAB (RFC 9110 5.5, 9112 4: a
+# bare CR or a NUL). h11 refuses every one of them on the fast path.
+_CONTROL_BYTE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+_STATUS_CODE = re.compile(rb"[^ ]+ +([0-9]{3})(?: |$)")  # RFC 9112 4: three digits (mitmproxy took int() of anything)
+_LENGTH_DIGITS = 20  # h11's bound on a Content-Length's digits ("bad Content-Length" on the fast path)
 _originals: dict[str, object] = {}
 
 
@@ -214,6 +227,7 @@ def install(state: PatchState) -> None:
         return
     _originals.update(start_request_stream=HttpStream.start_request_stream,
                       handle_protocol_error=HttpStream.handle_protocol_error,
+                      check_invalid=HttpStream.check_invalid,
                       consume=HttpStream.state_consume_request_body, server_read_body=Http1Server.read_body,
                       client_read_body=Http1Client.read_body,
                       server_read_headers=Http1Server.read_headers, server_wait=Http1Server.wait,
@@ -221,12 +235,14 @@ def install(state: PatchState) -> None:
                       server_handle_event=Http1Server._handle_event,
                       client_read_headers=Http1Client.read_headers, server_send=Http1Server.send,
                       should_make_pipe=_http1.should_make_pipe, make_error_response=_http1.make_error_response,
+                      read_response_head=http1.read_response_head,
                       on_timeout=mitmproxy.proxy.server.ConnectionHandler.on_timeout,
                       handle_connection=mitmproxy.proxy.server.ConnectionHandler.handle_connection,
                       hook_task=mitmproxy.proxy.server.ConnectionHandler.hook_task,
                       asyncio_module=mitmproxy.proxy.server.asyncio)
     HttpStream.start_request_stream = _start_request_stream
     HttpStream.handle_protocol_error = _handle_protocol_error
+    HttpStream.check_invalid = _check_invalid
     HttpStream.state_consume_request_body = _consume_request_body
     Http1Server.read_body = _server_read_body
     Http1Client.read_body = _client_read_body
@@ -238,6 +254,7 @@ def install(state: PatchState) -> None:
     Http1Server.send = _server_send
     _http1.should_make_pipe = _should_make_pipe
     _http1.make_error_response = _error_answer
+    http1.read_response_head = _read_response_head  # what _http1 and _upstream_proxy call it by
     mitmproxy.proxy.server.ConnectionHandler.on_timeout = _on_timeout
     mitmproxy.proxy.server.ConnectionHandler.handle_connection = _handle_connection
     mitmproxy.proxy.server.ConnectionHandler.hook_task = _hook_task
@@ -255,6 +272,7 @@ def uninstall() -> None:
     if _originals:
         HttpStream.start_request_stream = _originals["start_request_stream"]
         HttpStream.handle_protocol_error = _originals["handle_protocol_error"]
+        HttpStream.check_invalid = _originals["check_invalid"]
         HttpStream.state_consume_request_body = _originals["consume"]
         Http1Server.read_body = _originals["server_read_body"]
         Http1Client.read_body = _originals["client_read_body"]
@@ -266,6 +284,7 @@ def uninstall() -> None:
         Http1Server.send = _originals["server_send"]
         _http1.should_make_pipe = _originals["should_make_pipe"]
         _http1.make_error_response = _originals["make_error_response"]
+        http1.read_response_head = _originals["read_response_head"]
         mitmproxy.proxy.server.ConnectionHandler.on_timeout = _originals["on_timeout"]
         mitmproxy.proxy.server.ConnectionHandler.handle_connection = _originals["handle_connection"]
         mitmproxy.proxy.server.ConnectionHandler.hook_task = _originals["hook_task"]
@@ -309,6 +328,19 @@ def _handle_protocol_error(self: HttpStream, event: RequestProtocolError | Respo
             and self.context.client.state & connection.ConnectionState.CAN_WRITE):
         self.flow.metadata[ANSWERED] = event.code.http_status_code()
     yield from _originals["handle_protocol_error"](self, event)
+
+
+def _check_invalid(self: HttpStream, request: bool):
+    """mitmproxy validates a response head (a header name that is not a token, framed two ways) and answers
+    a failed one itself, after its error hook wrote the record: the 502 is noted first, as in
+    ``_handle_protocol_error``, so the record says what the client was answered."""
+    if (not request and self.flow.response is not None and self.context.options.validate_inbound_headers
+            and self.context.client.state & connection.ConnectionState.CAN_WRITE):
+        try:
+            validate_headers(self.flow.response)
+        except ValueError:
+            self.flow.metadata[ANSWERED] = ErrorCode.RESPONSE_VALIDATION_FAILED.http_status_code()
+    return (yield from _originals["check_invalid"](self, request))
 
 
 def _start_request_stream(self: HttpStream):
@@ -624,6 +656,29 @@ def _client_read_headers(self: Http1Client, event: events.Event):
         # kept-alive connection back in read_headers): the next response gets a fresh clock. Not after
         # an interim one: its final response is still to come, within the same limits.header_timeout.
         self.__dict__.pop(_STARTED, None)
+
+
+def _read_response_head(lines: list[bytes]):
+    """An upstream's response head as mitmproxy parses it, refused (``ValueError``: the client gets
+    egresswall's 502, the record mitmproxy's "Cannot parse HTTP response" with this reason) where h11
+    refuses it on the fast path: a control byte in a line, a status code that is not three digits, a
+    Content-Length of more than 20 digits. mitmproxy kept a bare CR or a NUL inside a value (or the reason
+    phrase) and wrote it out to the client as it came: a client that ends a line at a bare CR read the rest
+    as a header of its own (response splitting); ``HTTP/1.1 2000 OK`` went on as it came, recorded as
+    status 2000."""
+    for index, line in enumerate(lines):
+        bad = _CONTROL_BYTE.search(line)
+        if bad is not None:
+            what = "status line" if index == 0 else f"header line {index}"
+            raise ValueError(f"egresswall: the upstream response's {what} has the control byte "
+                             f"0x{line[bad.start()]:02x} (only HTAB may be in one)")
+    if not _STATUS_CODE.match(lines[0]):
+        raise ValueError(f"egresswall: the upstream response's status line has no three-digit status code: "
+                         f"{lines[0][:60]!r}")
+    response = _originals["read_response_head"](lines)
+    if any(len(value.strip()) > _LENGTH_DIGITS for value in response.headers.get_all("content-length")):
+        raise ValueError(f"egresswall: the upstream response's Content-Length has more than {_LENGTH_DIGITS} digits")
+    return response
 
 
 def _drop_interim_heads(buf) -> bool:

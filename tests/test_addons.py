@@ -19,7 +19,7 @@ from policy.hosts import parse_authority, parse_url
 from proxy import mitm_patches
 from proxy.addons.admission import AdmissionAddon
 from proxy.addons.audit_trail import AuditTrail
-from proxy.addons.body_limit import BodyLimit
+from proxy.addons.body_limit import UP, BodyLimit
 from proxy.addons.connections import ConnectionTable
 from proxy.addons.decision import TARGET, VERDICT, DecisionAddon
 from proxy.addons.hop_by_hop import HopByHop
@@ -109,7 +109,8 @@ def test_chunked_bodies_are_buffered_under_the_limit_and_others_stream(gate):
     assert chunked.request.stream is False and chunked.metadata[mitm_patches.BODY_LIMIT] == 100
     plain = allowed_flow(Content_Length="10")
     BodyLimit(gate).requestheaders(plain)
-    assert plain.request.stream is True and mitm_patches.BODY_LIMIT not in plain.metadata
+    assert callable(plain.request.stream) and mitm_patches.BODY_LIMIT not in plain.metadata
+    assert plain.request.stream(b"12345") == b"12345" and plain.metadata[UP] == {"bytes": 5}  # streamed, counted
 
 
 @pytest.mark.parametrize("upgrade", [["websocket, foo"], ["foo"], ["websocket", "websocket"], ["h2c"]])

@@ -15,6 +15,7 @@ from ..gate import Gate
 from ..mitm_patches import ANSWERED, state
 from ..peers import peer_of
 from ..refusals import OWN_HEADER_PREFIX
+from .body_limit import UP
 from .decision import FLOW_ID, STARTED, TARGET, VERDICT, accept_of, to_response
 
 DOWN = "egresswall_down"
@@ -74,11 +75,19 @@ class AuditTrail:
             error = (f"nothing moved for limits.idle_timeout ({self.gate.policy.limits.idle_timeout:g}s): the "
                      "upstream sent no response, and egresswall closed the connection")
         down = flow.metadata.get(DOWN, {}).get("bytes", 0)
-        up = len(flow.request.raw_content or b"")
+        streamed = flow.metadata.get(UP)  # a streamed body's count; a buffered one is on the flow
+        up = streamed["bytes"] if streamed is not None else len(flow.request.raw_content or b"")
+        # The status the client was sent: a response whose head mitmproxy refused (framed two ways, a header
+        # name it will not pass on, a control byte) is on the flow, but its client got egresswall's 502
+        # instead (ANSWERED, noted by the protocol-error patch); only a head that reached
+        # ``responseheaders`` (DOWN) went on. The fast path records the same.
+        if flow.response is not None and DOWN in flow.metadata:
+            status = flow.response.status_code
+        else:
+            status = flow.metadata.get(ANSWERED)
         self.gate.response_closed(flow.metadata[FLOW_ID], peer_of(flow.client_conn.peername), flow.request.method,
                                   flow.metadata.get(TARGET), verdict, flow.metadata.get(STARTED, time.monotonic()),
-                                  up, down, flow.response.status_code if flow.response else flow.metadata.get(ANSWERED),
-                                  error)
+                                  up, down, status, error)
 
 
 def _allowed_websocket(flow: http.HTTPFlow) -> bool:

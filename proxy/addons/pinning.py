@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from mitmproxy import connection, ctx, http
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
 from policy.decision import Request
@@ -10,6 +11,7 @@ from policy.hosts import HostFormError, normalise_host, parse_authority
 from ..gate import Gate
 from ..peers import peer_of
 from .connections import ConnectionTable
+from .decision import VERDICT
 
 
 class PinnedAddress(tuple):
@@ -40,6 +42,30 @@ class PinnedAddress(tuple):
 class Pinning:
     def __init__(self, gate: Gate, table: ConnectionTable) -> None:
         self.gate, self.table = gate, table
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        """A kept upstream connection serves the next request only if it is connected to the address that
+        request was pinned to. mitmproxy picks the connection to reuse by its label, (host, port) (put back
+        by ``server_connected``), not by where it is connected: a name whose answer changed (both answers
+        allowed) sent the next request down the connection to the address the name had before, one that
+        request was never decided for, its record naming the other (after a reload that denies the old
+        address, one no request may reach). Such a connection is relabelled, so that mitmproxy opens a new
+        one, pinned as always; the old one idles out, or ``UpstreamPool`` closes it. Runs after
+        ``DecisionAddon``, which pinned the request."""
+        verdict = flow.metadata.get(VERDICT)
+        if flow.response is not None or verdict is None or verdict.pinned is None or self.gate.policy.upstream:
+            return  # refused, or nothing pinned (through an upstream proxy every connection is to it)
+        if self.table.tunnels.get(flow.server_conn.id) is not None:
+            return  # inside a tunnel: its one upstream connection was pinned for the CONNECT
+        handler = ctx.master.addons.get("proxyserver").connections.get(flow.client_conn.id)
+        if handler is None:
+            return
+        label = (flow.request.host, flow.request.port)
+        for server in list(handler.transports):
+            if (isinstance(server, connection.Server) and server.address == label and server.peername is not None
+                    and server.peername[0] != verdict.pinned):
+                # Server.__setattr__ refuses changes on an open connection (as in server_connected).
+                server.__dict__["address"] = (f"{label[0]} (kept, connected to {server.peername[0]})", label[1])
 
     async def server_connect(self, data: ServerConnectionHookData) -> None:
         if data.server.address is None:

@@ -7,6 +7,10 @@
   write it out as it came, a header a client may split into a second one.
 - A 204 has no body whatever its head says (RFC 9110 8.6): a Content-Length relayed with it makes a
   kept-alive client read the first bytes of the next response as this one's body.
+- Nor has a 304 (RFC 9110 15.4.5), which keeps its Content-Length (the length of the representation it
+  stands for) but loses a ``Transfer-Encoding: chunked``: mitmproxy reads no body for it, but seeing
+  ``chunked`` in the head it sends, it ended the body it never read with a last chunk, ``0`` CRLF CRLF,
+  bytes a kept-alive client read as the start of the next response.
 
 A ``101 Switching Protocols`` is left alone: ``AuditTrail`` refuses one the decision did not allow, and
 an allowed WebSocket upgrade needs its ``Connection`` and ``Upgrade``.
@@ -38,6 +42,7 @@ class ResponseHygiene:
             headers["Connection"] = "close"
         if response.status_code == 204:
             headers.pop("content-length", None)
+        if response.status_code in (204, 304):
             headers.pop("transfer-encoding", None)
         if any(b"\n" in value for _, value in headers.fields):
             headers.fields = tuple((name, _OBS_FOLD.sub(b" ", value)) for name, value in headers.fields)
