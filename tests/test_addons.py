@@ -19,7 +19,8 @@ from policy.hosts import parse_authority, parse_url
 from proxy import mitm_patches
 from proxy.addons.admission import AdmissionAddon
 from proxy.addons.audit_trail import AuditTrail
-from proxy.addons.body_limit import UP, BodyLimit
+from proxy.addons.body_limit import BodyLimit
+from proxy.addons.byte_count import UP
 from proxy.addons.connections import ConnectionTable
 from proxy.addons.decision import TARGET, VERDICT, DecisionAddon
 from proxy.addons.hop_by_hop import HopByHop

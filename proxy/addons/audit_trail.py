@@ -15,10 +15,8 @@ from ..gate import Gate
 from ..mitm_patches import ANSWERED, state
 from ..peers import peer_of
 from ..refusals import OWN_HEADER_PREFIX
-from .body_limit import UP
+from .byte_count import DOWN, UP, counting_stream
 from .decision import FLOW_ID, STARTED, TARGET, VERDICT, accept_of, to_response
-
-DOWN = "egresswall_down"
 
 REFUSED = "egresswall_refused_response"  # a refusal that replaced an upstream's response (sent as it is)
 
@@ -46,14 +44,7 @@ class AuditTrail:
             flow.metadata[REFUSED] = refusal
             flow.metadata.pop(VERDICT, None)  # its record is written: no response record follows
             return
-        counted = {"bytes": 0}
-        flow.metadata[DOWN] = counted
-
-        def count(chunk: bytes) -> bytes:
-            counted["bytes"] += len(chunk)
-            return chunk
-
-        flow.response.stream = count
+        flow.response.stream = counting_stream(flow.metadata, DOWN)
 
     def response(self, flow: http.HTTPFlow) -> None:
         refusal = flow.metadata.get(REFUSED)

@@ -21,10 +21,10 @@ from ..gate import Gate
 from ..mitm_patches import BODY_LIMIT
 from ..peers import peer_of
 from ..refusals import Refusal
+from .byte_count import UP, counting_stream
 from .decision import FLOW_ID, TARGET, VERDICT, accept_of, to_response
 
 BODY_HOLD = "egresswall_body_hold"  # flow.metadata: what the flow's buffered body holds of the budget
-UP = "egresswall_up"  # flow.metadata: {"bytes": n}, a streamed body's bytes as they went upstream
 
 
 def refuse_body_over_limit(gate: Gate, flow: http.HTTPFlow, limit: int) -> Refusal:
@@ -80,17 +80,9 @@ class BodyLimit:
             flow.metadata[BODY_HOLD] = hold
             self.holds.setdefault(flow.client_conn.id, set()).add(hold)
         else:
-            # Streamed, the body is never kept on the flow (raw_content stays empty): its bytes are counted as
-            # they pass, for the response record and a session's budgets.request_bytes, charged from it
-            # (AuditTrail recorded 0 for every Content-Length body).
-            counted = {"bytes": 0}
-            flow.metadata[UP] = counted
-
-            def count(chunk: bytes) -> bytes:
-                counted["bytes"] += len(chunk)
-                return chunk
-
-            flow.request.stream = count
+            # Streamed, the body is never kept on the flow: its bytes are counted as they pass (AuditTrail
+            # recorded 0 for every Content-Length body, and a session's budgets.request_bytes went uncharged).
+            flow.request.stream = counting_stream(flow.metadata, UP)
 
     def response(self, flow: http.HTTPFlow) -> None:
         self._release(flow)
