@@ -123,6 +123,7 @@ from mitmproxy.proxy.layers.http._events import (
     ErrorCode,
     RequestData,
     RequestEndOfMessage,
+    RequestHeaders,
     RequestProtocolError,
     ResponseEndOfMessage,
     ResponseProtocolError,
@@ -548,7 +549,7 @@ def _server_read_headers(self: Http1Server, event: events.Event):
         state().on_refusal(self.conn, 0, rule, f"the connection was closed {by}, {waited:.1f}s into a request "
                                                f"head that never ended ({len(self.buf)} bytes)")
     logs: list[str] = []
-    yield from _watch_logs(_originals["server_read_headers"](self, event), logs)
+    yield from _watch_logs(_note_sent_authority(self, _originals["server_read_headers"](self, event)), logs)
     if self.state == self.read_headers and len(self.buf) and isinstance(event, events.DataReceived) and (
             self.__dict__.get(_TIMER_FOR) != self.__dict__[_STARTED]):
         # Half a head is in: a timer, so a client that stops here is cut off at limits.header_timeout
@@ -563,6 +564,26 @@ def _server_read_headers(self: Http1Server, event: events.Event):
             # mitmproxy answered 400 ("Bad HTTP request line", "Invalid header line"...) before any flow.
             detail = logs[-1].split(": ", 1)[-1] if logs else "unparseable request head"
             state().on_refusal(self.conn, 400, "http:malformed", _unparseable(detail))
+
+
+SENT_AUTHORITY = "egresswall_sent_authority"  # on an http.Request: its request target's authority as sent
+
+
+def _note_sent_authority(self: Http1Server, generator: Generator) -> Generator:
+    """mitmproxy's request-head reader, noting each request's authority as the client sent it before its
+    headers go to the stream: in regular mode the stream empties ``authority`` before any hook runs (it
+    forwards origin form), and its own split of it (port 0 read as the scheme's default) must not stand in
+    for what was sent (proxy/addons/decision.py gives it to the gate). Test: test_host_form_parity.py."""
+    value = None
+    while True:
+        try:
+            command = generator.send(value)
+        except StopIteration as stop:
+            return stop.value
+        if isinstance(command, ReceiveHttp) and isinstance(command.event, RequestHeaders):
+            request = command.event.request
+            setattr(request, SENT_AUTHORITY, request.data.authority.decode("latin-1"))
+        value = yield command
 
 
 def _server_wait(self: Http1Server, event: events.Event):

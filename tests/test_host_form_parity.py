@@ -1,0 +1,128 @@
+"""A request whose host or port the core refuses gets the core's refusal on both transports, and the one
+``egresswall check`` gives for the same URL.
+
+The fast path reads an absolute-form target with the core (policy.hosts); mitmproxy's layers parse it first
+with mitmproxy's own parser, which refused many of those forms itself (``GET http://a..b/``,
+``CONNECT a..b:443``, a port of 0 or 65536, userinfo, ``%``: a 400 ``http:malformed``) or read them its own
+way (port 0 as the scheme's default; ``[1.2.3.4]`` as the IPv4 inside), and an origin-form request whose
+Host header it could not read was a 400 "destination unknown". The core's words are the authority: both
+transports answer the same status, X-Egresswall-Rule and X-Egresswall-Reason, write the same record (ids and
+times apart), and ``egresswall check`` names the same rule and reason.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from proxyproc import ROOT, TRANSPORTS, ProxyProcess, parse_response
+
+pytestmark = pytest.mark.integration
+VOLATILE = {"id", "time", "duration_ms"}
+
+# Forms mitmproxy's parser reads, but its own way: the gate reads the request as sent.
+ABSOLUTE = ["public.lab.example:0"]  # mitmproxy: port 80
+CONNECT: list[str] = []
+ORIGIN = ["[1.2.3.4]"]  # mitmproxy: the IPv4 1.2.3.4 (and the fast path's classifier, for absolute form)
+
+
+def cases() -> list[tuple[str, bytes, str]]:
+    out = [(f"http://{a}/", f"GET http://{a}/ HTTP/1.1\r\nHost: {a}\r\n\r\n".encode(), f"http://{a}/")
+           for a in ABSOLUTE]
+    out += [(f"CONNECT {a}", f"CONNECT {a} HTTP/1.1\r\nHost: {a}\r\n\r\n".encode(), f"https://{a}/")
+            for a in CONNECT]
+    out += [(f"Host: {h}", f"GET /p HTTP/1.1\r\nHost: {h}\r\nAccept: application/json\r\n\r\n".encode(),
+             f"http://{h}/p") for h in ORIGIN]
+    return out
+
+
+CASES = cases()
+
+
+def policy_text(lab) -> str:
+    return (f"version: 1\nmode: enforce\ndefault: allow\nports:\n  http: [80]\n  connect: [443]\n"
+            f"resolver:\n  nameservers: ['{lab.dns.address}']\n  timeout: 1\n")
+
+
+@pytest.fixture(scope="module")
+def proxies(lab, tmp_path_factory):
+    """One proxy per transport, on one policy file (the records name it)."""
+    folder = tmp_path_factory.mktemp("host-form")
+    policy = folder / "policy.yaml"
+    policy.write_text(policy_text(lab))
+    started = {name: ProxyProcess(["--policy", str(policy), *args], folder / f"{name}.jsonl")
+               for name, args in TRANSPORTS.items()}
+    yield policy, started
+    for proxy in started.values():
+        proxy.stop()
+    for proxy in started.values():
+        assert not proxy.outbound(), proxy.outbound()  # nothing of this was forwarded anywhere
+
+
+def exchange(proxy: ProxyProcess, raw: bytes) -> tuple[int, dict[str, str], bytes, list[dict]]:
+    """The answer to ``raw`` and the records it added."""
+    before = len(proxy.audit())
+    with socket.create_connection((proxy.host, proxy.port), timeout=10) as sock:
+        sock.sendall(raw)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    deadline = time.monotonic() + 5
+    while len(records := proxy.audit()) <= before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    status, headers, body = parse_response(data)
+    return status, headers, body, [{k: v for k, v in r.items() if k not in VOLATILE} for r in records[before:]]
+
+
+def answers(proxies, raw: bytes) -> dict[str, tuple]:
+    return {name: exchange(proxy, raw) for name, proxy in proxies[1].items()}
+
+
+def checked(policy, urls: list[str]) -> dict[str, dict]:
+    """``egresswall check --json`` on each URL: {url: its verdict}."""
+    done = subprocess.run([sys.executable, "-m", "proxy.cli", "check", "--json", "--policy", str(policy), *urls],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    verdicts = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(verdicts) == len(urls), done.stderr
+    return {v["url"]: v for v in verdicts}
+
+
+@pytest.fixture(scope="module")
+def check_verdicts(proxies):
+    return checked(proxies[0], [url for _, _, url in CASES])
+
+
+def assert_core_refusal_on_both(seen: dict[str, tuple], verdict: dict | None = None) -> None:
+    fast, mitm = seen["fast"], seen["mitmproxy"]
+    assert (fast[0], mitm[0]) == (403, 403), seen
+    rule, reason = fast[1].get("x-egresswall-rule"), fast[1].get("x-egresswall-reason")
+    assert rule and rule.startswith("form:"), seen
+    assert (mitm[1].get("x-egresswall-rule"), mitm[1].get("x-egresswall-reason")) == (rule, reason), seen
+    assert fast[2] == mitm[2], seen  # the same body (text or JSON, as the Accept header asks)
+    assert fast[3] == mitm[3] and len(fast[3]) == 1, seen  # one decision record, the same on both
+    record = fast[3][0]
+    assert (record["rule"], record["reason"], record["status"]) == (rule, reason, 403), record
+    if verdict is not None:
+        # An origin-form request's reason names where the host came from: its Host header, not a URL's authority.
+        assert (verdict["rule"], verdict["reason"]) == (rule, reason.replace("the Host header", "the authority")), (
+            verdict, record)
+
+
+@pytest.mark.parametrize("name, raw, url", CASES, ids=[c[0] for c in CASES])
+def test_a_host_the_core_refuses_gets_the_cores_refusal_on_both_transports_and_from_check(
+        proxies, check_verdicts, name, raw, url):
+    assert_core_refusal_on_both(answers(proxies, raw), check_verdicts[url])
+
+
+def test_well_formed_spellings_are_read_alike_on_both_transports(proxies):
+    """Trailing dot, upper case, a port with leading zeros: one host, allowed alike (the lab's name resolves to
+    an address the policy refuses, so nothing is connected), decided by the same rule."""
+    for authority in ("public.lab.example.", "PUBLIC.Lab.Example", "public.lab.example:080"):
+        seen = answers(proxies, f"GET http://{authority}/ HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
+        assert seen["fast"][0] == seen["mitmproxy"][0] == 403, seen
+        assert seen["fast"][3] == seen["mitmproxy"][3], seen
+        assert seen["fast"][3][0]["host"] == "public.lab.example", seen
