@@ -31,6 +31,7 @@ from policy.hosts import (
     Target,
     host_header_agrees,
     parse_authority,
+    parse_host_header,
     parse_origin_target,
     parse_url,
 )
@@ -318,6 +319,37 @@ class Gate:
                     f"through the upstream proxy {upstream.url}")
         if self.is_self(upstream.host, port):
             return f"egresswall: the upstream proxy {upstream.url} is egresswall's own listener"
+        return None
+
+    # ---- a request head the transport's parser could not read ----------------------------------------
+
+    def refuse_unread_target(self, client: str, method: str, target: str, host_header: str | None,
+                             accept: Iterable[str] = ()) -> Refusal | None:
+        """The core's refusal of a request that mitmproxy's parser refused before any hook of ours saw it (its
+        request line: ``GET http://a..b/``, ``CONNECT [1.2.3.4]:443``; an origin-form request's Host header),
+        when the core refuses the host or port it names: the rule, reason and record ``decide_connect`` and
+        ``decide_request`` give the same request on the fast path, where mitmproxy's parser is not asked.
+        ``target``: the request target as sent; ``host_header``: the one Host header (None: none, or several).
+        None: the core reads the target, and mitmproxy's refusal stands (its parser refused something else, or
+        a host the core takes but mitmproxy cannot represent: it is never forwarded)."""
+        try:
+            if method == "CONNECT":
+                url = target
+                parse_authority(target, "https")
+            elif target.startswith("/"):
+                if host_header is None:
+                    return None
+                url = f"http://{host_header}{target}"
+                parse_host_header(host_header, "http")
+            elif "://" in target:
+                url = target if "/" in target.partition("://")[2] else target + "/"  # as the fast path records it
+                parse_url(target)
+            else:
+                return None  # '*', or no URL at all: nothing names a host
+        except HostFormError as err:
+            verdict = refuse_form(err)
+            return self.refuse(client, method, None, 403, verdict.stage, verdict.rule, verdict.reason, url=url,
+                               accept=accept)
         return None
 
     # ---- plain HTTP, and requests inside tunnels ---------------------------------------------------

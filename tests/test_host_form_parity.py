@@ -19,15 +19,30 @@ import sys
 import time
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from proxyproc import ROOT, TRANSPORTS, ProxyProcess, parse_response
+
+from policy.hosts import HostFormError, normalise_host
 
 pytestmark = pytest.mark.integration
 VOLATILE = {"id", "time", "duration_ms"}
 
-# Forms mitmproxy's parser reads, but its own way: the gate reads the request as sent.
-ABSOLUTE = ["public.lab.example:0"]  # mitmproxy: port 80
-CONNECT: list[str] = []
-ORIGIN = ["[1.2.3.4]"]  # mitmproxy: the IPv4 1.2.3.4 (and the fast path's classifier, for absolute form)
+# (request line and Host header, the URL ``egresswall check`` is asked about)
+ABSOLUTE = [
+    "a..b", "xn--abc", "xn--abc.example", "[1.2.3.4]", "a" * 64 + ".example", ".a.example", "a.example..",
+    "-a.example", "a_b.example", "localhost", "nodot", "0x7f.1", "127.1", "2130706433", "a.local",
+    "user@public.lab.example", "user:pw@public.lab.example", "public.lab.example:0", "public.lab.example:65536",
+    "public.lab.example:", "public.lab.example:99999999", "public%2elab.example", "[fe80::1%25eth0]",
+    "[fe80::1%eth0]", "[::1", "[::1]x", "a:b:c", "[1.2.3.4]:80",
+]
+CONNECT = [
+    "a..b:443", "[1.2.3.4]:443", "xn--abc:443", "public.lab.example:0", "public.lab.example:65536",
+    "public.lab.example:", "user@public.lab.example:443", "[fe80::1%eth0]:443", "public%2elab.example:443",
+    ".a.example:443", "a_b.example:443", "nodot:443",
+]
+ORIGIN = ["a..b", "xn--abc", "[1.2.3.4]", "public.lab.example:0", "public.lab.example:", "user@public.lab.example",
+          "public%2elab.example", ".a.example", "a" * 64 + ".example", "[fe80::1%eth0]"]
 
 
 def cases() -> list[tuple[str, bytes, str]]:
@@ -126,3 +141,36 @@ def test_well_formed_spellings_are_read_alike_on_both_transports(proxies):
         assert seen["fast"][0] == seen["mitmproxy"][0] == 403, seen
         assert seen["fast"][3] == seen["mitmproxy"][3], seen
         assert seen["fast"][3][0]["host"] == "public.lab.example", seen
+
+
+HOST_TEXT = st.text(alphabet="ab0-.:[]_%@xn", min_size=1, max_size=12).filter(lambda h: refused_by_core(h))
+
+
+def refused_by_core(host: str) -> bool:
+    try:
+        normalise_host(host)
+    except HostFormError:
+        return True
+    return False
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.filter_too_much])
+@given(host=HOST_TEXT, form=st.sampled_from(["absolute", "connect", "origin"]))
+def test_any_host_the_core_refuses_is_refused_alike_on_both_transports(proxies, host, form):
+    """Property: for any host text the core refuses, both transports refuse it with the same status, rule,
+    reason and record. (Its rule is the core's for the whole target, which may name the port or brackets.)"""
+    if form == "absolute":
+        raw = f"GET http://{host}/ HTTP/1.1\r\nHost: {host}\r\n\r\n"
+    elif form == "connect":
+        raw = f"CONNECT {host}:443 HTTP/1.1\r\nHost: {host}:443\r\n\r\n"
+    else:
+        raw = f"GET / HTTP/1.1\r\nHost: {host}\r\n\r\n"
+    seen = answers(proxies, raw.encode())
+    fast, mitm = seen["fast"], seen["mitmproxy"]
+    assert fast[0] == mitm[0] and fast[0] in (400, 403), seen
+    assert fast[1].get("x-egresswall-rule") == mitm[1].get("x-egresswall-rule"), seen
+    assert fast[1].get("x-egresswall-reason") == mitm[1].get("x-egresswall-reason"), seen
+    assert fast[3] == mitm[3], seen
+    if fast[0] == 400:  # only a request line that is not three words (none here) is mitmproxy's own 400
+        pytest.fail(f"a generic 400 for a host the core refuses: {seen}")
