@@ -133,14 +133,27 @@ def test_a_host_the_core_refuses_gets_the_cores_refusal_on_both_transports_and_f
     assert_core_refusal_on_both(answers(proxies, raw), check_verdicts[url])
 
 
-def test_well_formed_spellings_are_read_alike_on_both_transports(proxies):
-    """Trailing dot, upper case, a port with leading zeros: one host, allowed alike (the lab's name resolves to
-    an address the policy refuses, so nothing is connected), decided by the same rule."""
-    for authority in ("public.lab.example.", "PUBLIC.Lab.Example", "public.lab.example:080"):
-        seen = answers(proxies, f"GET http://{authority}/ HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
+@pytest.mark.parametrize("authority, connect, host", [
+    ("public.lab.example.", "public.lab.example.:443", "public.lab.example"),
+    ("PUBLIC.Lab.Example", "PUBLIC.Lab.Example:443", "public.lab.example"),
+    ("public.lab.example:080", "public.lab.example:0443", "public.lab.example"),
+    ("public.lab.example:00080", "public.lab.example:00443", "public.lab.example"),
+    ("[::ffff:7f00:2]", "[::ffff:7f00:2]:443", "127.0.0.2"),
+    ("[0:0:0:0:0:ffff:127.0.0.2]:80", "[0:0:0:0:0:ffff:127.0.0.2]:443", "127.0.0.2"),
+    ("[::1]", "[::1]:443", "::1"),
+])
+def test_well_formed_spellings_are_read_alike_on_both_transports(proxies, authority, connect, host):
+    """Trailing dot, upper case, a port with leading zeros, IPv6 spellings of one address: read as the core
+    reads them, and refused alike by the address rules (the lab's policy admits no address, so nothing is
+    connected), in absolute form, as a CONNECT and in a Host header."""
+    for raw in (f"GET http://{authority}/ HTTP/1.1\r\nHost: {authority}\r\n\r\n",
+                f"CONNECT {connect} HTTP/1.1\r\nHost: {connect}\r\n\r\n",
+                f"GET / HTTP/1.1\r\nHost: {authority}\r\n\r\n"):
+        seen = answers(proxies, raw.encode())
         assert seen["fast"][0] == seen["mitmproxy"][0] == 403, seen
+        assert seen["fast"][1].get("x-egresswall-rule") == seen["mitmproxy"][1].get("x-egresswall-rule"), seen
         assert seen["fast"][3] == seen["mitmproxy"][3], seen
-        assert seen["fast"][3][0]["host"] == "public.lab.example", seen
+        assert seen["fast"][3][0]["host"] == host and seen["fast"][3][0]["stage"] == "address", seen
 
 
 HOST_TEXT = st.text(alphabet="ab0-.:[]_%@xn", min_size=1, max_size=12).filter(lambda h: refused_by_core(h))
