@@ -449,6 +449,14 @@ def parse_host_header(value: str, scheme: str) -> tuple[str, int]:
     return target.host, target.port
 
 
+def parse_origin_target(host_header: str, scheme: str, path: str) -> Target:
+    """An origin-form request (``GET /path`` with ``Host: host[:port]``) -> Target: the host as
+    ``parse_host_header`` reads it, the path as ``parse_url`` checks it."""
+    scheme = _check_scheme(scheme, host_header)
+    target = _parse_authority_text(host_header, "Host header", False, scheme)
+    return parse_url(f"{scheme}://{target.authority}{path}")
+
+
 def host_header_agrees(target: Target, host_header: str) -> bool:
     """The Host header names the same normalised host and port as the target (a malformed one never does)."""
     try:

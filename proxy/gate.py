@@ -26,7 +26,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from policy.decision import Request, Resolution, Verdict, refuse_form, role_of
-from policy.hosts import HostFormError, Target, host_header_agrees, parse_authority, parse_url
+from policy.hosts import (
+    HostFormError,
+    Target,
+    host_header_agrees,
+    parse_authority,
+    parse_host_header,
+    parse_origin_target,
+    parse_url,
+)
 from policy.model import Policy
 from policy.resolver import DnsResolver, Resolver, resolve_and_decide
 from policy.sessions import STAGE as SESSION_STAGE
@@ -313,6 +321,37 @@ class Gate:
             return f"egresswall: the upstream proxy {upstream.url} is egresswall's own listener"
         return None
 
+    # ---- a request head the transport's parser could not read ----------------------------------------
+
+    def refuse_unread_target(self, client: str, method: str, target: str, host_header: str | None,
+                             accept: Iterable[str] = ()) -> Refusal | None:
+        """The core's refusal of a request that mitmproxy's parser refused before any hook of ours saw it (its
+        request line: ``GET http://a..b/``, ``CONNECT [1.2.3.4]:443``; an origin-form request's Host header),
+        when the core refuses the host or port it names: the rule, reason and record ``decide_connect`` and
+        ``decide_request`` give the same request on the fast path, where mitmproxy's parser is not asked.
+        ``target``: the request target as sent; ``host_header``: the one Host header (None: none, or several).
+        None: the core reads the target, and mitmproxy's refusal stands (its parser refused something else, or
+        a host the core takes but mitmproxy cannot represent: it is never forwarded)."""
+        try:
+            if method == "CONNECT":
+                url = target
+                parse_authority(target, "https")
+            elif target.startswith("/"):
+                if host_header is None:
+                    return None
+                url = f"http://{host_header}{target}"
+                parse_host_header(host_header, "http")
+            elif "://" in target:
+                url = target if "/" in target.partition("://")[2] else target + "/"  # as the fast path records it
+                parse_url(target)
+            else:
+                return None  # '*', or no URL at all: nothing names a host
+        except HostFormError as err:
+            verdict = refuse_form(err)
+            return self.refuse(client, method, None, 403, verdict.stage, verdict.rule, verdict.reason, url=url,
+                               accept=accept)
+        return None
+
     # ---- plain HTTP, and requests inside tunnels ---------------------------------------------------
 
     async def decide_request(self, ask: HttpAsk, tunnel: Tunnel | None) -> RequestOutcome:
@@ -320,8 +359,7 @@ class Gate:
         try:
             target = self._request_target(ask, tunnel)
         except HostFormError as err:
-            return self._request_refused(ask, None, refuse_form(err), 403, url=f"{ask.scheme}://{ask.host}{ask.path}",
-                                         tunnel=tunnel)
+            return self._request_refused(ask, None, refuse_form(err), 403, url=sent_url(ask), tunnel=tunnel)
         if tunnel is not None and ask.authority and not host_header_agrees(target, ask.authority):
             # Absolute-form inside a tunnel: an origin must use the URI's authority over Host (RFC 9112
             # 3.2.2), so one naming another host than the tunnel's would reach that host.
@@ -482,8 +520,22 @@ def plain_target(ask: HttpAsk) -> Target:
         raise HostFormError("asterisk", f"the request target {safe_text(ask.path, 40)!r} is not a path (the asterisk "
                                         "form asks the server it is sent to about itself); egresswall forwards "
                                         "requests for a URL")
+    if ask.authority is not None:
+        # Absolute form: the URL as the client sent it, read by the core as ``egresswall check`` reads it. The
+        # transport's own split (mitmproxy reads port 0 as the scheme's default, and drops the brackets of an
+        # IPv4 in them, as the fast path's head classifier does) never stands in for what was sent.
+        return parse_url(f"{scheme}://{ask.authority}{ask.path}")
+    if ask.host_header is not None and ask.path.startswith("/"):
+        # Origin form: the Host header as sent ('[1.2.3.4]' is no IPv4, whatever mitmproxy's split of it says).
+        return parse_origin_target(ask.host_header, scheme, ask.path)
     bracketed = f"[{ask.host}]" if ":" in ask.host else ask.host
     return parse_url(f"{scheme}://{bracketed}:{ask.port}{ask.path}")
+
+
+def sent_url(ask: HttpAsk) -> str:
+    """What the client asked for, for the record of a request whose target the core refused."""
+    host = ask.authority if ask.authority is not None else ask.host_header if ask.host_header is not None else ask.host
+    return f"{ask.scheme}://{host}{ask.path}"
 
 
 def refusal_for(status: int, verdict: Verdict, target: Target | None, accept: Iterable[str] = ()) -> Refusal:

@@ -69,6 +69,14 @@ gate's owner builds — installing a second, different state is an error, never 
   error hook writes the record). mitmproxy's connects fail with the fast front's
   wording (``_open_connection``). Tests: test_hardening_proxy_security.py::test_mitmproxys_own_400_is_recorded,
   test_own_answers.py.
+* **The core reads the target** (``Http1Server.read_headers``, ``Http1Server.send``): mitmproxy's parser
+  refuses many hosts and ports itself (``GET http://a..b/``, ``CONNECT a..b:443``, ``[1.2.3.4]``, a port of
+  0 or 65536, userinfo, ``%``; an origin-form Host header it cannot read is "destination unknown"), with a
+  generic 400, where the fast path's request reached the core and got its rule and reason. Outside a tunnel
+  such a request gets the core's refusal (``PatchState.on_unread_target``: ``Gate.refuse_unread_target``),
+  recorded as the fast path records it; a request line the core reads keeps mitmproxy's 400. And the
+  authority is noted as sent before mitmproxy's regular mode empties it (its own split reads port 0 as 80).
+  Test: test_host_form_parity.py.
 * **No pipe after a refused 101** (``_http1.should_make_pipe``): an upstream's unasked ``101`` is answered
   with a 502 by the audit-trail addon, but mitmproxy would still turn the upstream connection into a pipe
   and crash on its next bytes. Test:
@@ -131,6 +139,7 @@ from mitmproxy.proxy.layers.http._events import (
     ErrorCode,
     RequestData,
     RequestEndOfMessage,
+    RequestHeaders,
     RequestProtocolError,
     ResponseEndOfMessage,
     ResponseProtocolError,
@@ -199,6 +208,11 @@ class PatchState:
     # rule, for this reason: the refusal to answer.
     on_bad_body: Callable[[http.HTTPFlow, str, str], Refusal] = lambda flow, rule, reason: _unrecorded_bad_body(
         rule, reason)
+    # A request mitmproxy's parser refused before any flow (its request line, an origin-form request's Host
+    # header), outside a tunnel: (client connection, method, target as sent, the one Host header or None,
+    # Accept values) -> the core's refusal of the host it names, recorded, or None (mitmproxy's 400 stands).
+    on_unread_target: Callable[[connection.Connection, str, str, str | None, tuple[str, ...]], Refusal | None] = (
+        lambda conn, method, target, host, accept: None)
     idle_closed: RecentIds = field(default_factory=RecentIds)  # client connections mitmproxy's watchdog closed
     first_byte_timer: bool = True  # False when the front already enforced limits.first_byte_timeout
 
@@ -580,7 +594,13 @@ def _server_read_headers(self: Http1Server, event: events.Event):
         state().on_refusal(self.conn, 0, rule, f"the connection was closed {by}, {waited:.1f}s into a request "
                                                f"head that never ended ({len(self.buf)} bytes)")
     logs: list[str] = []
-    yield from _watch_logs(_originals["server_read_headers"](self, event), logs)
+    kept = _KeptHead(self.buf) if isinstance(event, events.DataReceived) and _outside_tunnel(self) else None
+    sent = _note_sent_authority(self, _originals["server_read_headers"](self, event))
+    try:
+        yield from _watch_logs(_core_answers(self, sent, kept), logs)
+    finally:
+        if kept is not None:
+            kept.close()
     if self.state == self.read_headers and len(self.buf) and isinstance(event, events.DataReceived) and (
             self.__dict__.get(_TIMER_FOR) != self.__dict__[_STARTED]):
         # Half a head is in: a timer, so a client that stops here is cut off at limits.header_timeout
@@ -591,10 +611,93 @@ def _server_read_headers(self: Http1Server, event: events.Event):
     if self.state != self.read_headers:
         self.__dict__.pop(_STARTED, None)  # the head is in: the next one on this connection gets a fresh clock
         self.__dict__.pop(_TIMER, None)
-        if self.state == self.done and self.request is None and isinstance(event, events.DataReceived):
+        if (self.state == self.done and self.request is None and isinstance(event, events.DataReceived)
+                and not (kept is not None and kept.answered)):
             # mitmproxy answered 400 ("Bad HTTP request line", "Invalid header line"...) before any flow.
             detail = logs[-1].split(": ", 1)[-1] if logs else "unparseable request head"
             state().on_refusal(self.conn, 400, "http:malformed", _unparseable(detail))
+
+
+SENT_AUTHORITY = "egresswall_sent_authority"  # on an http.Request: its request target's authority as sent
+
+
+def _note_sent_authority(self: Http1Server, generator: Generator) -> Generator:
+    """mitmproxy's request-head reader, noting each request's authority as the client sent it before its
+    headers go to the stream: in regular mode the stream empties ``authority`` before any hook runs (it
+    forwards origin form), and its own split of it (port 0 read as the scheme's default) must not stand in
+    for what was sent (proxy/addons/decision.py gives it to the gate). Test: test_host_form_parity.py."""
+    value = None
+    while True:
+        try:
+            command = generator.send(value)
+        except StopIteration as stop:
+            return stop.value
+        if isinstance(command, ReceiveHttp) and isinstance(command.event, RequestHeaders):
+            request = command.event.request
+            setattr(request, SENT_AUTHORITY, request.data.authority.decode("latin-1"))
+        value = yield command
+
+
+class _KeptHead:
+    """The head lines mitmproxy's request reader takes out of its buffer (``maybe_extract_lines``), kept while it
+    reads them: when it refuses the request line, the core judges the target in it (``_core_answers``)."""
+
+    def __init__(self, buf: ReceiveBuffer) -> None:
+        self.buf, self.lines, self.answered = buf, None, False
+        extract = buf.maybe_extract_lines
+
+        def keep():
+            self.lines = extract()
+            return self.lines
+        buf.maybe_extract_lines = keep
+
+    def close(self) -> None:
+        del self.buf.maybe_extract_lines  # the method of the class again
+
+
+def _outside_tunnel(layer: Http1Server) -> bool:
+    """Not a request inside a CONNECT's tunnel (whose layers are given the CONNECT's address): there the target
+    is the tunnel's, and a request line mitmproxy cannot read stays its 400."""
+    return layer.context.server.address is None
+
+
+def _core_answers(self: Http1Server, generator: Generator, kept: _KeptHead | None) -> Generator:
+    """mitmproxy's request-head reader, but for its 400 to a request line it cannot parse: when the core
+    refuses the host or port the line names (``GET http://a..b/``, ``CONNECT a..b:443``, a port of 0), the
+    answer is the core's refusal (``PatchState.on_unread_target``), as on the fast path, where mitmproxy's
+    parser is never asked. Test: test_host_form_parity.py."""
+    value = None
+    while True:
+        try:
+            command = generator.send(value)
+        except StopIteration as stop:
+            return stop.value
+        if (kept is not None and kept.lines and self.request is None and isinstance(command, commands.SendData)
+                and isinstance(command.data, _ErrorAnswer)):
+            parts = _request_line(kept.lines)
+            refusal = state().on_unread_target(self.conn, *parts) if parts is not None else None
+            if refusal is not None:
+                kept.answered = True
+                command = commands.SendData(self.conn, refusal_bytes(refusal))
+        value = yield command
+
+
+def _request_line(lines) -> tuple[str, str, str | None, tuple[str, ...]] | None:
+    """(method, target, the one Host header or None, Accept values) of a head's lines as mitmproxy's reader
+    split them; None when the request line is not three ASCII words (then nothing names a target)."""
+    words = bytes(lines[0]).rstrip(b"\r\n").split(b" ")
+    if len(words) != 3 or not all(words):
+        return None
+    try:
+        method, target = words[0].decode("ascii"), words[1].decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    hosts, accept = [], []
+    for line in lines[1:]:
+        name, colon, value = bytes(line).partition(b":")
+        if colon and name.strip().lower() in (b"host", b"accept"):
+            (hosts if name.strip().lower() == b"host" else accept).append(value.strip().decode("latin-1"))
+    return method, target, hosts[0] if len(hosts) == 1 else None, tuple(accept)
 
 
 def _server_wait(self: Http1Server, event: events.Event):
@@ -723,11 +826,24 @@ def _server_send(self: Http1Server, event):
             refusal = _answer_to_seen(self.request, status, event.code, event.message,
                                       isinstance(event, OwnResponseError))
         else:
-            reason = f"mitmproxy refused the request before any decision: {event.message}"[:400]
-            state().on_refusal(self.conn, status, "http:invalid-request", reason)
-            refusal = Refusal(status, Verdict(False, "form", "http:invalid-request", reason))
+            refusal = _unread_host_refusal(self) if event.code is ErrorCode.DESTINATION_UNKNOWN else None
+            if refusal is None:
+                reason = f"mitmproxy refused the request before any decision: {event.message}"[:400]
+                state().on_refusal(self.conn, status, "http:invalid-request", reason)
+                refusal = Refusal(status, Verdict(False, "form", "http:invalid-request", reason))
         yield commands.SendData(self.conn, refusal_bytes(refusal))
     yield commands.CloseConnection(self.conn)
+
+
+def _unread_host_refusal(self: Http1Server) -> Refusal | None:
+    """An origin-form request whose Host header mitmproxy cannot read ("destination unknown"): the core's
+    refusal of the host it names (``Host: a..b``), recorded, or None (mitmproxy's 400 stands)."""
+    request = self.request
+    if request is None or request.authority or not _outside_tunnel(self):
+        return None
+    hosts = request.headers.get_all("host")
+    return state().on_unread_target(self.conn, request.method, request.path, hosts[0] if len(hosts) == 1 else None,
+                                    tuple(request.headers.get_all("accept")))
 
 
 def _answer_to_seen(request: http.Request, status: int, code: ErrorCode, message: str, own: bool) -> Refusal:
@@ -755,10 +871,14 @@ def connect_error_text(message: str) -> str:
     return message.removeprefix("Connection killed: ")
 
 
+class _ErrorAnswer(bytes):
+    """The bytes of mitmproxy's answer to a head it cannot parse (``_core_answers`` knows them by their type)."""
+
+
 def _error_answer(status: int, message: str) -> bytes:
     """``_http1.make_error_response``, which mitmproxy's request-head reader calls for a head it cannot parse
     (``_server_read_headers`` records it): egresswall's refusal, with the record's rule and reason."""
-    return refusal_bytes(Refusal(status, Verdict(False, "form", "http:malformed", _unparseable(message))))
+    return _ErrorAnswer(refusal_bytes(Refusal(status, Verdict(False, "form", "http:malformed", _unparseable(message)))))
 
 
 def _unparseable(detail: str) -> str:

@@ -162,7 +162,8 @@ def test_a_taken_head_has_one_reading(head):
     assert (mitm.method, mitm.port, mitm.path) == (request.method, request.port, request.path)
     assert [(k.decode(), v.decode()) for k, v in mitm.headers.fields] == list(request.headers)
     theirs = _gate_target(HttpAsk(client="c", method=mitm.method, scheme=mitm.scheme, host=mitm.data.host,
-                                  port=mitm.data.port, path=mitm.path, host_header=mitm.headers.get("host")))
+                                  port=mitm.data.port, path=mitm.path, host_header=mitm.headers.get("host"),
+                                  authority=mitm.data.authority.decode("latin-1") or None))  # as decision.py
     ours = _gate_target(ask_of(request, "c"))
     assert ours == theirs, "the two transports hand the gate two different targets"
 

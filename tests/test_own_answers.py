@@ -64,21 +64,23 @@ def assert_egresswalls(headers: dict[str, str], rule: str, reason_part: str) -> 
 
 
 @both_transports
-@pytest.mark.parametrize("head, rule, reason", [
-    (b"GET http://.a.example/ HTTP/1.1\r\nHost: .a.example\r\n\r\n", "http:malformed", "Bad HTTP request line"),
-    (b"GET http://a.example/ HTTP/1.1 extra\r\nHost: a.example\r\n\r\n", "http:malformed", "cannot be parsed"),
-    (b"GET / HTTP/1.1\r\nHost: a..example\r\n\r\n", "http:invalid-request", "destination unknown"),
-    (b"GET /no-host HTTP/1.0\r\n\r\n", "http:invalid-request", "destination unknown"),
+@pytest.mark.parametrize("head, status, rule, reason", [
+    (b"GET http://a.example/ HTTP/1.1 extra\r\nHost: a.example\r\n\r\n", 400, "http:malformed", "cannot be parsed"),
+    (b"GET /no-host HTTP/1.0\r\n\r\n", 400, "http:invalid-request", "destination unknown"),
+    # A host mitmproxy's parser cannot read, which the core refuses by name: the core's refusal (more in
+    # test_host_form_parity.py), not mitmproxy's 400.
+    (b"GET http://.a.example/ HTTP/1.1\r\nHost: .a.example\r\n\r\n", 403, "form:empty-label", "empty label"),
+    (b"GET / HTTP/1.1\r\nHost: a..example\r\n\r\n", 403, "form:empty-label", "empty label"),
 ])
-def test_a_request_mitmproxy_refuses_itself_gets_egresswalls_refusal(lab, start_proxy, head, rule, reason):
+def test_a_request_mitmproxy_refuses_itself_gets_egresswalls_refusal(lab, start_proxy, head, status, rule, reason):
     proxy = start_proxy(lab.policy_text())
     answer = sent_back(proxy, head)
-    status, headers, body = parse_response(answer)
-    assert status == 400
+    got, headers, body = parse_response(answer)
+    assert got == status
     assert_egresswalls(headers, rule, reason)
     assert body.startswith(b"egresswall refused this request.\nrule: " + rule.encode())
     (record,) = [r for r in wait_audit(proxy, 1) if r["rule"] == rule]
-    assert record["status"] == 400 and reason in record["reason"]
+    assert record["status"] == status and reason in record["reason"]
     assert record["bytes_down"] == len(answer)  # the record counts what was sent
 
 

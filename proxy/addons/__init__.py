@@ -43,6 +43,8 @@ def patch_state_for(gate: Gate, first_byte_timer: bool) -> mitm_patches.PatchSta
         limits=lambda: gate.policy.limits,
         on_refusal=lambda conn, status, rule, reason: gate.connection_refused(peer_of(conn.peername), status,
                                                                                rule, reason),
+        on_unread_target=lambda conn, method, target, host, accept: gate.refuse_unread_target(
+            peer_of(conn.peername), method, target, host, accept),
         on_body_over_limit=lambda flow, limit: refuse_body_over_limit(gate, flow, limit),
         on_body_buffered=lambda flow, size: reserve_body(gate, flow, size),
         on_bad_body=lambda flow, rule, reason: refuse_bad_body(gate, flow, rule, reason),

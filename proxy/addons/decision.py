@@ -12,7 +12,7 @@ from policy.decision import Verdict
 
 from ..gate import Gate, HttpAsk, refusal_for
 from ..http_hygiene import OTHER_UPGRADE, WEBSOCKET, upgrade_kind
-from ..mitm_patches import connect_error_text, refuse_before_body
+from ..mitm_patches import SENT_AUTHORITY, connect_error_text, refuse_before_body
 from ..peers import peer_of
 from ..refusals import Refusal, refusal_parts
 from .connections import ConnectionTable
@@ -109,7 +109,7 @@ class DecisionAddon:
                       websocket=upgrade == WEBSOCKET,
                       content_length=int(length) if length is not None and length.isdigit() else None,
                       chunked="transfer-encoding" in request.headers,
-                      accept=accept_of(flow), authority=request.data.authority.decode("latin-1") or None,
+                      accept=accept_of(flow), authority=sent_authority(request),
                       credentials=credentials_of(flow),
                       flow_id=flow.metadata[FLOW_ID])
         outcome = await self.gate.decide_request(ask, tunnel)
@@ -127,6 +127,12 @@ class DecisionAddon:
         # Should mitmproxy answer it itself (a failed connect: proxy/mitm_patches.py ``_server_send``), the
         # answer names the target and takes the client's Accept, as every other refusal does.
         request.egresswall_answer_context = (target, outcome.verdict.role, accept_of(flow))
+
+
+def sent_authority(request: http.Request) -> str | None:
+    """The request target's authority as the client sent it (absolute form), or None (origin form): noted by
+    proxy/mitm_patches.py before mitmproxy's regular mode empties it to forward origin form."""
+    return getattr(request, SENT_AUTHORITY, request.data.authority.decode("latin-1")) or None
 
 
 def _malformed(flow: http.HTTPFlow) -> tuple[str, str] | None:
