@@ -22,3 +22,40 @@ def test_the_port_defaults_the_readme_states_are_the_loader_s() -> None:
     assert ("CONNECT only to `ports.connect` (default `[443]`; the bundled `policy/default.yaml` lists `[443, 80]`), "
             "plain HTTP only to `ports.http` (default `[80]`)") in FLAT
     assert not re.search(r"ports\.connect` \(default 443 and 80\)", FLAT)
+
+
+# ---- which commands take the policy options -------------------------------------------------------------------
+
+POLICY_OPTIONS = ["--default", "--mode", "--allow-host", "--deny-host", "--allow-range", "--deny-range",
+                  "--nameserver", "--upstream", "--upstream-credentials-file"]
+
+
+def _commands() -> dict[str, set[str]]:
+    """Each (sub)command's option strings, from the parser `egresswall COMMAND --help` prints."""
+    import argparse
+
+    from proxy.cli import build_parser
+
+    def subcommands(parser: argparse.ArgumentParser, prefix: str) -> dict[str, set[str]]:
+        out = {}
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, child in action.choices.items():
+                    nested = subcommands(child, f"{prefix}{name} ")
+                    out.update(nested or {f"{prefix}{name}": {o for a in child._actions for o in a.option_strings}})
+        return out
+
+    return subcommands(build_parser([]), "")
+
+
+def test_the_policy_options_are_on_exactly_the_commands_the_readme_names() -> None:
+    commands = _commands()
+    assert set(commands) == {"check", "lint", "run", "browse", "browser-server", "squid import", "squid export",
+                             "replay", "suggest"}
+    with_all = {name for name, options in commands.items() if set(POLICY_OPTIONS) <= options}
+    with_any = {name for name, options in commands.items() if set(POLICY_OPTIONS) & options}
+    assert with_all == with_any == {"run", "check", "browse", "browser-server"}
+    assert ("`run`, `check`, `browse` and `browser-server` (and only these) take the policy options" in FLAT)
+    said = FLAT[FLAT.index("The policy options: `--policy FILE`"):FLAT.index("| command | what it does |")]
+    assert [o for o in POLICY_OPTIONS if f"`{o} " not in said and f"`{o}`" not in said] == []
+    assert not re.search(r"Every command that takes a policy takes these", FLAT)
