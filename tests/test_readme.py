@@ -59,3 +59,18 @@ def test_the_policy_options_are_on_exactly_the_commands_the_readme_names() -> No
     said = FLAT[FLAT.index("The policy options: `--policy FILE`"):FLAT.index("| command | what it does |")]
     assert [o for o in POLICY_OPTIONS if f"`{o} " not in said and f"`{o}`" not in said] == []
     assert not re.search(r"Every command that takes a policy takes these", FLAT)
+
+
+def test_lint_strict_exits_1_on_warnings_as_the_readme_says(tmp_path: Path, capsys) -> None:
+    from proxy.cli import main
+
+    path = tmp_path / "p.yaml"
+    path.write_text("version: 1\nhosts:\n  allow:\n    - .example.org\n    - a.example.org\n")  # a shadowed rule
+    assert main(["lint", str(path)]) == 0
+    assert main(["lint", str(path), "--strict"]) == 1
+    out = capsys.readouterr().out
+    assert f"warning: {path}:5:7: hosts.allow[1]: a.example.org is shadowed" in out
+    path.write_text("version: 1\n")
+    assert main(["lint", str(path), "--strict"]) == 0
+    assert ("Exit 0 when the policy loads, warnings or not; with `--strict`, exit 1 when there is any warning "
+            "(a `note:` line, such as the upstream one, is no warning); 2 when it does not load") in FLAT
