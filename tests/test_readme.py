@@ -3,8 +3,13 @@ example outputs (regenerated here by running the commands and compared byte for 
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
 from pathlib import Path
+
+import pytest
 
 from policy.loader import parse_policy
 from proxy.policy_file import load_policy_file
@@ -74,3 +79,68 @@ def test_lint_strict_exits_1_on_warnings_as_the_readme_says(tmp_path: Path, caps
     assert main(["lint", str(path), "--strict"]) == 0
     assert ("Exit 0 when the policy loads, warnings or not; with `--strict`, exit 1 when there is any warning "
             "(a `note:` line, such as the upstream one, is no warning); 2 when it does not load") in FLAT
+
+
+# ---- the session API's curl examples, run with curl against a real admin listener --------------------------------
+
+def _shell_block(after: str) -> list[tuple[str, list[str]]]:
+    """(command, output lines) of the first ``` block after ``after``; continuation lines joined."""
+    start = README.index("```\n", README.index(after)) + 4
+    lines = README[start:README.index("```", start)].splitlines()
+    out: list[tuple[str, list[str]]] = []
+    for line in lines:
+        if line.startswith("$ "):
+            out.append((line[2:], []))
+        elif out and out[-1][0].endswith("\\") and not out[-1][1]:
+            out[-1] = (out[-1][0][:-1] + line.strip(), [])
+        else:
+            out[-1][1].append(line)
+    return out
+
+
+def _same_json(said: str, got: str, session_id: str) -> None:
+    import json
+
+    said_value, got_value = json.loads(said.replace("se1136ee39d86e6c1ac7a38c3", session_id)), json.loads(got)
+
+    def compare(a, b, where: str) -> None:
+        if isinstance(a, str) and "..." in a:
+            assert isinstance(b, str) and b.startswith(a.split("...")[0]), (where, a, b)
+        elif isinstance(a, dict):
+            assert isinstance(b, dict) and list(a) == list(b), (where, a, b)
+            for key in a:
+                compare(a[key], b[key], f"{where}.{key}")
+        else:
+            assert a == b, (where, a, b)
+
+    compare(said_value, got_value, "")
+
+
+@pytest.mark.integration
+def test_the_session_api_curl_examples_answer_what_the_readme_shows(tmp_path: Path) -> None:
+    from proxyproc import ProxyProcess
+    from session_client import TOKEN, token_file
+
+    proxy = ProxyProcess(["--admin-token-file", str(token_file(tmp_path)), "--nameserver", "127.0.0.1:9"],
+                         tmp_path / "audit.jsonl")
+    try:
+        steps = _shell_block("A call with a body (`POST /v1/sessions`, `extend`, `PATCH`) must send")
+        assert steps[0][0] == "TOKEN=$(cat /etc/egresswall/admin-token)"
+        session_id = None
+        for command, said in steps[1:]:
+            command = command.replace("127.0.0.1:3131", f"127.0.0.1:{proxy.admin_port}")
+            if session_id:
+                command = command.replace("se1136ee39d86e6c1ac7a38c3", session_id)
+            done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=30,
+                                  env={**os.environ, "TOKEN": TOKEN})
+            assert done.returncode == 0, done.stderr
+            (line,) = said
+            if line.startswith("{\"id\""):
+                session_id = session_id or json.loads(done.stdout)["id"]
+                _same_json(line, done.stdout, session_id)
+            else:
+                assert done.stdout in (line, line + "\n"), command  # byte for byte (JSON bodies end without a newline)
+        assert session_id is not None
+    finally:
+        proxy.stop()
+    assert proxy.outbound() == []
