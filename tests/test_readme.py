@@ -144,3 +144,35 @@ def test_the_session_api_curl_examples_answer_what_the_readme_shows(tmp_path: Pa
     finally:
         proxy.stop()
     assert proxy.outbound() == []
+
+
+# ---- the layout table ---------------------------------------------------------------------------------------------
+
+def _layout_rows() -> dict[str, str]:
+    table = README[README.index("## Layout"):README.index("## Errors you may see")]
+    rows = {}
+    for line in table.splitlines():
+        match = re.match(r"\| `([a-z-]+)/` \| (.*) \|$", line)
+        if match:
+            rows[match[1]] = match[2]
+    return rows
+
+
+def test_the_layout_table_names_files_that_exist_and_every_module_of_policy_and_proxy() -> None:
+    rows = _layout_rows()
+    assert set(rows) == {"policy", "proxy", "browser", "squid-compat", "compose", "ci", "tests"}
+    missing = []
+    for folder, text in rows.items():
+        for name in re.findall(r"`([\w./-]+\.(?:py|json|yaml|sh)|[\w-]+/)`", text):
+            name = name.removeprefix(f"{folder}/")
+            found = (ROOT / folder / name).exists() or any((ROOT / folder).rglob(name.rstrip("/")))
+            if not found and not (ROOT / name).exists():
+                missing.append(f"{folder}: {name}")
+    assert missing == []
+    for folder in ("policy", "proxy"):
+        modules = {p.name for p in (ROOT / folder).iterdir()
+                   if p.name != "__init__.py" and not p.name.startswith((".", "__"))
+                   and (p.suffix in (".py", ".json", ".yaml") or (p.is_dir() and p.name != "cli"))}
+        named = set(re.findall(r"`([\w.-]+?)/?`", rows[folder]))
+        assert sorted(m for m in modules if m not in named) == [], folder
+    assert "`proxy/cli/`" in rows["proxy"]
