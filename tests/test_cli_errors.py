@@ -101,6 +101,26 @@ def test_a_usage_error_is_argparse_s_two_lines_and_exit_2() -> None:
     assert "argument --listen: expected HOST:PORT" in result.stderr
 
 
+@pytest.mark.parametrize("args, unknown, command, usage", [
+    (["lint", "policy/default.yaml", "--bogus"], "--bogus", "egresswall lint",
+     "usage: egresswall lint [-h] [--strict] file"),
+    (["check", "--bogus", "http://a.example/"], "--bogus", "egresswall check",
+     "usage: egresswall check [-h] [--policy FILE]"),
+    (["squid", "import", "--bogus", "squid.conf"], "--bogus", "egresswall squid import",
+     "usage: egresswall squid import [-h]"),
+    (["replay", "--default", "deny", "a.jsonl", "--policy", "p.yaml"], "--default", "egresswall replay",
+     "usage: egresswall replay [-h] --policy NEW.yaml"),
+    (["run", "--no-adm"], "--no-adm", "egresswall run", "usage: egresswall run [-h] [--policy FILE]"),
+])
+def test_an_unknown_option_prints_that_command_s_usage_and_exits_2(args: list[str], unknown: str, command: str,
+                                                                   usage: str) -> None:
+    result = egresswall(*args)
+    assert result.returncode == 2 and "Traceback" not in result.stderr and result.stdout == ""
+    assert result.stderr.startswith(usage), result.stderr  # not "usage: egresswall [-h] [--version] {lint} ..."
+    assert result.stderr.splitlines()[-1] == (f"{command}: error: unrecognized arguments: {unknown} "
+                                              f"(see {command} --help)"), result.stderr
+
+
 def test_an_unexpected_exception_says_it_is_a_bug_and_where_the_traceback_is(tmp_path: Path) -> None:
     # A planted bug: lint's rule checker raises. main() must not show the traceback, but keep it.
     code = ("import sys\nimport proxy.cli.lint as cmd\n"

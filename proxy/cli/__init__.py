@@ -59,8 +59,24 @@ def _no_abbreviations(parser: argparse.ArgumentParser) -> None:
                 _no_abbreviations(child)
 
 
+def _command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the (sub)command the command line chose: ``squid import``'s, not ``egresswall``'s."""
+    while True:
+        chosen = next((action for action in parser._actions if isinstance(action, argparse._SubParsersAction)), None)
+        name = getattr(args, chosen.dest, None) if chosen is not None else None
+        if name not in (chosen.choices if chosen is not None else {}):
+            return parser
+        parser = chosen.choices[name]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser(argv).parse_args(argv)  # a usage error: argparse's usage line and message, exit 2
+    parser = build_parser(argv)
+    args, unknown = parser.parse_known_args(argv)  # a usage error: argparse's usage line and message, exit 2
+    if unknown:
+        # argparse would report these with the top-level usage ("egresswall [-h] [--version] {lint} ..."), which
+        # says nothing of the options the command does take: the command's own parser says it, with its usage.
+        command = _command_parser(parser, args)
+        command.error(f"unrecognized arguments: {' '.join(unknown)} (see {command.prog} --help)")
     try:
         return args.func(args)
     except KeyboardInterrupt:
