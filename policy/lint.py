@@ -74,9 +74,12 @@ def _address_literals_not_readmitted(policy: Policy, scopes: list[tuple[str, Hos
                 continue  # a name (a host ending in a number is refused unless it is a dotted quad)
             checked = policy.addresses.check(name)
             if not checked.allowed:
+                # One clause, as every other warning: the reason already says what re-admits the address
+                # (an addresses.allow range, or nothing for cloud metadata); say only what it leaves out.
+                unsaid = ("" if "host allow rule" in checked.reason
+                          else "; a host allow rule does not re-admit an address")
                 out.append(LintWarning(rule.origin, f"{prefix}allow {rule.pattern.text} can never be reached: "
-                                                    f"{checked.reason}. A host allow rule does not re-admit an "
-                                                    "address; addresses.allow is what re-admits a range"))
+                                                    f"{checked.reason}{unsaid}"))
     return out
 
 

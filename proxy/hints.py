@@ -43,7 +43,9 @@ def hint_for(verdict: Verdict, host: str | None = None, port: int | None = None)
                     "it (only addresses.refuse_cloud_metadata: false does)")
         if rule_id.startswith("addresses.deny:"):
             return f"this address is refused by the address deny rule {rule}; only editing that rule admits it"
-        return f"this address is never allowed ({rule}); addresses.allow re-admits a range"
+        # special-purpose and outside-global-unicast: refused by default, and an address range is what re-admits.
+        return f"this address is not global unicast ({rule}); only an addresses.allow range re-admits it, a host " \
+               "allow rule cannot"
     if stage == "resolve":
         if rule.startswith("dns:"):
             return (f"the name did not resolve ({rule}); check the name and the nameservers in resolver, "

@@ -265,3 +265,36 @@ def test_address_rule_edge_cases(args: list[str], url: str, allowed: bool, rule:
     out = fields(result.stdout)
     assert result.returncode == (0 if allowed else 1), result.stdout + result.stderr
     assert out["rule"].startswith(rule), out
+
+
+@pytest.mark.parametrize("url, rule, hint", [
+    # Only strings given to check: an IP literal is never resolved, and check connects nowhere.
+    ("http://10.0.0.1/", "special-purpose 10.0.0.0/8",
+     "this address is not global unicast (special-purpose 10.0.0.0/8); only an addresses.allow range re-admits it, "
+     "a host allow rule cannot"),
+    ("http://[fd00::1]/", "special-purpose fc00::/7",
+     "this address is not global unicast (special-purpose fc00::/7); only an addresses.allow range re-admits it, "
+     "a host allow rule cannot"),
+    ("http://169.254.169.254/", "cloud-metadata 169.254.169.254/32",
+     "this is a cloud metadata address and is never allowed; addresses.allow does not re-admit it (only "
+     "addresses.refuse_cloud_metadata: false does)"),
+])
+def test_an_address_refusal_carries_the_proxy_s_hint(url: str, rule: str, hint: str) -> None:
+    result = egresswall("check", url)
+    assert result.returncode == 1, result.stderr
+    out = fields(result.stdout)
+    assert (out["stage"], out["rule"], out["hint"]) == ("address", rule, hint)
+    (answer,) = [json.loads(line) for line in egresswall("check", "--json", url).stdout.splitlines()]
+    assert answer["hint"] == hint
+    readme = " ".join((REPO / "README.md").read_text().split())
+    if rule.startswith("special-purpose"):  # the README's list of hints says the same
+        assert "`this address is not global unicast (RULE); only an addresses.allow range re-admits it, a host " \
+               "allow rule cannot`" in readme
+
+
+def test_an_allowed_url_has_no_hint() -> None:
+    result = egresswall("check", "--allow-range", "10.0.0.0/8", "http://10.0.0.1/")
+    assert result.returncode == 0 and "hint" not in fields(result.stdout)
+    (answer,) = [json.loads(line) for line in
+                 egresswall("check", "--json", "--allow-range", "10.0.0.0/8", "http://10.0.0.1/").stdout.splitlines()]
+    assert "hint" not in answer

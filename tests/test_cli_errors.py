@@ -101,6 +101,60 @@ def test_a_usage_error_is_argparse_s_two_lines_and_exit_2() -> None:
     assert "argument --listen: expected HOST:PORT" in result.stderr
 
 
+@pytest.mark.parametrize("args, unknown, command, usage", [
+    (["lint", "policy/default.yaml", "--bogus"], "--bogus", "egresswall lint",
+     "usage: egresswall lint [-h] [--strict] file"),
+    (["check", "--bogus", "http://a.example/"], "--bogus", "egresswall check",
+     "usage: egresswall check [-h] [--policy FILE]"),
+    (["squid", "import", "--bogus", "squid.conf"], "--bogus", "egresswall squid import",
+     "usage: egresswall squid import [-h]"),
+    (["replay", "--default", "deny", "a.jsonl", "--policy", "p.yaml"], "--default", "egresswall replay",
+     "usage: egresswall replay [-h] --policy NEW.yaml"),
+    (["run", "--no-adm"], "--no-adm", "egresswall run", "usage: egresswall run [-h] [--policy FILE]"),
+])
+def test_an_unknown_option_prints_that_command_s_usage_and_exits_2(args: list[str], unknown: str, command: str,
+                                                                   usage: str) -> None:
+    result = egresswall(*args)
+    assert result.returncode == 2 and "Traceback" not in result.stderr and result.stdout == ""
+    assert result.stderr.startswith(usage), result.stderr  # not "usage: egresswall [-h] [--version] {lint} ..."
+    assert result.stderr.splitlines()[-1] == (f"{command}: error: unrecognized arguments: {unknown} "
+                                              f"(see {command} --help)"), result.stderr
+
+
+@pytest.mark.parametrize("args", [
+    ["lint", "policy/default.yaml"],
+    ["check", "http://10.0.0.1/"],  # an IP literal: never resolved, and check connects nowhere
+    ["replay", "LOG", "--policy", "policy/default.yaml"],
+    ["suggest", "LOG"],
+])
+def test_output_to_a_reader_that_went_away_exits_141_quietly(args: list[str], tmp_path: Path) -> None:
+    """``egresswall replay ... | head -1``: the reader closed the pipe; no traceback, no bug report, status 141
+    (128 + SIGPIPE) as a shell reports for a process SIGPIPE ended. (It was 'internal error, a bug in
+    egresswall: BrokenPipeError', exit 70.)"""
+    log = tmp_path / "audit.jsonl"
+    log.write_text('{"time": 17}\n')
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before anything is written
+    try:
+        done = subprocess.run([sys.executable, "-m", "proxy.cli", *[str(log) if a == "LOG" else a for a in args]],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=60,
+                              env={**os.environ, "TMPDIR": str(tmp_path)})
+    finally:
+        os.close(write_end)
+    assert (done.returncode, done.stderr) == (141, "")
+    assert not list(tmp_path.glob("egresswall-bug-*"))
+
+
+def test_a_pipe_into_head_ends_quietly_with_141(tmp_path: Path) -> None:
+    urls = " ".join(f"http://10.0.{i // 250}.{i % 250 + 1}/" for i in range(3000))  # far more than a pipe holds
+    done = subprocess.run(["bash", "-c", f"{sys.executable} -m proxy.cli check {urls} | head -1; "
+                                         "echo \"status ${PIPESTATUS[0]}\""],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert done.stdout == "url       http://10.0.0.1/\nstatus 141\n" and done.stderr == "", done.stderr
+    assert not list(tmp_path.glob("egresswall-bug-*"))
+
+
 def test_an_unexpected_exception_says_it_is_a_bug_and_where_the_traceback_is(tmp_path: Path) -> None:
     # A planted bug: lint's rule checker raises. main() must not show the traceback, but keep it.
     code = ("import sys\nimport proxy.cli.lint as cmd\n"

@@ -3,6 +3,7 @@ ranges and roles; and the exit codes of ``egresswall lint``."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from datetime import UTC, datetime
@@ -291,7 +292,53 @@ def test_allow_rule_naming_a_private_address_is_flagged() -> None:
     message = only("hosts:\n  allow:\n    - 10.0.0.5\n")
     assert message.startswith("p.yaml:4:7: hosts.allow[0]: allow 10.0.0.5 can never be reached: 10.0.0.5 is in "
                               "10.0.0.0/8 (Private-Use, RFC 1918)"), message
-    assert "addresses.allow is what re-admits a range" in message and "e.g. 10.0.0.5/32" in message
+    assert message.endswith("which is not global unicast; only an addresses.allow range re-admits it (e.g. "
+                            "10.0.0.5/32), a host allow rule cannot"), message  # said once, not twice
+
+
+EVERY_KIND = """\
+version: 1
+default: deny
+hosts:
+  deny:
+    - "*.ads.example.com"
+    - host: d.example.com
+      paths: ["/x"]
+  allow:
+    - 10.0.0.5
+    - 169.254.169.254
+    - 8.8.8.8
+    - .example.org
+    - a.example.org
+    - x.ads.example.com
+    - host: old.example.com
+      expires: 2020-01-01
+    - host: soon.example.com
+      expires: 2026-12-10
+    - host: p.example.com
+      ports: [22]
+    - host: m.example.com
+      methods: [GET]
+addresses:
+  allow: [198.18.0.0/15, 198.18.0.0/16]
+  deny: [198.18.1.0/24, 8.8.8.0/24]
+roles:
+  - name: a
+    clients: [10.0.0.0/8]
+  - name: b
+    clients: [10.1.0.0/16]
+"""
+
+
+def test_every_warning_is_one_line_worded_alike() -> None:
+    """Each warning is one clause after its place: no second sentence, no final full stop (the address
+    literal's warning once ended '... cannot. A host allow rule does not re-admit an address; ...')."""
+    warnings = [str(w) for w in lint(parse_policy(EVERY_KIND, "p.yaml"), now=datetime(2026, 12, 1, tzinfo=UTC))]
+    assert len(warnings) == 14, "\n".join(warnings)
+    for warning in warnings:
+        assert re.match(r"p\.yaml:\d+:\d+: [\w.\[\]]+: [a-z0-9.*\[]", warning), warning
+        assert "\n" not in warning and not warning.endswith("."), warning
+        assert not re.search(r"\.\s+[A-Z]", warning), warning  # one sentence
 
 
 @pytest.mark.parametrize("body, words", [

@@ -113,7 +113,7 @@ def test_address_refusal_says_only_an_address_rule_readmits(lab, proxy):
     for answer in (as_json(*get(proxy, f"http://internal.lab.example:{lab.public.port}/")[:3], 403),
                    as_json(*connect(proxy, f"internal.lab.example:{lab.public_tls.port}")[:3], 403)):
         assert (answer["stage"], answer["rule"]) == ("address", "special-purpose 127.0.0.0/8")
-        assert "addresses.allow re-admits a range" in answer["hint"]
+        assert "only an addresses.allow range re-admits it" in answer["hint"]
         assert answer["host"] == "internal.lab.example"
 
 
@@ -164,8 +164,8 @@ def test_text_body_carries_the_hint_line(lab, proxy):
         assert body.decode().splitlines()[-1] == "hint: add nope.lab.example to hosts.allow"
     status, headers, body, _ = connect(proxy, f"internal.lab.example:{lab.public_tls.port}", browser)
     assert status == 403 and headers["content-type"].startswith("text/plain")
-    assert "\nhint: this address is never allowed (special-purpose 127.0.0.0/8); addresses.allow re-admits a " \
-           "range\n" in body.decode()
+    assert "\nhint: this address is not global unicast (special-purpose 127.0.0.0/8); only an addresses.allow " \
+           "range re-admits it, a host allow rule cannot\n" in body.decode()
 
 
 def test_bytes_down_is_the_size_of_the_body_sent(lab, proxy):

@@ -122,7 +122,8 @@ def _deny_rule(pattern: str) -> HostRule:
     (Verdict(False, "port", "ports.connect", "r"), "a.example", 8443,
      "port 8443 is not in ports.connect/ports.http (ports.connect decided); add it to ports.connect to allow it"),
     (Verdict(False, "address", "special-purpose 10.0.0.0/8", "r"), "a.example", 80,
-     "this address is never allowed (special-purpose 10.0.0.0/8); addresses.allow re-admits a range"),
+     "this address is not global unicast (special-purpose 10.0.0.0/8); only an addresses.allow range re-admits it, a "
+     "host allow rule cannot"),
     (Verdict(False, "address", "address-deny 198.18.0.0/15 (p.yaml:4)", "r", rule_id="addresses.deny:198.18.0.0/15"),
      "a.example", 80, "this address is refused by the address deny rule address-deny 198.18.0.0/15 (p.yaml:4); "
                       "only editing that rule admits it"),

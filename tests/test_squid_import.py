@@ -616,6 +616,40 @@ def test_cli_import_that_admits_nothing_squid_allows_fails(tmp_path: Path) -> No
     assert (tmp_path / "policy.yaml").exists()  # written for reading
 
 
+@pytest.mark.parametrize("conf_text, line", [
+    ("acl x dst 10.0.0.0/8\nhttp_access allow x\n", "2: warning: http_access allow x"),
+    ("acl x dst 10.0.0.0/8\nhttp_access deny !x\nhttp_access allow all\n", "2: warning: http_access deny !x"),
+])
+def test_cli_import_whose_dst_acls_reach_only_non_global_addresses_fails_and_says_why(
+        tmp_path: Path, conf_text: str, line: str) -> None:
+    """squid allows requests to 10.0.0.0/8 only; egresswall refuses those addresses without a rule, and a dst
+    ACL admits nothing by itself, so the policy admits no request at all. It was written with 0 warnings,
+    exit 0 (squid's classes are judged on addresses egresswall may reach, and there were none)."""
+    conf = tmp_path / "squid.conf"
+    conf.write_text(conf_text)
+    done = run_import(conf, "-o", str(tmp_path / "policy.yaml"))
+    assert done.returncode == 1, done.stderr
+    assert (f"{conf}:{line}: squid's dst ACLs let it reach only 10.0.0.0/8, and egresswall refuses every one of "
+            "these addresses without a rule (a non-global one unless addresses.allow re-admits it, cloud metadata "
+            "always); a dst ACL never admits anything in egresswall (it becomes addresses.deny of every other "
+            "range, and host rules still decide first), so the imported policy admits no request at all; import "
+            "with --readmit CIDR for the ranges you mean to reach") in done.stderr
+    assert f"egresswall: {conf}: import FAILED: the imported policy refuses every request squid allows" in done.stderr
+    assert "squid's dst ACLs let it reach only 10.0.0.0/8" in (tmp_path / "policy.yaml").read_text()  # the comment
+    # Re-admitted, the same squid.conf imports: the policy reaches 10.0.0.0/8 and nothing else.
+    done = run_import(conf, "--readmit", "10.0.0.0/8", "-o", str(tmp_path / "readmitted.yaml"))
+    assert done.returncode == 0 and "dst ACLs let it reach only" not in done.stderr, done.stderr
+    result = import_text(conf_text, "squid.conf", ["10.0.0.0/8"])
+    assert not result.admits_nothing and result.policy.addresses.check("10.0.0.1").allowed
+    assert not result.policy.addresses.check("8.8.8.8").allowed
+
+
+def test_dst_acls_of_global_ranges_import_without_that_warning() -> None:
+    result = import_text("acl x dst 8.8.8.0/24\nhttp_access allow x\n")
+    assert not result.admits_nothing and not result.warnings
+    assert result.policy.addresses.check("8.8.8.8").allowed and not result.policy.addresses.check("8.8.4.4").allowed
+
+
 def test_url_regex_deny_leaves_tunnels_to_the_other_lines(tmp_path: Path) -> None:
     # The issue's case: one url_regex deny line used to empty the policy (connect: [], exit 0).
     conf = tmp_path / "squid.conf"

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import select
 import sys
 from collections.abc import Sequence
 
 from proxy.build import versions
 
-from .errors import EXIT_INTERRUPTED, describe
+from .errors import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, describe
 
 # Each command and the module that registers it, in the order --help lists them. The parser is built with
 # the one command named on the command line only, so that `run` (and each of its workers) does not import
@@ -59,12 +61,50 @@ def _no_abbreviations(parser: argparse.ArgumentParser) -> None:
                 _no_abbreviations(child)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser(argv).parse_args(argv)  # a usage error: argparse's usage line and message, exit 2
+def _command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the (sub)command the command line chose: ``squid import``'s, not ``egresswall``'s."""
+    while True:
+        chosen = next((action for action in parser._actions if isinstance(action, argparse._SubParsersAction)), None)
+        name = getattr(args, chosen.dest, None) if chosen is not None else None
+        if name not in (chosen.choices if chosen is not None else {}):
+            return parser
+        parser = chosen.choices[name]
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether standard output is a pipe (or socket) whose reading end is closed: poll() reports POLLERR."""
     try:
-        return args.func(args)
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a test's captured stdout)
+        return False
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser(argv)
+    args, unknown = parser.parse_known_args(argv)  # a usage error: argparse's usage line and message, exit 2
+    if unknown:
+        # argparse would report these with the top-level usage ("egresswall [-h] [--version] {lint} ..."), which
+        # says nothing of the options the command does take: the command's own parser says it, with its usage.
+        command = _command_parser(parser, args)
+        command.error(f"unrecognized arguments: {' '.join(unknown)} (see {command.prog} --help)")
+    try:
+        status = args.func(args)
+        sys.stdout.flush()  # a reader that went away (| head) shows here, not in the interpreter's flush at exit
+        return status
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except BrokenPipeError as err:
+        if not _stdout_reader_gone():
+            message, status = describe(err)  # some other pipe: not the reader of our output
+            print(f"egresswall: {message}", file=sys.stderr, flush=True)
+            return status
+        # `egresswall replay ... | head -1`: the reader has what it wanted. Quiet, with the status a shell gives
+        # a process that SIGPIPE ended (128 + 13); stdout goes to /dev/null so the exit's flush cannot complain.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except Exception as err:
         message, status = describe(err)
         for line in message.splitlines() or [""]:  # a policy with several problems: one line each

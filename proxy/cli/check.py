@@ -12,6 +12,7 @@ from policy.decision import Request, Verdict, refuse_form
 from policy.hosts import HostFormError, parse_url
 from policy.model import Policy
 from policy.resolver import DnsResolver, resolve_and_decide
+from proxy.hints import hint_for
 from proxy.records import verdict_word
 
 from .errors import UsageError
@@ -96,14 +97,27 @@ def _print_verdict(url: str, verdict: Verdict, resolution, policy: Policy) -> No
         rows.append(("checked", f"{verdict.pinned} (not pinned: the upstream resolves the name itself)"))
     if policy.upstream is not None and verdict.allowed:
         rows.append(("upstream", upstream_words(policy)))
+    if not verdict.allowed:
+        rows.append(("hint", _hint(url, verdict)))
     for key, value in rows:
         print(f"{key:<9} {value}")
     print()
 
 
+def _hint(url: str, verdict: Verdict) -> str:
+    """The hint the proxy's refusal would carry (proxy/hints.py): what would change the answer."""
+    try:
+        target = parse_url(url)
+        return hint_for(verdict, target.host, target.port)
+    except HostFormError:
+        return hint_for(verdict)
+
+
 def _verdict_json(url: str, verdict: Verdict, resolution) -> dict:
-    """The audit record's vocabulary (proxy/audit-record.schema.json): verdict allow / refuse / report."""
+    """The audit record's vocabulary (proxy/audit-record.schema.json): verdict allow / refuse / report; a
+    refusal adds the proxy's ``hint``."""
+    hint = {} if verdict.allowed else {"hint": _hint(url, verdict)}
     return {"url": url, "verdict": verdict_word(verdict), "allowed": verdict.allowed, "stage": verdict.stage,
             "rule": verdict.rule, "rule_id": verdict.rule_id, "reason": verdict.reason, "role": verdict.role,
             "cnames": list(resolution.cnames) if resolution else [], "addresses": list(verdict.addresses),
-            "pinned": verdict.pinned}
+            "pinned": verdict.pinned} | hint

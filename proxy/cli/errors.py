@@ -3,7 +3,7 @@ egresswall expects (a bad policy, a taken port, a missing file), and for anythin
 says it is a bug and where the traceback was written.
 
 Exit status: 2 for usage and environment errors (``EXIT_USAGE``), 70 for a bug (``EXIT_BUG``,
-sysexits' EX_SOFTWARE), 130 after Ctrl-C.
+sysexits' EX_SOFTWARE), 130 after Ctrl-C, 141 (128 + SIGPIPE) when the reader of standard output went away.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from policy.loader import PolicyError
 from proxy.listeners import ADMIN, BROWSER_SERVER, PROXY, ListenError
 from proxy.upstream import UpstreamError
 
-EXIT_USAGE, EXIT_BUG, EXIT_INTERRUPTED = 2, 70, 130
+EXIT_USAGE, EXIT_BUG, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 2, 70, 130, 141
 _OPTION = {PROXY: "--listen HOST:PORT", ADMIN: "--admin HOST:PORT (or --no-admin)",
            BROWSER_SERVER: "--host and --port"}
 

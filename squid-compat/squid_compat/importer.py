@@ -88,10 +88,16 @@ class ImportResult:
     # those the imported policy admits.
     squid_allows: dict[str, int] = field(default_factory=dict)
     policy_admits: dict[str, int] = field(default_factory=dict)
+    # squid's dst ACLs let it reach only addresses egresswall refuses without a rule (acl x dst 10.0.0.0/8,
+    # http_access allow x): the request classes above are judged on addresses egresswall may reach, so they
+    # count nothing squid allows, and the policy admits nothing at all.
+    only_refused_destinations: bool = False
 
     @property
     def admits_nothing(self) -> bool:
         """squid allows something, and the imported policy admits none of it, for every client class."""
+        if self.only_refused_destinations:
+            return True
         return any(self.squid_allows.values()) and not any(self.policy_admits.values())
 
     def clients_left_with_nothing(self) -> list[str]:
@@ -302,6 +308,7 @@ class _Importer:
             self.notes.append(Note(None, f"--readmit {', '.join(addrsets.cidrs(self.readmit & denied))}: squid "
                                          "refuses these addresses; not re-admitted", "readmit"))
         admissible = addrsets.admitted(addrsets.cidrs(readmit), addrsets.cidrs(denied))
+        only_refused = self._only_refused_destinations(denied, admissible, why)
         # Written as squid's ranges, less those egresswall refuses without a rule (said in a comment).
         implicit = addrsets.never_global() | addrsets.cloud_metadata()
         effective_deny = netaddr.IPSet(network for network in denied.iter_cidrs()
@@ -321,13 +328,34 @@ class _Importer:
         if any(self.squid_allows.values()):
             self._non_global_note(denied | readmit)
         result = ImportResult("", policy, self.notes, losses, space, self.program, ctx,
-                              dict(self.squid_allows), dict(self.policy_admits))
+                              dict(self.squid_allows), dict(self.policy_admits), only_refused)
         for name in result.clients_left_with_nothing():
             self.notes.append(Note(None, f"clients {name}: squid allows {self.squid_allows[name]} request class(es) "
                                          "from them, and the imported policy admits none: every request from these "
                                          "clients is refused (the warnings above say why)", NOTHING_ADMITTED))
         result.yaml = self._with_losses(yaml_text, losses)
         return result
+
+    def _only_refused_destinations(self, denied: netaddr.IPSet, admissible: netaddr.IPSet,
+                                   why: list[tuple[netaddr.IPSet, AccessRule, str]]) -> bool:
+        """squid allows requests, but its dst ACLs leave it only addresses egresswall refuses without a rule
+        (non-global, cloud metadata): said as a warning, since the policy then admits nothing at all."""
+        allows = [rule for rule in self.program.lists["http_access"].rules if rule.action == ALLOW]
+        everything = netaddr.IPSet(["0.0.0.0/0", "::/0"]) - netaddr.IPSet([addrsets.MAPPED])
+        reach = everything - denied
+        if not allows or not why or not reach or reach & admissible:
+            return False
+        ranges = ", ".join(addrsets.cidrs(reach, bare_hosts=False))
+        rule = why[0][1]  # the line whose dst ACL took the other addresses away
+        self.notes.append(Note(rule.where, f"{rule.text}: squid's dst ACLs let it reach only {ranges}, and "
+                                                "egresswall refuses every one of these addresses without a rule (a "
+                                                "non-global one unless addresses.allow re-admits it, cloud metadata "
+                                                "always); a dst ACL never admits "
+                                                "anything in egresswall (it becomes addresses.deny of every other "
+                                                "range, and host rules still decide first), so the imported policy "
+                                                "admits no request at all; import with --readmit CIDR for the ranges "
+                                                "you mean to reach", "non-global-address"))
+        return True
 
     def _count(self, client: str, outcome: Outcome, admitted: bool) -> None:
         # A class squid may allow (an undecided ACL left open) counts: squid allows it for some requests.
