@@ -530,17 +530,22 @@ def _problem(layer, limits: Limits, what: str) -> tuple[str, str] | None:
     return None
 
 
-def _watch_logs(generator: Generator, logs: list[str]) -> Generator:
-    """Pass a layer's commands through (send() values too), keeping the text of its Log commands."""
+def _tap(generator: Generator, look: Callable[[object], None]) -> Generator:
+    """Pass a layer's commands through (send() values too), showing each to ``look`` first."""
     value = None
     while True:
         try:
             command = generator.send(value)
         except StopIteration as stop:
             return stop.value
-        if isinstance(command, commands.Log):
-            logs.append(command.message)
+        look(command)
         value = yield command
+
+
+def _watch_logs(generator: Generator, logs: list[str]) -> Generator:
+    """Pass a layer's commands through, keeping the text of its Log commands."""
+    return _tap(generator, lambda command: logs.append(command.message) if isinstance(command, commands.Log)
+                else None)
 
 
 def _refuse_head(self: Http1Server, rule: str, reason: str):
@@ -626,16 +631,12 @@ def _note_sent_authority(self: Http1Server, generator: Generator) -> Generator:
     headers go to the stream: in regular mode the stream empties ``authority`` before any hook runs (it
     forwards origin form), and its own split of it (port 0 read as the scheme's default) must not stand in
     for what was sent (proxy/addons/decision.py gives it to the gate). Test: test_host_form_parity.py."""
-    value = None
-    while True:
-        try:
-            command = generator.send(value)
-        except StopIteration as stop:
-            return stop.value
+
+    def note(command: object) -> None:
         if isinstance(command, ReceiveHttp) and isinstance(command.event, RequestHeaders):
             request = command.event.request
             setattr(request, SENT_AUTHORITY, request.data.authority.decode("latin-1"))
-        value = yield command
+    return _tap(generator, note)
 
 
 class _KeptHead:
