@@ -767,9 +767,9 @@ def _read_response_head(lines: list[bytes]):
     egresswall's 502, the record mitmproxy's "Cannot parse HTTP response" with this reason) where h11
     refuses it on the fast path: a control byte in a line, a status code that is not three digits (or is under
     100: ``HTTP/1.1 099`` went on as ``HTTP/1.1 99``), a Content-Length of more than 20 digits. mitmproxy kept
-    a bare CR or a NUL inside a value (or the reason phrase) and wrote it out to the client as it came: a client that ends a line at a bare CR read the rest
-    as a header of its own (response splitting); ``HTTP/1.1 2000 OK`` went on as it came, recorded as
-    status 2000."""
+    a bare CR or a NUL inside a value (or the reason phrase) and wrote it out to the client as it came: a
+    client that ends a line at a bare CR read the rest as a header of its own (response splitting);
+    ``HTTP/1.1 2000 OK`` went on as it came, recorded as status 2000."""
     for index, line in enumerate(lines):
         bad = _CONTROL_BYTE.search(line)
         if bad is not None:
