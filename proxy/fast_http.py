@@ -474,6 +474,10 @@ class FastHttp:
         head_started: float | None = None
         seen = b""  # the response's first bytes, to name a 101 h11 refuses
         out = b""
+        # Bytes given to h11 and not yet taken by a head: h11 bounds only a head it has not seen the end of
+        # (max_incomplete_event_size), so a head that came whole in one read or two passed at up to twice
+        # limits.max_header_bytes. Each head (an interim one too) is bounded as mitmproxy's path bounds it.
+        unread = len(parser.trailing_data[0])
         while True:
             try:
                 event = parser.next_event()
@@ -533,7 +537,16 @@ class FastHttp:
                     raise Ended(reason, self._connect_refusal(reason, Verdict(False, "connect", "connect", reason),
                                                               target, accept))
                 parser.receive_data(chunk)
+                unread += len(chunk)
                 continue
+            if isinstance(event, (h11.InformationalResponse, h11.Response)):
+                left = len(parser.trailing_data[0])
+                if unread - left - len(b"\r\n\r\n") > limits.max_header_bytes:
+                    reason = (f"egresswall: the upstream response head is over {limits.max_header_bytes} bytes "
+                              "(limits.max_header_bytes)")
+                    raise Ended(reason, self._connect_refusal(reason, Verdict(False, "connect", "connect", reason),
+                                                              target, accept))
+                unread = left
             if isinstance(event, h11.InformationalResponse):
                 continue  # a 1xx other than 101 (h11 refuses an unasked 101): not passed on, the final one follows
             if isinstance(event, h11.Response):

@@ -227,7 +227,8 @@ _HALF_CLOSED = "_egresswall_half_closed"  # on an Http1Server: its client half-c
 # In a response head's line, once its line end is gone: a control byte other than HTAB (RFC 9110 5.5, 9112 4: a
 # bare CR or a NUL). h11 refuses every one of them on the fast path.
 _CONTROL_BYTE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
-_STATUS_CODE = re.compile(rb"[^ ]+ +([0-9]{3})(?: |$)")  # RFC 9112 4: three digits (mitmproxy took int() of anything)
+# RFC 9112 4: three digits, 100 to 999 as h11 reads it (mitmproxy took int() of anything: "099" went on as "99")
+_STATUS_CODE = re.compile(rb"[^ ]+ +([1-9][0-9]{2})(?: |$)")
 _LENGTH_DIGITS = 20  # h11's bound on a Content-Length's digits ("bad Content-Length" on the fast path)
 _originals: dict[str, object] = {}
 
@@ -765,11 +766,11 @@ def _client_read_headers(self: Http1Client, event: events.Event):
 def _read_response_head(lines: list[bytes]):
     """An upstream's response head as mitmproxy parses it, refused (``ValueError``: the client gets
     egresswall's 502, the record mitmproxy's "Cannot parse HTTP response" with this reason) where h11
-    refuses it on the fast path: a control byte in a line, a status code that is not three digits, a
-    Content-Length of more than 20 digits. mitmproxy kept a bare CR or a NUL inside a value (or the reason
-    phrase) and wrote it out to the client as it came: a client that ends a line at a bare CR read the rest
-    as a header of its own (response splitting); ``HTTP/1.1 2000 OK`` went on as it came, recorded as
-    status 2000."""
+    refuses it on the fast path: a control byte in a line, a status code that is not three digits (or is under
+    100: ``HTTP/1.1 099`` went on as ``HTTP/1.1 99``), a Content-Length of more than 20 digits. mitmproxy kept
+    a bare CR or a NUL inside a value (or the reason phrase) and wrote it out to the client as it came: a
+    client that ends a line at a bare CR read the rest as a header of its own (response splitting);
+    ``HTTP/1.1 2000 OK`` went on as it came, recorded as status 2000."""
     for index, line in enumerate(lines):
         bad = _CONTROL_BYTE.search(line)
         if bad is not None:
@@ -777,7 +778,7 @@ def _read_response_head(lines: list[bytes]):
             raise ValueError(f"egresswall: the upstream response's {what} has the control byte "
                              f"0x{line[bad.start()]:02x} (only HTAB may be in one)")
     if not _STATUS_CODE.match(lines[0]):
-        raise ValueError(f"egresswall: the upstream response's status line has no three-digit status code: "
+        raise ValueError(f"egresswall: the upstream response's status line has no three-digit status code from 100: "
                          f"{lines[0][:60]!r}")
     response = _originals["read_response_head"](lines)
     if any(len(value.strip()) > _LENGTH_DIGITS for value in response.headers.get_all("content-length")):
