@@ -49,7 +49,7 @@ from .dial import connect_pinned
 from .gate import Gate, HttpAsk, plain_target, refusal_for
 from .head_reader import HeadProblem, answer_then_drain, read_head
 from .http_head import PlainRequest, take_head
-from .http_hygiene import ALWAYS_HOP_BY_HOP, hop_by_hop_names, tokens
+from .http_hygiene import ALWAYS_HOP_BY_HOP, CONTROL_BYTE, hop_by_hop_names, tokens
 from .refusals import OWN_HEADER_PREFIX, UNRELAYABLE_RESPONSE, Refusal, refusal_bytes
 
 Handoff = Callable[[socket.socket, bytes], None]
@@ -550,6 +550,14 @@ class FastHttp:
             if isinstance(event, h11.InformationalResponse):
                 continue  # a 1xx other than 101 (h11 refuses an unasked 101): not passed on, the final one follows
             if isinstance(event, h11.Response):
+                bad = CONTROL_BYTE.search(event.reason)
+                if bad is not None:
+                    # h11 reads any byte but CR and LF in a reason phrase: a control byte there is refused, as
+                    # on mitmproxy's path (a client may end the line at it); the byte is named, not quoted.
+                    reason = (f"egresswall: the upstream response's status line has the control byte "
+                              f"0x{event.reason[bad.start()]:02x} (only HTAB may be in one)")
+                    raise Ended(reason, self._connect_refusal(UNRELAYABLE_RESPONSE, Verdict(
+                        False, "connect", "connect", UNRELAYABLE_RESPONSE), target, accept))
                 names = {k.lower() for k, _ in event.headers.raw_items()}
                 if {b"transfer-encoding", b"content-length"} <= names:
                     # RFC 9112 6.3: a sender must not send both; one reading is as good as the other for a

@@ -15,6 +15,7 @@ lists the method in ``http.body_allowed_on`` (the method sets: policy/request_bo
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Iterable
 
 from policy.request_bodies import ALWAYS_REFUSED, REFUSED_UNLESS_ALLOWED, RFC_SECTION, SETTING
@@ -24,6 +25,9 @@ ALWAYS_HOP_BY_HOP = frozenset({"connection", "proxy-connection", "keep-alive", "
 NOT_NAMED = frozenset({"transfer-encoding", "content-length", "host"})  # framing: the transport's business
 WEBSOCKET, NO_UPGRADE, OTHER_UPGRADE = "websocket", "none", "other"
 UNEXPECTED_BODY = "http:unexpected-body"
+# In a response head's line, its line end gone: a control byte other than HTAB (RFC 9110 5.5, RFC 9112 4), a
+# bare CR or a NUL among them. A client may end the line at one: neither transport relays a head holding one.
+CONTROL_BYTE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 def tokens(values: Iterable[str]) -> list[str]:

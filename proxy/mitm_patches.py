@@ -153,6 +153,7 @@ from .accept import prefers_json
 from .body_reasons import TRAILERS_REASON, body_line_too_long_reason, body_unparseable_reason
 from .dial import connect_failed, connect_timed_out
 from .head_end import HEAD_END  # what h11's ReceiveBuffer accepts as the end of a head
+from .http_hygiene import CONTROL_BYTE
 from .refusals import UNRELAYABLE_RESPONSE, Refusal, refusal_bytes
 
 REFUSE_BEFORE_BODY = "egresswall_refuse_before_body"
@@ -224,9 +225,6 @@ _TIMER = "_egresswall_timer"
 _TIMER_FOR = "_egresswall_timer_for"  # which head the timer is for
 _SPOKE = "_egresswall_spoke"
 _HALF_CLOSED = "_egresswall_half_closed"  # on an Http1Server: its client half-closed after a whole request
-# In a response head's line, once its line end is gone: a control byte other than HTAB (RFC 9110 5.5, 9112 4: a
-# bare CR or a NUL). h11 refuses every one of them on the fast path.
-_CONTROL_BYTE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 # RFC 9112 4: three digits, 100 to 999 as h11 reads it (mitmproxy took int() of anything: "099" went on as "99")
 _STATUS_CODE = re.compile(rb"[^ ]+ +([1-9][0-9]{2})(?: |$)")
 _LENGTH_DIGITS = 20  # h11's bound on a Content-Length's digits ("bad Content-Length" on the fast path)
@@ -772,7 +770,7 @@ def _read_response_head(lines: list[bytes]):
     client that ends a line at a bare CR read the rest as a header of its own (response splitting);
     ``HTTP/1.1 2000 OK`` went on as it came, recorded as status 2000."""
     for index, line in enumerate(lines):
-        bad = _CONTROL_BYTE.search(line)
+        bad = CONTROL_BYTE.search(line)
         if bad is not None:
             what = "status line" if index == 0 else f"header line {index}"
             raise ValueError(f"egresswall: the upstream response's {what} has the control byte "
