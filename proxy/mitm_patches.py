@@ -529,22 +529,25 @@ def _problem(layer, limits: Limits, what: str) -> tuple[str, str] | None:
     return None
 
 
-def _tap(generator: Generator, look: Callable[[object], None]) -> Generator:
-    """Pass a layer's commands through (send() values too), showing each to ``look`` first."""
+def _tap(generator: Generator, look: Callable[[object], object]) -> Generator:
+    """Pass a layer's commands through (send() values too), each as ``look`` returns it: the command itself,
+    seen, or another in its place."""
     value = None
     while True:
         try:
             command = generator.send(value)
         except StopIteration as stop:
             return stop.value
-        look(command)
-        value = yield command
+        value = yield look(command)
 
 
 def _watch_logs(generator: Generator, logs: list[str]) -> Generator:
     """Pass a layer's commands through, keeping the text of its Log commands."""
-    return _tap(generator, lambda command: logs.append(command.message) if isinstance(command, commands.Log)
-                else None)
+    def keep(command: object) -> object:
+        if isinstance(command, commands.Log):
+            logs.append(command.message)
+        return command
+    return _tap(generator, keep)
 
 
 def _refuse_head(self: Http1Server, rule: str, reason: str):
@@ -631,10 +634,11 @@ def _note_sent_authority(self: Http1Server, generator: Generator) -> Generator:
     forwards origin form), and its own split of it (port 0 read as the scheme's default) must not stand in
     for what was sent (proxy/addons/decision.py gives it to the gate). Test: test_host_form_parity.py."""
 
-    def note(command: object) -> None:
+    def note(command: object) -> object:
         if isinstance(command, ReceiveHttp) and isinstance(command.event, RequestHeaders):
             request = command.event.request
             setattr(request, SENT_AUTHORITY, request.data.authority.decode("latin-1"))
+        return command
     return _tap(generator, note)
 
 
@@ -666,20 +670,16 @@ def _core_answers(self: Http1Server, generator: Generator, kept: _KeptHead | Non
     refuses the host or port the line names (``GET http://a..b/``, ``CONNECT a..b:443``, a port of 0), the
     answer is the core's refusal (``PatchState.on_unread_target``), as on the fast path, where mitmproxy's
     parser is never asked. Test: test_host_form_parity.py."""
-    value = None
-    while True:
-        try:
-            command = generator.send(value)
-        except StopIteration as stop:
-            return stop.value
+    def answer(command: object) -> object:
         if (kept is not None and kept.lines and self.request is None and isinstance(command, commands.SendData)
                 and isinstance(command.data, _ErrorAnswer)):
             parts = _request_line(kept.lines)
             refusal = state().on_unread_target(self.conn, *parts) if parts is not None else None
             if refusal is not None:
                 kept.answered = True
-                command = commands.SendData(self.conn, refusal_bytes(refusal))
-        value = yield command
+                return commands.SendData(self.conn, refusal_bytes(refusal))
+        return command
+    return _tap(generator, answer)
 
 
 def _request_line(lines) -> tuple[str, str, str | None, tuple[str, ...]] | None:
