@@ -270,6 +270,12 @@ class Front:
         def refused(rule: str, reason: str, up: int, down: int) -> None:
             self.gate.refuse_tunnel(tunnel, rule, reason, up, down)
 
+        def cut() -> None:  # the session ended: both sides see the end at once, and the relay returns
+            for sock in (conn, upstream):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+        tunnel.cut = cut
         result = await relay(conn, upstream, limits.idle_timeout, HALF_CLOSED_IDLE, sent, retry, limits.header_timeout,
                              refused)
         self.gate.tunnel_closed(tunnel, result.up, result.down, result.error)

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from policy.decision import Request, Resolution, Verdict, refuse_form, role_of
@@ -55,6 +55,7 @@ from .sessions.service import SessionService
 from .tls_retry import RetryWatch
 
 LIMITS, TLS, HTTP = "limits", "tls", "http"
+SESSION_SWEEP = 1.0  # seconds between looks at the sessions of open tunnels (an end cuts them within it)
 
 
 @dataclass(eq=False)
@@ -76,6 +77,9 @@ class Tunnel:
     client_conn_id: str = ""  # the mitmproxy client connection carrying it (so it never outlives it)
     established: bool = False  # the client's CONNECT was answered 200 (mitmproxy's path: http_connected)
     session: Session | None = None  # the CONNECT's session: it applies to every request inside the tunnel
+    # Set by the transport while it relays the tunnel's bytes unread: closes it (the session ended, ``cut_reason``)
+    cut: Callable[[], None] | None = None
+    cut_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,8 @@ class Gate:
         self._resolver = resolver
         self._resolver_for: Policy | None = None
         self._audit_probe: asyncio.Task | None = None
+        self.session_tunnels: dict[str, Tunnel] = {}  # open tunnels opened under a session, by id
+        self._session_sweep: asyncio.Task | None = None
         self.metrics.policy_in_force()
         self.metrics.count_audit_failures(lambda: self.audit.failures)
 
@@ -233,6 +239,8 @@ class Gate:
         tunnel = Tunnel(flow_id, target, verdict, client, intercept=policy.intercepts(target.host),
                         http_inside=target.port in policy.http_ports,
                         cnames=resolution.cnames if resolution else (), session=session)
+        if session is not None:
+            self._watch_session(tunnel)
         self.metrics.tunnel_opened()
         return ConnectOutcome(tunnel, None)
 
@@ -291,11 +299,42 @@ class Gate:
         if tunnel.closed:
             return
         tunnel.closed = True
+        self.session_tunnels.pop(tunnel.id, None)
+        error = tunnel.cut_reason or error
         self.metrics.tunnel_closed()
         record = self.recorder.record(TUNNEL, tunnel.id, tunnel.client, "CONNECT", tunnel.target, tunnel.verdict,
                                       tunnel.cnames)
         self.recorder.ended(record, tunnel.started, up, down, error, status)
         self.sessions.count_bytes(tunnel.verdict.session, up, down)
+
+    # ---- tunnels under a session ---------------------------------------------------------------------
+
+    def _watch_session(self, tunnel: Tunnel) -> None:
+        self.session_tunnels[tunnel.id] = tunnel
+        if self._session_sweep is None or self._session_sweep.done():
+            self._session_sweep = asyncio.get_running_loop().create_task(self._sweep_sessions())
+
+    async def _sweep_sessions(self) -> None:
+        """While tunnels opened under a session are open: every ``SESSION_SWEEP`` seconds, each one whose
+        session has ended or expired since its CONNECT is closed. A request inside a tunnel is checked
+        against the session as it is then; bytes passed through unread (TLS) are not requests, and without
+        this a tunnel outlived its session for as long as it kept moving."""
+        while self.session_tunnels:
+            await asyncio.sleep(SESSION_SWEEP)
+            by_session: dict[str, list[Tunnel]] = {}
+            for tunnel in list(self.session_tunnels.values()):
+                assert tunnel.session is not None
+                by_session.setdefault(tunnel.session.id, []).append(tunnel)
+            for tunnels in by_session.values():
+                session = tunnels[0].session
+                assert session is not None
+                reason = await self.sessions.over(session)
+                if reason is None:
+                    continue
+                for tunnel in tunnels:
+                    if tunnel.cut is not None and not tunnel.closed and tunnel.cut_reason is None:
+                        tunnel.cut_reason = f"{reason}: egresswall closed the tunnel"
+                        tunnel.cut()
 
     # ---- the guard at connect time -----------------------------------------------------------------
 

@@ -259,3 +259,30 @@ def test_targets_built_by_hand_are_matched_like_parsed_ones():
     grant = parse_url_grant("http://a.example/x")
     assert grant.admits_request(Target("http", "a.example", 80, "/x"))
     assert not grant.admits_request(Target("http", "a.example", 80, "/x/"))
+
+
+def test_a_tunnel_under_a_session_is_over_once_the_session_ends_expires_or_changes_secret():
+    """``SessionService.over``: what the gate's sweep of open tunnels asks (test_session_end_cuts_tunnels.py)."""
+    from proxy.sessions.service import SessionService
+
+    clock = [NOW]
+    store = MemoryStore(clock=lambda: clock[0])
+    service = SessionService(store, clock=lambda: clock[0])
+    session = session_of({"hosts": ["a.example"]}, ttl=60)
+
+    async def run() -> list[str | None]:
+        await store.put(session)
+        seen = [await service.over(session)]
+        clock[0] = NOW + 61
+        seen.append(await service.over(session))
+        clock[0] = NOW
+        await store.put(Session("s1", secret_digest("another"), NOW, NOW + 60, session.spec))
+        seen.append(await service.over(session))
+        await store.delete("s1")
+        seen.append(await service.over(session))
+        return seen
+
+    held, expired, other_secret, ended = asyncio.run(run())
+    assert held is None
+    assert expired == "session s1 expired (session:expired)"
+    assert other_secret == ended == "session s1 has ended (session:ended)"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+from mitmproxy import ctx
 from mitmproxy.proxy import layer as mlayer
 from mitmproxy.proxy.layers import HttpLayer
 from mitmproxy.proxy.layers.http import HTTPMode
@@ -50,6 +51,7 @@ class TunnelWatch:
                 self.table.tunnels.pop(server_id, None)
                 return Refused(context, tls=judged.rule.startswith("tls:"))
             if judged.kind == "tls" and not tunnel.intercept:
+                tunnel.cut = lambda: _close_client(context.client.id)
                 return CountedRelay(context, lambda up, down, err: self._relay_done(server_id, tunnel, up, down, err),
                                     self.gate.retry_watch(tunnel, judged, b""), judged.hello_size,
                                     self.gate.policy.limits.header_timeout,
@@ -116,3 +118,14 @@ class TunnelWatch:
         tunnel = self.table.tunnels.get(data.server.id)
         if tunnel is not None:
             self.gate.tunnel_closed(tunnel, 0, 0, None)
+
+
+def _close_client(client_id: str) -> None:
+    """Close a client connection from outside mitmproxy's layers (its session ended): its socket is closed,
+    mitmproxy sees the end as a client that went, and the relay reports (``Gate.tunnel_closed``)."""
+    handler = ctx.master.addons.get("proxyserver").connections.get(client_id)
+    if handler is None:
+        return
+    io = handler.transports.get(handler.client)
+    if io is not None and io.writer is not None:
+        io.writer.close()

@@ -23,6 +23,7 @@ from policy.model import Policy
 from policy.sessions import (
     CREDENTIALS,
     ENDED,
+    EXPIRED,
     REQUIRED,
     STORE_UNAVAILABLE,
     Session,
@@ -110,6 +111,20 @@ class SessionService:
         if now is None or not hmac.compare_digest(now.secret_digest, session.secret_digest):
             return None, self._counted(refused(ENDED, f"session {session.id} has ended", session, role)), 403
         return now, None, 0
+
+    async def over(self, session: Session) -> str | None:
+        """Why a tunnel opened under ``session`` must not go on: it has ended (deleted, or its secret
+        changed) or expired since. None while it holds, and while the store cannot be asked (new requests are
+        refused then; a tunnel is not cut for a store's hiccup)."""
+        try:
+            now = await self.store.get(session.id)
+        except StoreUnavailable:
+            return None
+        if now is None or not hmac.compare_digest(now.secret_digest, session.secret_digest):
+            return f"session {session.id} has ended ({ENDED})"
+        if now.expires <= self.clock():
+            return f"session {session.id} expired ({EXPIRED})"
+        return None
 
     # ---- the checks ---------------------------------------------------------------------------
 
