@@ -219,8 +219,7 @@ class Front:
             # The ClientHello goes on; what the client sent after it waits until the server's first answer
             # shows whether it asks for a second ClientHello (proxy/tls_retry.py).
             await loop.sock_sendall(upstream, data[:judged.hello_size])
-            watch = gate.retry_watch(tunnel, judged, data[judged.hello_size:])
-            await self._relay(conn, upstream, tunnel, len(data), watch)
+            await self._relay(conn, upstream, tunnel, len(data), gate.retry_watch(judged, data[judged.hello_size:]))
         except (OSError, TimeoutError) as err:
             gate.tunnel_closed(tunnel, 0, 0, f"the tunnel failed: {getattr(err, 'strerror', None) or err}")
         finally:

@@ -254,7 +254,7 @@ class Gate:
         a refusal gets its record and closes the tunnel."""
         if tunnel.first_byte_at is None and chunk:
             tunnel.first_byte_at = time.monotonic()
-        judged = first.feed(chunk, ech_allowed(self.policy, under_session=tunnel.session is not None))
+        judged = first.feed(chunk, ech_allowed(self.policy))
         if judged.kind == "tls" and not tunnel.intercept and tunnel.session is not None:
             # TLS in a tunnel to a plain-HTTP port, passed through: the CONNECT was admitted for HTTP inside,
             # whose requests are each held to the grants; TLS would reach any https path there.
@@ -278,10 +278,10 @@ class Gate:
         (none at all, too): the same closing line whichever transport carried it."""
         self.tunnel_closed(tunnel, seen, 0, "the client closed the tunnel before its first message was complete")
 
-    def retry_watch(self, tunnel: Tunnel, judged: FirstBytes, held: bytes) -> RetryWatch:
+    def retry_watch(self, judged: FirstBytes, held: bytes) -> RetryWatch:
         """The watch a passed-through TLS tunnel keeps after its first ClientHello (``judged``; ``held``: what the
         client sent after it), until the server's first answer shows whether a second one is asked for."""
-        return RetryWatch(judged.sni, ech_allowed(self.policy, under_session=tunnel.session is not None), held)
+        return RetryWatch(judged.sni, ech_allowed(self.policy), held)
 
     def refuse_tunnel(self, tunnel: Tunnel, rule: str, reason: str, up: int = 0, down: int = 0) -> None:
         stage = (LIMITS if rule.startswith("limits.") else TLS if rule.startswith("tls:")
@@ -589,16 +589,14 @@ def self_refusal(pinned: str, port: int, own: str, verdict: Verdict) -> Verdict:
                    role=verdict.role, addresses=verdict.addresses)
 
 
-def ech_allowed(policy: Policy, under_session: bool = False) -> bool:
+def ech_allowed(policy: Policy) -> bool:
     """``tls.ech`` in the policy. Unset, Encrypted Client Hello is let through only where no host rule can
     be dodged with it: ECH hides the real name behind the outer one, and the outer name (a CDN's, say) is all
     egresswall can check. So it is refused on an allowlist, and on the open web too once any deny rule names
-    a host or any role denies by default; an open-web policy with no host to refuse lets it through — but not
-    in a tunnel opened under a session (``under_session``), whose grants are host rules: a grant for a CDN's
-    name would carry any host behind it."""
+    a host or any role denies by default; an open-web policy with no host to refuse lets it through."""
     if policy.tls_ech:
         return policy.tls_ech == "allow"
-    if under_session or policy.default != "allow" or len(policy.deny):
+    if policy.default != "allow" or len(policy.deny):
         return False
     return not any(role.default == "deny" or len(role.deny) for role in policy.roles)
 

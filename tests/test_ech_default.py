@@ -2,15 +2,13 @@
 
 ECH hides the real server name behind the outer one, and the outer name is all egresswall can judge; an
 allowed outer name (a CDN's) can carry a host a deny rule names. Unit tests of ``proxy.gate.ech_allowed``
-over parsed policies, and through the real proxy on both tunnel transports. A tunnel opened under a session
-is held to the session's grants, host rules of their own: ECH there is refused unless ``tls.ech: allow``."""
+over parsed policies, and one through the real proxy on both tunnel transports."""
 
 from __future__ import annotations
 
 import pytest
 from proxyproc import both_transports
 from rawclient import read_all
-from session_client import connect, create, token_file
 from tls_build import ECH, client_hello, extension
 
 from policy.loader import parse_policy
@@ -47,28 +45,3 @@ def test_an_open_web_policy_with_a_deny_rule_refuses_ech_on_both_transports(lab,
     assert answer[:1] in (b"\x15", b""), answer[:20]  # a TLS alert, or closed: never the origin's answer
     refusals = [r for r in proxy.audit() if r.get("rule") == "tls:ech" and r["verdict"] == "refuse"]
     assert len(refusals) == 1 and refusals[0]["host"] == "public.lab.example", proxy.audit()
-
-
-@pytest.mark.parametrize(("text", "allowed"), [
-    ("default: allow\n", False),
-    ("default: allow\ntls:\n  ech: allow\n", True),
-], ids=["open-web", "set-allow"])
-def test_ech_in_a_tunnel_under_a_session_is_refused_unless_set_allow(text, allowed):
-    assert ech_allowed(parse_policy(HEAD + text, "ech.yaml"), under_session=True) is allowed
-
-
-@both_transports
-def test_a_session_granted_one_name_cannot_reach_another_behind_it_with_ech(lab, start_proxy, tmp_path):
-    """An agent's session grants one host; the policy is otherwise the open web (nothing denied). A
-    ClientHello whose outer name is the granted one and whose encrypted inner one could be any host behind
-    the same server (a CDN's) must not pass: the grant is the only host rule, and ECH would dodge it."""
-    proxy = start_proxy(lab.policy_text("session: required\n"), "--admin-token-file", str(token_file(tmp_path)))
-    session = create(proxy.admin_port, {"hosts": ["public.lab.example"]})
-    sock, status, _, body = connect(proxy, f"public.lab.example:{lab.public_tls.port}", session)
-    assert status == 200, body
-    with sock:
-        sock.sendall(client_hello(b"public.lab.example", extra=(extension(ECH, bytes(48)),)))
-        answer = read_all(sock)
-    assert answer[:1] in (b"\x15", b""), answer[:20]  # a TLS alert, or closed: never the origin's answer
-    refusals = [r for r in proxy.audit() if r.get("rule") == "tls:ech" and r["verdict"] == "refuse"]
-    assert len(refusals) == 1 and refusals[0]["session"] == session["id"], proxy.audit()

@@ -53,7 +53,7 @@ class TunnelWatch:
             if judged.kind == "tls" and not tunnel.intercept:
                 tunnel.cut = lambda: _close_client(context.client.id)
                 return CountedRelay(context, lambda up, down, err: self._relay_done(server_id, tunnel, up, down, err),
-                                    self.gate.retry_watch(tunnel, judged, b""), judged.hello_size,
+                                    self.gate.retry_watch(judged, b""), judged.hello_size,
                                     self.gate.policy.limits.header_timeout,
                                     lambda rule, reason, up, down: self._retry_refused(server_id, tunnel, rule, reason,
                                                                                        up, down))
