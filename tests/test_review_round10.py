@@ -19,8 +19,8 @@
      head, an interim one too);
    * mitmproxy's path relayed ``HTTP/1.1 099 X`` as ``HTTP/1.1 99 X`` (recorded as status 99) where the fast
      path's h11 answers 502: a status under 100 is refused now (``mitm_patches._read_response_head``).
-4. ECH refused under a session after a HelloRetryRequest: a session's tunnel whose second ClientHello adds ECH is
-   refused (``tls:ech``, recorded under the session) on both transports. Held.
+4. ECH refused after a HelloRetryRequest in a session's tunnel (a policy with a deny rule): a second
+   ClientHello that adds ECH is refused (``tls:ech``, recorded under the session) on both transports. Held.
 
 Differences between the parsers that are by design (README, *Forwarding hygiene*: each refuses what the other
 reads) are not asserted here: two equal Content-Length values, ``Transfer-Encoding`` on an HTTP/1.0 response,
@@ -317,7 +317,8 @@ def test_a_name_that_rebinds_to_an_internal_address_on_a_kept_connection_is_refu
 def test_a_second_hello_with_ech_in_a_sessions_tunnel_is_refused(lab, start_proxy, tmp_path):
     origin = RetryOrigin(tmp_path)
     try:
-        text = lab.policy_text("session: required\n").replace(
+        # A deny rule: ECH is refused unset (an open-web policy with nothing to refuse lets it through).
+        text = lab.policy_text("session: required\nhosts:\n  deny: [denied.lab.example]\n").replace(
             f"  connect: {sorted({443, lab.public_tls.port})}", "  connect: [443, '1024-65535']")
         proxy = start_proxy(text, "--admin-token-file", str(token_file(tmp_path)))
         session = create(proxy.admin_port, {"hosts": ["public.lab.example"]})
