@@ -131,7 +131,6 @@ from h11._readers import ChunkedReader  # mitmproxy's own chunked body reader (a
 from h11._receivebuffer import ReceiveBuffer
 from mitmproxy import connection, http
 from mitmproxy.net.http import http1
-from mitmproxy.net.http.validate import validate_headers
 from mitmproxy.proxy import commands, events
 from mitmproxy.proxy.layers.http import HttpStream, _http1
 from mitmproxy.proxy.layers.http._base import ReceiveHttp
@@ -144,6 +143,7 @@ from mitmproxy.proxy.layers.http._events import (
     ResponseEndOfMessage,
     ResponseProtocolError,
 )
+from mitmproxy.proxy.layers.http._hooks import HttpErrorHook
 from mitmproxy.proxy.layers.http._http1 import Http1Client, Http1Server
 
 from policy.decision import Verdict
@@ -345,15 +345,15 @@ def _handle_protocol_error(self: HttpStream, event: RequestProtocolError | Respo
 
 def _check_invalid(self: HttpStream, request: bool):
     """mitmproxy validates a response head (a header name that is not a token, framed two ways) and answers
-    a failed one itself, after its error hook wrote the record: the 502 is noted first, as in
-    ``_handle_protocol_error``, so the record says what the client was answered."""
-    if (not request and self.flow.response is not None and self.context.options.validate_inbound_headers
-            and self.context.client.state & connection.ConnectionState.CAN_WRITE):
-        try:
-            validate_headers(self.flow.response)
-        except ValueError:
+    a failed one itself, after its error hook wrote the record: the 502 is noted as that hook is sent (only
+    a failed validation sends one), as in ``_handle_protocol_error``, so the record says what the client
+    was answered."""
+    def note(command: object) -> object:
+        if (not request and isinstance(command, HttpErrorHook)
+                and self.context.client.state & connection.ConnectionState.CAN_WRITE):
             self.flow.metadata[ANSWERED] = ErrorCode.RESPONSE_VALIDATION_FAILED.http_status_code()
-    return (yield from _originals["check_invalid"](self, request))
+        return command
+    return (yield from _tap(_originals["check_invalid"](self, request), note))
 
 
 def _start_request_stream(self: HttpStream):
