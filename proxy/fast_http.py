@@ -500,8 +500,7 @@ class FastHttp:
                         # does not (no upstream text in a refusal; mitmproxy's path answers the same).
                         reason = f"egresswall: the upstream response cannot be parsed: {err}"[:300]
                         answered = UNRELAYABLE_RESPONSE
-                    raise Ended(reason, self._connect_refusal(answered, Verdict(False, "connect", "connect", answered),
-                                                              target, accept)) from None
+                    raise _not_relayed(reason, target, accept, answered) from None
                 # What h11 read before the break is the client's (as on mitmproxy's path, which streams it):
                 # the head and the body so far, and then the close, which tells the client it is cut short.
                 with contextlib.suppress(OSError, Ended):
@@ -520,8 +519,7 @@ class FastHttp:
                     if head_started is not None and relayed.status is None:
                         reason = (f"egresswall: the upstream response head took more than {limits.header_timeout:g}s "
                                   "(limits.header_timeout)")
-                        raise Ended(reason, self._connect_refusal(reason, Verdict(False, "connect", "connect",
-                                                                                  reason), target, accept)) from None
+                        raise _not_relayed(reason, target, accept) from None
                     what = "sent no response" if relayed.status is None else "stopped sending its response"
                     raise Ended(f"nothing moved for limits.idle_timeout ({limits.idle_timeout:g}s): the upstream "
                                 f"{what}, and egresswall closed the connection") from None
@@ -534,8 +532,7 @@ class FastHttp:
                         seen += chunk[:64]
                 if not chunk and relayed.status is None:
                     reason = "the upstream closed the connection without a response"
-                    raise Ended(reason, self._connect_refusal(reason, Verdict(False, "connect", "connect", reason),
-                                                              target, accept))
+                    raise _not_relayed(reason, target, accept)
                 parser.receive_data(chunk)
                 unread += len(chunk)
                 continue
@@ -544,8 +541,7 @@ class FastHttp:
                 if unread - left - len(b"\r\n\r\n") > limits.max_header_bytes:
                     reason = (f"egresswall: the upstream response head is over {limits.max_header_bytes} bytes "
                               "(limits.max_header_bytes)")
-                    raise Ended(reason, self._connect_refusal(reason, Verdict(False, "connect", "connect", reason),
-                                                              target, accept))
+                    raise _not_relayed(reason, target, accept)
                 unread = left
             if isinstance(event, h11.InformationalResponse):
                 continue  # a 1xx other than 101 (h11 refuses an unasked 101): not passed on, the final one follows
@@ -556,16 +552,14 @@ class FastHttp:
                     # on mitmproxy's path (a client may end the line at it); the byte is named, not quoted.
                     reason = (f"egresswall: the upstream response's status line has the control byte "
                               f"0x{event.reason[bad.start()]:02x} (only HTAB may be in one)")
-                    raise Ended(reason, self._connect_refusal(UNRELAYABLE_RESPONSE, Verdict(
-                        False, "connect", "connect", UNRELAYABLE_RESPONSE), target, accept))
+                    raise _not_relayed(reason, target, accept, UNRELAYABLE_RESPONSE)
                 names = {k.lower() for k, _ in event.headers.raw_items()}
                 if {b"transfer-encoding", b"content-length"} <= names:
                     # RFC 9112 6.3: a sender must not send both; one reading is as good as the other for a
                     # smuggler, so neither is relayed (mitmproxy's path refuses it the same way).
                     reason = ("egresswall: the upstream response has both Transfer-Encoding and Content-Length; "
                               "egresswall does not relay a response it could read two ways")
-                    raise Ended(reason, self._connect_refusal(reason, Verdict(False, "connect", "connect", reason),
-                                                              target, accept))
+                    raise _not_relayed(reason, target, accept)
                 status = relayed.status = event.status_code
                 out += server.send(h11.Response(status_code=status, reason=event.reason,
                                                 headers=_forwarded_response_headers(event.headers.raw_items(), status)))
@@ -658,6 +652,12 @@ async def _body_bytes(conn: socket.socket, idle: float) -> bytes:
         raise Ended("the client closed the connection before its request body was complete")
     return chunk
 
+
+def _not_relayed(error: str, target: Target, accept: tuple[str, ...], answer: str | None = None) -> Ended:
+    """An upstream response egresswall does not relay: ``error`` for the record, and the client's 502 saying
+    ``answer`` (``error`` itself unless it quotes the upstream's bytes)."""
+    answer = error if answer is None else answer
+    return Ended(error, refusal_for(502, Verdict(False, "connect", "connect", answer), target, accept))
 
 def _client_stalled(idle: float) -> str:
     return (f"nothing moved for limits.idle_timeout ({idle:g}s): the client stopped reading its response, and "
