@@ -124,9 +124,14 @@ def origins():
 
 @pytest.fixture(scope="module", params=list(TRANSPORTS))
 def proxy(lab, origins, tmp_path_factory, request):
-    text = lab.policy_text(limits="limits:\n  header_timeout: 2\n  idle_timeout: 4\n")
-    text = text.replace(f"  http: {sorted({80, lab.public.port})}", "  http: [80, '1024-65535']")
+    text = every_port_policy(lab, "limits:\n  header_timeout: 2\n  idle_timeout: 4\n")
     yield from serve_module_proxy(tmp_path_factory.mktemp("round10"), text, request.param)
+
+
+def every_port_policy(lab, limits: str) -> str:
+    """The lab policy with plain HTTP on every unprivileged port (the scripted origins listen on any)."""
+    text = lab.policy_text(limits=limits)
+    return text.replace(f"  http: {sorted({80, lab.public.port})}", "  http: [80, '1024-65535']")
 
 
 def get(port: int, path: str) -> bytes:
@@ -201,8 +206,7 @@ def recorder():
 
 @pytest.fixture(scope="module", params=list(TRANSPORTS))
 def plain_proxy(lab, recorder, tmp_path_factory, request):
-    text = lab.policy_text(limits="limits:\n  header_timeout: 2\n")
-    text = text.replace(f"  http: {sorted({80, lab.public.port})}", "  http: [80, '1024-65535']")
+    text = every_port_policy(lab, "limits:\n  header_timeout: 2\n")
     yield from serve_module_proxy(tmp_path_factory.mktemp("round10-plain"), text, request.param)
 
 
