@@ -8,7 +8,9 @@ and error words as the policy file), and the checks:
 
 * ``check_grant``: is the target granted, and is the session still in force (no counters needed);
 * ``judge_budgets``: given the usage counters the store read, may one more request go (the store
-  applies the answer atomically: ``proxy/sessions/store.py``).
+  applies the answer atomically: ``proxy/sessions/store.py``);
+* ``bytes_over_budget``: has an open passed-through tunnel, whose bytes are no requests, carried the
+  session past a byte budget (the gate closes it then).
 
 A URL grant admits its exact URL where the request is visible (plain HTTP, requests inside an
 intercepted or plain-HTTP tunnel) and only its host and port for a passed-through TLS tunnel, where
@@ -88,7 +90,8 @@ class Grants:
 
 @dataclass(frozen=True)
 class Budgets:
-    """None: no bound. Bytes are counted when a response or tunnel ends, and checked before each request."""
+    """None: no bound. Bytes are counted when a response or tunnel ends (an open passed-through tunnel's
+    every second too), and checked before each request and, for open tunnels, as they are counted."""
 
     requests: int | None = None
     hosts: int | None = None
@@ -280,6 +283,21 @@ def judge_budgets(session: Session, usage: Usage, host_seen: bool, content_lengt
     if budgets.hosts is not None and not host_seen and usage.hosts >= budgets.hosts:
         return refused(BUDGET_HOSTS, f"session {session.id} has reached its budget of {budgets.hosts} distinct "
                                      "hosts; this would be another", session, role)
+    return None
+
+
+def bytes_over_budget(session: Session, usage: Usage, role: str | None = None) -> Verdict | None:
+    """Whether the bytes counted so far are past a byte budget (strictly: a session at its budget has used
+    it, and its next request is refused by ``judge_budgets``). Asked of a session whose passed-through
+    tunnel is open: its bytes are no requests, so nothing else would stop it crossing the budget without
+    end. None: within both budgets."""
+    budgets = session.budgets
+    if budgets.request_bytes is not None and usage.request_bytes > budgets.request_bytes:
+        return refused(BUDGET_REQUEST_BYTES, f"session {session.id} has sent {usage.request_bytes} bytes; its "
+                                             f"budget is {budgets.request_bytes} bytes", session, role)
+    if budgets.response_bytes is not None and usage.response_bytes > budgets.response_bytes:
+        return refused(BUDGET_RESPONSE_BYTES, f"session {session.id} has received {usage.response_bytes} bytes; "
+                                              f"its budget is {budgets.response_bytes} bytes", session, role)
     return None
 
 

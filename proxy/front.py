@@ -43,7 +43,7 @@ from .peers import client_key
 from .refusals import refusal_bytes
 from .tls_hello import MAX_HELLO_BYTES, TLS_ALERT_UNRECOGNIZED_NAME
 from .tls_retry import RetryWatch
-from .tunnel_relay import relay
+from .tunnel_relay import DOWN, UP, relay
 from .upstream_connect import connect_via_upstream
 
 HALF_CLOSED_IDLE = 5.0  # once one side has finished, the other gets this long of silence before the tunnel ends
@@ -274,9 +274,10 @@ class Front:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
 
-        tunnel.cut = cut
+        counts = {UP: 0, DOWN: 0}
+        tunnel.cut, tunnel.moved = cut, lambda: (counts[UP], counts[DOWN])
         result = await relay(conn, upstream, limits.idle_timeout, HALF_CLOSED_IDLE, sent, retry, limits.header_timeout,
-                             refused)
+                             refused, counts)
         self.gate.tunnel_closed(tunnel, result.up, result.down, result.error)
 
 

@@ -80,6 +80,10 @@ class Tunnel:
     # Set by the transport while it relays the tunnel's bytes unread: closes it (the session ended, ``cut_reason``)
     cut: Callable[[], None] | None = None
     cut_reason: str | None = None
+    # Set by the transport with ``cut``: the bytes relayed so far (up, down), read while the tunnel is open so a
+    # session's byte budgets hold inside it; ``charged``: how many of them its session has been charged already.
+    moved: Callable[[], tuple[int, int]] | None = None
+    charged: tuple[int, int] = (0, 0)
 
 
 @dataclass(frozen=True)
@@ -305,7 +309,8 @@ class Gate:
         record = self.recorder.record(TUNNEL, tunnel.id, tunnel.client, "CONNECT", tunnel.target, tunnel.verdict,
                                       tunnel.cnames)
         self.recorder.ended(record, tunnel.started, up, down, error, status)
-        self.sessions.count_bytes(tunnel.verdict.session, up, down)
+        charged_up, charged_down = tunnel.charged  # counted while it was open (``_charge_open_tunnels``)
+        self.sessions.count_bytes(tunnel.verdict.session, max(0, up - charged_up), max(0, down - charged_down))
 
     # ---- tunnels under a session ---------------------------------------------------------------------
 
@@ -316,9 +321,10 @@ class Gate:
 
     async def _sweep_sessions(self) -> None:
         """While tunnels opened under a session are open: every ``SESSION_SWEEP`` seconds, each one whose
-        session has ended or expired since its CONNECT is closed. A request inside a tunnel is checked
-        against the session as it is then; bytes passed through unread (TLS) are not requests, and without
-        this a tunnel outlived its session for as long as it kept moving."""
+        session has ended or expired since its CONNECT, or whose session its bytes have carried past a byte
+        budget, is closed. A request inside a tunnel is checked against the session as it is then; bytes
+        passed through unread (TLS) are not requests, and without this a tunnel outlived its session for as
+        long as it kept moving, and moved any number of bytes under a session's byte budgets."""
         while self.session_tunnels:
             await asyncio.sleep(SESSION_SWEEP)
             by_session: dict[str, list[Tunnel]] = {}
@@ -330,11 +336,32 @@ class Gate:
                 assert session is not None
                 reason = await self.sessions.over(session)
                 if reason is None:
-                    continue
+                    over = await self._charge_open_tunnels(session, tunnels)
+                    if over is None:
+                        continue
+                    reason = f"{over.reason} ({over.rule})"
                 for tunnel in tunnels:
                     if tunnel.cut is not None and not tunnel.closed and tunnel.cut_reason is None:
                         tunnel.cut_reason = f"{reason}: egresswall closed the tunnel"
                         tunnel.cut()
+
+    async def _charge_open_tunnels(self, session: Session, tunnels: list[Tunnel]) -> Verdict | None:
+        """Charge the session what its open tunnels moved since the last look, and say whether that put it
+        past a byte budget. The charged counts are moved on before the store is asked, so a tunnel that
+        closes meanwhile counts only the rest (``tunnel_closed``); a store that could not take them moves
+        them back for the tunnels still open."""
+        moved = [(tunnel, tunnel.charged, tunnel.moved()) for tunnel in tunnels
+                 if tunnel.moved is not None and not tunnel.closed]
+        up = sum(now[0] - before[0] for _, before, now in moved)
+        down = sum(now[1] - before[1] for _, before, now in moved)
+        for tunnel, _, now in moved:
+            tunnel.charged = now
+        if not await self.sessions.add_running_bytes(session, up, down):
+            for tunnel, before, _ in moved:
+                if not tunnel.closed:
+                    tunnel.charged = before
+            return None
+        return await self.sessions.over_byte_budget(session)
 
     # ---- the guard at connect time -----------------------------------------------------------------
 

@@ -160,12 +160,16 @@ class _Side(asyncio.Protocol):
 
 async def relay(client: socket.socket, server: socket.socket, idle: float, half_closed_idle: float,
                 sent: int = 0, retry: RetryWatch | None = None, retry_timeout: float = 30.0,
-                refused: Refused | None = None) -> RelayResult:
+                refused: Refused | None = None, counts: dict[str, int] | None = None) -> RelayResult:
     """Relay until the tunnel is over; the sockets are closed when this returns. With ``retry``, the server's
     first answer is watched for a HelloRetryRequest (see the module's docstring): each of its waits is bounded
-    by ``retry_timeout`` and a refusal is given to ``refused`` before both sides are closed."""
+    by ``retry_timeout`` and a refusal is given to ``refused`` before both sides are closed. ``counts``: the
+    caller's ``{UP: 0, DOWN: 0}``, counted in as the bytes move (a session's byte budgets read it while the
+    tunnel is open)."""
     loop = asyncio.get_running_loop()
-    tunnel = _Tunnel(counts={UP: sent, DOWN: 0})
+    counts = {UP: 0, DOWN: 0} if counts is None else counts
+    counts[UP] += sent
+    tunnel = _Tunnel(counts=counts)
     from_client, from_server = _Side(tunnel, UP), _Side(tunnel, DOWN)
     from_client.peer, from_server.peer = from_server, from_client
     tunnel.sides = [from_client, from_server]

@@ -25,6 +25,7 @@ from policy.sessions import (
     Session,
     SessionSpecError,
     Usage,
+    bytes_over_budget,
     check_grant,
     judge_budgets,
     parse_session_spec,
@@ -286,3 +287,78 @@ def test_a_tunnel_under_a_session_is_over_once_the_session_ends_expires_or_chang
     assert held is None
     assert expired == "session s1 expired (session:expired)"
     assert other_secret == ended == "session s1 has ended (session:ended)"
+
+
+@pytest.mark.parametrize("budgets, usage, rule", [
+    ({"request_bytes": 100}, Usage(request_bytes=100), None),  # at the budget: used up, not past it
+    ({"request_bytes": 100}, Usage(request_bytes=101), BUDGET_REQUEST_BYTES),
+    ({"response_bytes": 100}, Usage(response_bytes=100), None),
+    ({"response_bytes": 100}, Usage(response_bytes=101), BUDGET_RESPONSE_BYTES),
+    ({"requests": 1, "hosts": 1}, Usage(requests=9, hosts=9, request_bytes=10**9, response_bytes=10**9), None),
+    ({}, Usage(request_bytes=10**12, response_bytes=10**12), None),
+])
+def test_an_open_tunnels_bytes_past_a_byte_budget(budgets, usage, rule):
+    """``bytes_over_budget``: what the gate's sweep asks of a session whose passed-through tunnel is open
+    (test_session_tunnel_budgets.py); only the byte budgets, and only once they are passed."""
+    verdict = bytes_over_budget(session_of({"hosts": ["a.example"]}, budgets), usage)
+    assert (verdict.rule if verdict else None) == rule
+    if verdict is not None:
+        assert verdict.session == "s1" and "budget is 100 bytes" in verdict.reason
+
+
+def test_a_gate_charges_open_tunnels_as_they_move_and_only_the_rest_at_close(tmp_path):
+    """``Gate._charge_open_tunnels``: each look charges what moved since the last one (two tunnels of one
+    session together), the tunnel's closing line charges only what is left, and a store that cannot take the
+    bytes moves the charged counts back, so none is counted twice or lost."""
+    from policy.hosts import parse_authority as authority
+    from proxy.audit import AuditLog
+    from proxy.gate import Gate, Tunnel
+    from proxy.metrics import Metrics
+    from proxy.reload import PolicyHolder
+    from proxy.sessions.service import SessionService
+    from proxy.sessions.store import StoreUnavailable
+
+    (tmp_path / "policy.yaml").write_text("version: 1\ndefault: allow\n")
+    store = MemoryStore(clock=lambda: NOW)
+    gate = Gate(PolicyHolder(str(tmp_path / "policy.yaml")), AuditLog(str(tmp_path / "audit.jsonl")), Metrics(),
+                sessions=SessionService(store, clock=lambda: NOW))
+    session = session_of({"hosts": ["a.example"]}, {"request_bytes": 1000})
+    moved = {"one": [0, 0], "two": [0, 0]}
+
+    def tunnel(name: str) -> Tunnel:
+        made = Tunnel(name, authority("a.example:443"), Verdict(True, "decide", "allow", "", session="s1"), "c",
+                      False, False, session=session)
+        made.moved = lambda: tuple(moved[name])
+        return made
+
+    one, two = tunnel("one"), tunnel("two")
+
+    async def run() -> list:
+        await store.put(session)
+        seen = []
+        moved["one"], moved["two"] = [300, 10], [200, 20]
+        seen.append((await gate._charge_open_tunnels(session, [one, two]), await store.usage("s1")))
+        moved["one"] = [400, 10]  # 100 more on one
+        seen.append((await gate._charge_open_tunnels(session, [one, two]), await store.usage("s1")))
+        gate.tunnel_closed(two, 250, 20, None)  # 50 more on two, counted by its closing line
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        seen.append(await store.usage("s1"))
+        moved["one"] = [1200, 10]  # past the budget of 1000
+        seen.append((await gate._charge_open_tunnels(session, [one, two]), await store.usage("s1")))
+
+        async def unavailable(*_: object) -> None:
+            raise StoreUnavailable("down")
+        store.add_bytes, kept = unavailable, store.add_bytes
+        moved["one"] = [1300, 10]
+        seen.append((await gate._charge_open_tunnels(session, [one]), one.charged))
+        store.add_bytes = kept
+        return seen
+
+    first, second, after_close, past, failed = asyncio.run(run())
+    assert first == (None, Usage(0, 0, 500, 30))
+    assert second == (None, Usage(0, 0, 600, 30))
+    assert after_close == Usage(0, 0, 650, 30)
+    assert past[0] is not None and past[0].rule == BUDGET_REQUEST_BYTES and past[1] == Usage(0, 0, 1450, 30)
+    assert failed == (None, (1200, 10))  # not charged: counted at the next look or at close
+    gate.audit.close()

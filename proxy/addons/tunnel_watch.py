@@ -51,12 +51,14 @@ class TunnelWatch:
                 self.table.tunnels.pop(server_id, None)
                 return Refused(context, tls=judged.rule.startswith("tls:"))
             if judged.kind == "tls" and not tunnel.intercept:
+                relay = CountedRelay(context, lambda up, down, err: self._relay_done(server_id, tunnel, up, down, err),
+                                     self.gate.retry_watch(judged, b""), judged.hello_size,
+                                     self.gate.policy.limits.header_timeout,
+                                     lambda rule, reason, up, down: self._retry_refused(server_id, tunnel, rule,
+                                                                                        reason, up, down))
                 tunnel.cut = lambda: _close_client(context.client.id)
-                return CountedRelay(context, lambda up, down, err: self._relay_done(server_id, tunnel, up, down, err),
-                                    self.gate.retry_watch(judged, b""), judged.hello_size,
-                                    self.gate.policy.limits.header_timeout,
-                                    lambda rule, reason, up, down: self._retry_refused(server_id, tunnel, rule, reason,
-                                                                                       up, down))
+                tunnel.moved = lambda: (relay.bytes_up, relay.bytes_down)
+                return relay
             # HTTP inside: egresswall chooses the layer itself (mitmproxy's own choice would take a request
             # line whose first bytes are not three letters, or an upstream that speaks first, for raw TCP).
             if judged.kind == "http":

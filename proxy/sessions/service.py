@@ -28,6 +28,7 @@ from policy.sessions import (
     STORE_UNAVAILABLE,
     Session,
     SessionSpec,
+    bytes_over_budget,
     check_grant,
     grant_refusal,
     refused,
@@ -177,6 +178,32 @@ class SessionService:
             await self.store.add_bytes(session_id, up, down)
         except StoreUnavailable as err:
             log.warning("session %s: %d/%d bytes not counted: %s", session_id, up, down, err)
+
+    async def add_running_bytes(self, session: Session, up: int, down: int) -> bool:
+        """Add bytes an open tunnel moved since it was last counted, now (awaited: the budget is read right
+        after). False when the store cannot take them (they are counted again at the next try)."""
+        if not (up or down):
+            return True
+        try:
+            await self.store.add_bytes(session.id, up, down)
+        except StoreUnavailable as err:
+            log.warning("session %s: %d/%d bytes of an open tunnel not counted yet: %s", session.id, up, down, err)
+            return False
+        return True
+
+    async def over_byte_budget(self, session: Session) -> Verdict | None:
+        """The refusal once the session's bytes are past a byte budget (its open tunnels are closed then);
+        None while within them, and while the store cannot be asked."""
+        if session.budgets.request_bytes is None and session.budgets.response_bytes is None:
+            return None
+        try:
+            usage = await self.store.usage(session.id)
+        except StoreUnavailable:
+            return None
+        refusal = bytes_over_budget(session, usage)
+        if refusal is not None:
+            self.metrics.session_refusal(refusal.rule)
+        return refusal
 
     def _counted(self, refusal: Verdict) -> Verdict:
         self.metrics.session_refusal(refusal.rule)
