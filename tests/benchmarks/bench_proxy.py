@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Side by side, in one run, on loopback: direct (no proxy) vs squid vs egresswall.
+"""Side by side, in one run, on loopback: direct (no proxy) vs squid vs egresswall (and, for plain HTTP, its floor).
 
     make bench            # full: 3 rounds per figure, medians
     make bench-quick      # one short round each, under two minutes
@@ -10,9 +10,12 @@ Workloads (the shape of a contained browser: mostly TLS tunnels; plain HTTP is w
   3. CONNECT tunnel throughput: MB/s of a 100 MB download through one tunnel;
   4. memory: RSS idle and with 1,000 open idle tunnels;
   5. the policy: decision time and reload time for host allowlists of 10, 10,000 and 1,000,000 entries.
-Rounds alternate between the three targets so machine drift hits all alike. Everything listens on
-127.0.0.x; nothing leaves the machine. nginx plays the upstream; a DnsLab answers egresswall's lookups
-and a hosts file answers squid's, both with the same address.
+The plain-HTTP figures also bench "floor": ``floor_http.py``, the fast path's I/O skeleton (same event
+loop, head read, h11 framing both ways, upstream reuse) with no gate, on egresswall's worker count; what
+it cannot reach, no work on egresswall's checks can. Rounds alternate between the targets so machine
+drift hits all alike. Everything listens on 127.0.0.x; nothing leaves the machine. nginx plays the
+upstream; a DnsLab answers egresswall's lookups and a hosts file answers squid's, both with the same
+address; the floor sends every request to nginx's address without a lookup.
 """
 
 from __future__ import annotations
@@ -44,12 +47,14 @@ from benchstack import (  # noqa: E402
     start_egresswall,
     start_nginx,
     start_squid,
+    wait_port,
 )
 from dnslab import DnsLab, Record  # noqa: E402
 from labnet import self_signed  # noqa: E402
 
 UPSTREAM_IP = "127.0.0.2"
 NAME = "bench.lab.example"
+HTTP_ONLY = {"floor"}  # targets benched on the plain-HTTP figures only
 
 
 def rss_kib(pid: int) -> int:
@@ -68,14 +73,17 @@ def rss_kib(pid: int) -> int:
 
 
 class Stack:
-    """nginx upstream, squid, egresswall and a DNS server, started once for the whole run."""
+    """nginx upstream, squid, egresswall and a DNS server, started once for the whole run; with ``floor``,
+    also ``floor_http.py`` (plain HTTP to nginx, no gate) on egresswall's worker count."""
 
-    def __init__(self, work: Path, ew_workers: int, variants: dict[str, list[str]] | None = None) -> None:
+    def __init__(self, work: Path, ew_workers: int, variants: dict[str, list[str]] | None = None,
+                 floor: bool = False) -> None:
         self.work = work
         self.ew_workers = ew_workers
         self.processes = Processes(work)
         self.http_port, self.tls_port = free_port(UPSTREAM_IP), free_port(UPSTREAM_IP)
         self.squid_port, self.ew_port, self.ew_admin = free_port(), free_port(), free_port()
+        self.floor_port = free_port() if floor else None
         # More egresswall instances, each with extra command-line options (e.g. --no-fast-http), benched
         # beside the default one in the same run: name -> (port, options).
         self.variants = {name: (free_port(), options) for name, options in (variants or {}).items()}
@@ -94,6 +102,12 @@ class Stack:
         for name, (port, options) in self.variants.items():
             self.variant_procs[name] = start_egresswall(self.processes, port, None, policy, self.ew_workers,
                                                         name=name, options=options)
+        if self.floor_port is not None:
+            self.floor = self.processes.spawn([sys.executable, str(HERE / "floor_http.py"), str(self.floor_port),
+                                               UPSTREAM_IP, str(self.http_port), "--workers", str(self.ew_workers)],
+                                              "floor")
+            wait_port("127.0.0.1", self.floor_port)
+            time.sleep(1.0 if self.ew_workers > 1 else 0)  # every worker bound, as for egresswall
 
     def _nginx(self) -> None:
         (self.work / "www").mkdir()
@@ -114,6 +128,7 @@ class Stack:
 
     def proxies(self) -> dict[str, tuple[str, int] | None]:
         return {"direct": None, "squid": ("127.0.0.1", self.squid_port), "egresswall": ("127.0.0.1", self.ew_port),
+                **({"floor": ("127.0.0.1", self.floor_port)} if self.floor_port is not None else {}),
                 **{name: ("127.0.0.1", port) for name, (port, _) in self.variants.items()}}
 
     def pid(self, target: str) -> int:
@@ -261,11 +276,11 @@ def main() -> int:
     seconds = 2.0 if args.quick else 5.0
     tunnel_count = 300 if args.quick else 1000
     sizes = [10, 10_000] + ([] if args.quick else [1_000_000])
-    targets = ["direct", "squid", "egresswall", *variants]
+    targets = ["direct", "squid", "floor", "egresswall", *variants]
     results: dict[tuple[str, str], list[float]] = {}
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ew-bench-", delete=not os.environ.get("BENCH_KEEP")) as tmp:
-        stack = Stack(Path(tmp), args.workers, variants)
+        stack = Stack(Path(tmp), args.workers, variants, floor=True)
         try:
             stack.start()
             for round_no in range(rounds):
@@ -276,6 +291,8 @@ def main() -> int:
                     for conns in (1, 32):
                         for key, value in plain_http(stack, proxy, conns, seconds).items():
                             results.setdefault((f"http c={conns} {key}", target), []).append(value)
+                    if target in HTTP_ONLY:
+                        continue
                     setups = tunnel_setups(stack, proxy, seconds)["tunnels_per_s"]
                     results.setdefault(("tls tunnel setups/s", target), []).append(setups)
                     throughput = tunnel_throughput(stack, proxy)["MB_per_s"]
@@ -308,7 +325,7 @@ def print_table(results: dict[tuple[str, str], list[float]], targets: list[str])
     metrics += list(dict.fromkeys(metric for metric, _ in added))
     ours = [t for t in targets if t not in ("direct", "squid")]
     print(f"\n{'figure':<30}" + "".join(f"{t:>13}" for t in targets)
-          + "".join(f"{t[:9] + '/squid':>16}" for t in ours) + f"{'ew/direct':>11}")
+          + "".join(f"{t[:9] + '/squid':>16}" for t in ours) + f"{'ew/direct':>11}{'ew/floor':>11}")
     for metric in metrics:
         cells, medians = "", {}
         for target in targets:
@@ -319,7 +336,7 @@ def print_table(results: dict[tuple[str, str], list[float]], targets: list[str])
             else:
                 cells += f"{'-':>13}"
         print(f"{metric:<30}{cells}" + "".join(f"{_ratio(medians, t, 'squid'):>16}" for t in ours)
-              + f"{_ratio(medians, 'egresswall', 'direct'):>11}")
+              + f"{_ratio(medians, 'egresswall', 'direct'):>11}{_ratio(medians, 'egresswall', 'floor'):>11}")
 
 
 def _ratio(medians: dict[str, float], a: str, b: str) -> str:
