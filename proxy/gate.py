@@ -58,8 +58,24 @@ LIMITS, TLS, HTTP = "limits", "tls", "http"
 SESSION_SWEEP = 1.0  # seconds between looks at the sessions of open tunnels (an end cuts them within it)
 
 
+@dataclass(eq=False, kw_only=True)
+class UnderSession:
+    """What stays open under a session with bytes that are no requests egresswall sees: a passed-through TLS
+    tunnel, an open WebSocket. The gate's sweep (``Gate._sweep_sessions``) charges what it moved to the
+    session and ends it once the session has ended, expired or gone past a byte budget."""
+
+    session: Session | None = None  # the session it was opened under (a tunnel's applies to every request inside)
+    closed: bool = False
+    # Set by the transport while the bytes move: ``cut`` ends it (``cut_by``: the session's refusal that did),
+    # ``moved`` is the bytes so far (up, down); ``charged``: how many of them the session has been charged already.
+    cut: Callable[[], None] | None = None
+    cut_by: Verdict | None = None
+    moved: Callable[[], tuple[int, int]] | None = None
+    charged: tuple[int, int] = (0, 0)
+
+
 @dataclass(eq=False)
-class Tunnel:
+class Tunnel(UnderSession):
     """An allowed CONNECT: what it may carry, where it was pinned, and its one closing line."""
 
     id: str
@@ -73,17 +89,18 @@ class Tunnel:
     cnames: tuple[str, ...] = ()
     started: float = field(default_factory=time.monotonic)
     first_byte_at: float | None = None
-    closed: bool = False
     client_conn_id: str = ""  # the mitmproxy client connection carrying it (so it never outlives it)
     established: bool = False  # the client's CONNECT was answered 200 (mitmproxy's path: http_connected)
-    session: Session | None = None  # the CONNECT's session: it applies to every request inside the tunnel
-    # Set by the transport while it relays the tunnel's bytes unread: closes it (the session ended, ``cut_reason``)
-    cut: Callable[[], None] | None = None
-    cut_reason: str | None = None
-    # Set by the transport with ``cut``: the bytes relayed so far (up, down), read while the tunnel is open so a
-    # session's byte budgets hold inside it; ``charged``: how many of them its session has been charged already.
-    moved: Callable[[], tuple[int, int]] | None = None
-    charged: tuple[int, int] = (0, 0)
+
+
+@dataclass(eq=False, kw_only=True)
+class OpenWebSocket(UnderSession):
+    """An allowed WebSocket under a session, from its 101 to its end (its messages are no requests)."""
+
+    id: str
+    client: str
+    target: Target
+    verdict: Verdict
 
 
 @dataclass(frozen=True)
@@ -97,6 +114,7 @@ class RequestOutcome:
     verdict: Verdict
     target: Target | None
     refusal: Refusal | None
+    session: Session | None = None  # the session an allowed request was admitted under
 
 
 @dataclass(frozen=True)
@@ -135,7 +153,7 @@ class Gate:
         self._resolver = resolver
         self._resolver_for: Policy | None = None
         self._audit_probe: asyncio.Task | None = None
-        self.session_tunnels: dict[str, Tunnel] = {}  # open tunnels opened under a session, by id
+        self.under_sessions: dict[str, UnderSession] = {}  # open tunnels and WebSockets under a session, by id
         self._session_sweep: asyncio.Task | None = None
         self.metrics.policy_in_force()
         self.metrics.count_audit_failures(lambda: self.audit.failures)
@@ -244,7 +262,7 @@ class Gate:
                         http_inside=target.port in policy.http_ports,
                         cnames=resolution.cnames if resolution else (), session=session)
         if session is not None:
-            self._watch_session(tunnel)
+            self._watch_session(tunnel.id, tunnel)
         self.metrics.tunnel_opened()
         return ConnectOutcome(tunnel, None)
 
@@ -303,63 +321,82 @@ class Gate:
         if tunnel.closed:
             return
         tunnel.closed = True
-        self.session_tunnels.pop(tunnel.id, None)
-        error = tunnel.cut_reason or error
+        self.under_sessions.pop(tunnel.id, None)
+        if tunnel.cut_by is not None:
+            error = f"{tunnel.cut_by.reason} ({tunnel.cut_by.rule}): egresswall closed the tunnel"
         self.metrics.tunnel_closed()
         record = self.recorder.record(TUNNEL, tunnel.id, tunnel.client, "CONNECT", tunnel.target, tunnel.verdict,
                                       tunnel.cnames)
         self.recorder.ended(record, tunnel.started, up, down, error, status)
-        charged_up, charged_down = tunnel.charged  # counted while it was open (``_charge_open_tunnels``)
+        charged_up, charged_down = tunnel.charged  # counted while it was open (``_charge_open``)
         self.sessions.count_bytes(tunnel.verdict.session, max(0, up - charged_up), max(0, down - charged_down))
 
-    # ---- tunnels under a session ---------------------------------------------------------------------
+    # ---- tunnels and WebSockets under a session ----------------------------------------------------
 
-    def _watch_session(self, tunnel: Tunnel) -> None:
-        self.session_tunnels[tunnel.id] = tunnel
+    def websocket_opened(self, flow_id: str, client: str, target: Target, verdict: Verdict, session: Session,
+                         cut: Callable[[], None], moved: Callable[[], tuple[int, int]]) -> OpenWebSocket:
+        """An allowed WebSocket under ``session`` has switched protocols: watched like a tunnel from here on."""
+        websocket = OpenWebSocket(id=flow_id, client=client, target=target, verdict=verdict, session=session,
+                                  cut=cut, moved=moved)
+        self._watch_session(websocket.id, websocket)
+        return websocket
+
+    def websocket_closed(self, websocket: OpenWebSocket, up: int, down: int) -> None:
+        """Its session is charged the rest of its bytes; a WebSocket the sweep ended gets the line saying why."""
+        if websocket.closed:
+            return
+        websocket.closed = True
+        self.under_sessions.pop(websocket.id, None)
+        if websocket.cut_by is not None:
+            self.refuse(websocket.client, "GET", websocket.target, 0, SESSION_STAGE, websocket.cut_by.rule,
+                        f"{websocket.cut_by.reason}: egresswall closed the WebSocket", flow_id=f"{websocket.id}-ws",
+                        session=websocket.verdict.session)
+        charged_up, charged_down = websocket.charged
+        self.sessions.count_bytes(websocket.verdict.session, max(0, up - charged_up), max(0, down - charged_down))
+
+    def _watch_session(self, key: str, held: UnderSession) -> None:
+        self.under_sessions[key] = held
         if self._session_sweep is None or self._session_sweep.done():
             self._session_sweep = asyncio.get_running_loop().create_task(self._sweep_sessions())
 
     async def _sweep_sessions(self) -> None:
-        """While tunnels opened under a session are open: every ``SESSION_SWEEP`` seconds, each one whose
-        session has ended or expired since its CONNECT, or whose session its bytes have carried past a byte
-        budget, is closed. A request inside a tunnel is checked against the session as it is then; bytes
-        passed through unread (TLS) are not requests, and without this a tunnel outlived its session for as
-        long as it kept moving, and moved any number of bytes under a session's byte budgets."""
-        while self.session_tunnels:
+        """While tunnels or WebSockets opened under a session are open: every ``SESSION_SWEEP`` seconds, each
+        one whose session has ended or expired since it opened, or whose session its bytes have carried past a
+        byte budget, is ended. A request inside a tunnel is checked against the session as it is then; the
+        bytes of a tunnel passed through unread (TLS) and a WebSocket's messages are not requests, and without
+        this they outlived their session for as long as they kept moving, and moved any number of bytes under
+        a session's byte budgets. One session's store trouble never stops the sweep for the others."""
+        while self.under_sessions:
             await asyncio.sleep(SESSION_SWEEP)
-            by_session: dict[str, list[Tunnel]] = {}
-            for tunnel in list(self.session_tunnels.values()):
-                assert tunnel.session is not None
-                by_session.setdefault(tunnel.session.id, []).append(tunnel)
-            for tunnels in by_session.values():
-                session = tunnels[0].session
+            by_session: dict[str, list[UnderSession]] = {}
+            for held in list(self.under_sessions.values()):
+                assert held.session is not None
+                by_session.setdefault(held.session.id, []).append(held)
+            for helds in by_session.values():
+                session = helds[0].session
                 assert session is not None
-                reason = await self.sessions.over(session)
-                if reason is None:
-                    over = await self._charge_open_tunnels(session, tunnels)
-                    if over is None:
-                        continue
-                    reason = f"{over.reason} ({over.rule})"
-                for tunnel in tunnels:
-                    if tunnel.cut is not None and not tunnel.closed and tunnel.cut_reason is None:
-                        tunnel.cut_reason = f"{reason}: egresswall closed the tunnel"
-                        tunnel.cut()
+                over = await self.sessions.over(session) or await self._charge_open(session, helds)
+                if over is None:
+                    continue
+                for held in helds:
+                    if held.cut is not None and not held.closed and held.cut_by is None:
+                        held.cut_by = over
+                        held.cut()
 
-    async def _charge_open_tunnels(self, session: Session, tunnels: list[Tunnel]) -> Verdict | None:
-        """Charge the session what its open tunnels moved since the last look, and say whether that put it
-        past a byte budget. The charged counts are moved on before the store is asked, so a tunnel that
-        closes meanwhile counts only the rest (``tunnel_closed``); a store that could not take them moves
-        them back for the tunnels still open."""
-        moved = [(tunnel, tunnel.charged, tunnel.moved()) for tunnel in tunnels
-                 if tunnel.moved is not None and not tunnel.closed]
+    async def _charge_open(self, session: Session, helds: list[UnderSession]) -> Verdict | None:
+        """Charge the session what its open tunnels and WebSockets moved since the last look, and say whether
+        that put it past a byte budget. The charged counts are moved on before the store is asked, so one that
+        closes meanwhile counts only the rest (``tunnel_closed``, ``websocket_closed``); a store that could not
+        take them moves them back for the ones still open."""
+        moved = [(held, held.charged, held.moved()) for held in helds if held.moved is not None and not held.closed]
         up = sum(now[0] - before[0] for _, before, now in moved)
         down = sum(now[1] - before[1] for _, before, now in moved)
-        for tunnel, _, now in moved:
-            tunnel.charged = now
+        for held, _, now in moved:
+            held.charged = now
         if not await self.sessions.add_running_bytes(session, up, down):
-            for tunnel, before, _ in moved:
-                if not tunnel.closed:
-                    tunnel.charged = before
+            for held, before, _ in moved:
+                if not held.closed:
+                    held.charged = before
             return None
         return await self.sessions.over_byte_budget(session)
 
@@ -473,7 +510,7 @@ class Gate:
             return RequestOutcome(verdict, target, refusal)
         if not (self.recorder.decision(record) and self.audit.healthy):
             return RequestOutcome(verdict, target, self.audit_unwritable(target, ask.accept))
-        return RequestOutcome(verdict, target, None)
+        return RequestOutcome(verdict, target, None, session)
 
     # ---- sessions --------------------------------------------------------------------------------
 

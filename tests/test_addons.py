@@ -190,3 +190,44 @@ def test_a_tunnel_of_ours_gets_a_tunnel_start_before_any_relay(gate):
         again = mlayer.NextLayer(context)
         watch.next_layer(again)  # the start was judged: mitmproxy's own choice stands from here on
         assert again.layer is None
+
+
+def test_a_websocket_under_a_session_is_watched_counted_and_let_go(gate):
+    """``WebSocketWatch``: a WebSocket admitted under a session is handed to the gate's sweep at its start,
+    its message bytes counted each way, and at its end its session is charged and the watch dropped; one
+    admitted with no session is not watched."""
+    from wsproto.frame_protocol import Opcode
+
+    from policy.sessions import Session, parse_session_spec, secret_digest
+    from proxy.addons.decision import FLOW_ID, SESSION
+    from proxy.addons.websocket_watch import HELD, WebSocketWatch
+
+    async def run() -> None:
+        session = Session("s1", secret_digest("x"), 0.0, 4e9, parse_session_spec({"grants": {"hosts": ["a.example"]}}))
+        watch = WebSocketWatch(gate)
+        plain = tflow.twebsocketflow()
+        plain.metadata.update({VERDICT: ALLOWED, TARGET: parse_url("ws://a.example/"), FLOW_ID: "f0"})
+        watch.websocket_start(plain)
+        assert HELD not in plain.metadata and not gate.under_sessions
+
+        flow = tflow.twebsocketflow(messages=False)
+        flow.metadata.update({VERDICT: ALLOWED, TARGET: parse_url("ws://a.example/"), FLOW_ID: "f1", SESSION: session})
+        watch.websocket_start(flow)
+        held = gate.under_sessions["f1"]
+        for from_client, content in ((True, b"abc"), (False, b"hello"), (False, b"!")):
+            flow.websocket.messages.append(websocket_message(Opcode.TEXT, from_client, content))
+            watch.websocket_message(flow)
+        assert held.moved() == (3, 6)
+        charged = []
+        gate.sessions.count_bytes = lambda session_id, up, down: charged.append((session_id, up, down))
+        held.charged = (1, 2)  # what the sweep had charged already
+        watch.websocket_end(flow)
+        assert not gate.under_sessions and held.closed
+        assert charged == [(ALLOWED.session, 2, 4)]
+
+    asyncio.run(run())
+
+def websocket_message(opcode, from_client: bool, content: bytes):
+    from mitmproxy.websocket import WebSocketMessage
+
+    return WebSocketMessage(opcode, from_client, content)

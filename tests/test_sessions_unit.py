@@ -20,6 +20,7 @@ from policy.sessions import (
     BUDGET_REQUEST_BYTES,
     BUDGET_REQUESTS,
     BUDGET_RESPONSE_BYTES,
+    ENDED,
     EXPIRED,
     NOT_GRANTED,
     Session,
@@ -271,7 +272,7 @@ def test_a_tunnel_under_a_session_is_over_once_the_session_ends_expires_or_chang
     service = SessionService(store, clock=lambda: clock[0])
     session = session_of({"hosts": ["a.example"]}, ttl=60)
 
-    async def run() -> list[str | None]:
+    async def run() -> list:
         await store.put(session)
         seen = [await service.over(session)]
         clock[0] = NOW + 61
@@ -285,8 +286,8 @@ def test_a_tunnel_under_a_session_is_over_once_the_session_ends_expires_or_chang
 
     held, expired, other_secret, ended = asyncio.run(run())
     assert held is None
-    assert expired == "session s1 expired (session:expired)"
-    assert other_secret == ended == "session s1 has ended (session:ended)"
+    assert (expired.rule, expired.reason) == (EXPIRED, "session s1 expired")
+    assert (other_secret.rule, other_secret.reason) == (ended.rule, ended.reason) == (ENDED, "session s1 has ended")
 
 
 @pytest.mark.parametrize("budgets, usage, rule", [
@@ -307,7 +308,7 @@ def test_an_open_tunnels_bytes_past_a_byte_budget(budgets, usage, rule):
 
 
 def test_a_gate_charges_open_tunnels_as_they_move_and_only_the_rest_at_close(tmp_path):
-    """``Gate._charge_open_tunnels``: each look charges what moved since the last one (two tunnels of one
+    """``Gate._charge_open``: each look charges what moved since the last one (two tunnels of one
     session together), the tunnel's closing line charges only what is left, and a store that cannot take the
     bytes moves the charged counts back, so none is counted twice or lost."""
     from policy.hosts import parse_authority as authority
@@ -337,21 +338,21 @@ def test_a_gate_charges_open_tunnels_as_they_move_and_only_the_rest_at_close(tmp
         await store.put(session)
         seen = []
         moved["one"], moved["two"] = [300, 10], [200, 20]
-        seen.append((await gate._charge_open_tunnels(session, [one, two]), await store.usage("s1")))
+        seen.append((await gate._charge_open(session, [one, two]), await store.usage("s1")))
         moved["one"] = [400, 10]  # 100 more on one
-        seen.append((await gate._charge_open_tunnels(session, [one, two]), await store.usage("s1")))
+        seen.append((await gate._charge_open(session, [one, two]), await store.usage("s1")))
         gate.tunnel_closed(two, 250, 20, None)  # 50 more on two, counted by its closing line
         await asyncio.sleep(0)
         await asyncio.sleep(0)
         seen.append(await store.usage("s1"))
         moved["one"] = [1200, 10]  # past the budget of 1000
-        seen.append((await gate._charge_open_tunnels(session, [one, two]), await store.usage("s1")))
+        seen.append((await gate._charge_open(session, [one, two]), await store.usage("s1")))
 
         async def unavailable(*_: object) -> None:
             raise StoreUnavailable("down")
         store.add_bytes, kept = unavailable, store.add_bytes
         moved["one"] = [1300, 10]
-        seen.append((await gate._charge_open_tunnels(session, [one]), one.charged))
+        seen.append((await gate._charge_open(session, [one]), one.charged))
         store.add_bytes = kept
         return seen
 

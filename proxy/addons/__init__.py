@@ -23,6 +23,7 @@ from .response_hygiene import ResponseHygiene
 from .tunnel_watch import TunnelWatch
 from .upstream import UpstreamForwarding
 from .upstream_pool import UpstreamPool
+from .websocket_watch import WebSocketWatch
 
 
 def egresswall_addons(gate: Gate, fronted: bool = False, upstream_credentials: str | None = None) -> list:
@@ -33,7 +34,7 @@ def egresswall_addons(gate: Gate, fronted: bool = False, upstream_credentials: s
     forwarding = [UpstreamForwarding(gate, table, upstream_credentials)] if gate.policy.upstream else []
     return [LimitsOptions(gate), AdmissionAddon(gate, table, fronted), DecisionAddon(gate, table), HopByHop(),
             *forwarding, BodyLimit(gate), Pinning(gate, table), UpstreamPool(), TunnelWatch(gate, table),
-            AuditTrail(gate), ResponseHygiene()]
+            AuditTrail(gate), ResponseHygiene(), WebSocketWatch(gate)]
 
 
 def patch_state_for(gate: Gate, first_byte_timer: bool) -> mitm_patches.PatchState:

@@ -18,6 +18,7 @@ from ..refusals import Refusal, refusal_parts
 from .connections import ConnectionTable
 
 VERDICT, TARGET, STARTED, FLOW_ID = "egresswall_verdict", "egresswall_target", "egresswall_started", "egresswall_id"
+SESSION = "egresswall_session"  # the Session an allowed request was admitted under (a WebSocket is watched by it)
 CONNECT_ANSWER = "egresswall_connect_answer"  # an allowed CONNECT's (target, role, Accept), should its connect fail
 # Bytes a header value may not carry (RFC 9110, 5.5): mitmproxy keeps an obs-fold as "\r\n " inside the
 # value and passes a bare CR on, and an upstream may read either as the start of another header.
@@ -124,6 +125,8 @@ class DecisionAddon:
             request.authority = ""  # forwarded in origin form: the tunnel's host is the only one it can name
         flow.metadata[VERDICT] = outcome.verdict
         flow.metadata[TARGET] = target
+        if outcome.session is not None:
+            flow.metadata[SESSION] = outcome.session
         # Should mitmproxy answer it itself (a failed connect: proxy/mitm_patches.py ``_server_send``), the
         # answer names the target and takes the client's Accept, as every other refusal does.
         request.egresswall_answer_context = (target, outcome.verdict.role, accept_of(flow))

@@ -56,7 +56,7 @@ class TunnelWatch:
                                      self.gate.policy.limits.header_timeout,
                                      lambda rule, reason, up, down: self._retry_refused(server_id, tunnel, rule,
                                                                                         reason, up, down))
-                tunnel.cut = lambda: _close_client(context.client.id)
+                tunnel.cut = lambda: close_client(context.client.id)
                 tunnel.moved = lambda: (relay.bytes_up, relay.bytes_down)
                 return relay
             # HTTP inside: egresswall chooses the layer itself (mitmproxy's own choice would take a request
@@ -122,7 +122,7 @@ class TunnelWatch:
             self.gate.tunnel_closed(tunnel, 0, 0, None)
 
 
-def _close_client(client_id: str) -> None:
+def close_client(client_id: str) -> None:
     """Close a client connection from outside mitmproxy's layers (its session ended): its socket is closed,
     mitmproxy sees the end as a client that went, and the relay reports (``Gate.tunnel_closed``)."""
     handler = ctx.master.addons.get("proxyserver").connections.get(client_id)

@@ -113,18 +113,18 @@ class SessionService:
             return None, self._counted(refused(ENDED, f"session {session.id} has ended", session, role)), 403
         return now, None, 0
 
-    async def over(self, session: Session) -> str | None:
-        """Why a tunnel opened under ``session`` must not go on: it has ended (deleted, or its secret
-        changed) or expired since. None while it holds, and while the store cannot be asked (new requests are
-        refused then; a tunnel is not cut for a store's hiccup)."""
+    async def over(self, session: Session) -> Verdict | None:
+        """The refusal that ends a tunnel or WebSocket opened under ``session``: it has ended (deleted, or its
+        secret changed) or expired since. None while it holds, and while the store cannot be asked (new
+        requests are refused then; nothing open is cut for a store's hiccup)."""
         try:
             now = await self.store.get(session.id)
         except StoreUnavailable:
             return None
         if now is None or not hmac.compare_digest(now.secret_digest, session.secret_digest):
-            return f"session {session.id} has ended ({ENDED})"
+            return refused(ENDED, f"session {session.id} has ended", session)
         if now.expires <= self.clock():
-            return f"session {session.id} expired ({EXPIRED})"
+            return refused(EXPIRED, f"session {session.id} expired", session)
         return None
 
     # ---- the checks ---------------------------------------------------------------------------
@@ -200,10 +200,7 @@ class SessionService:
             usage = await self.store.usage(session.id)
         except StoreUnavailable:
             return None
-        refusal = bytes_over_budget(session, usage)
-        if refusal is not None:
-            self.metrics.session_refusal(refusal.rule)
-        return refusal
+        return bytes_over_budget(session, usage)
 
     def _counted(self, refusal: Verdict) -> Verdict:
         self.metrics.session_refusal(refusal.rule)

@@ -1,0 +1,118 @@
+"""An allowed WebSocket opened under a session is held to the session after its 101.
+
+The handshake is a request, checked against the session and charged; the messages after it are not. Before
+this, a WebSocket opened under a session ran on after the session was ended or expired, and its message bytes
+were never charged to the session's byte budgets (README, Sessions). The gate's sweep now watches it as it
+watches a passed-through tunnel (``proxy/addons/websocket_watch.py``): its bytes are charged every
+``SESSION_SWEEP`` seconds, and it is closed, with a refusal line naming the session rule, once the session is
+over or past a byte budget. WebSockets ride mitmproxy's path on both transports (the fast path hands every
+upgrade over), so both are run.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+from labnet import PUBLIC_IP
+from proxyproc import both_transports
+from session_client import api, create, token_file
+from ws_echo import WsEcho
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import AcceptConnection, CloseConnection, Message, Request
+
+from proxy.gate import SESSION_SWEEP
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("internal_saw_nothing")]
+
+
+@pytest.fixture
+def echo():
+    server = WsEcho(PUBLIC_IP)
+    yield server
+    server.close()
+
+
+class Client:
+    """A WebSocket client through the proxy (absolute-form handshake with the session's credentials)."""
+
+    def __init__(self, proxy, echo: WsEcho, session: dict) -> None:
+        self.sock = socket.create_connection((proxy.host, proxy.port), timeout=10)
+        self.ws = WSConnection(ConnectionType.CLIENT)
+        authority = f"public.lab.example:{echo.port}"
+        self.sock.sendall(self.ws.send(Request(host=authority, target=f"http://{authority}/chat", extra_headers=[
+            (b"Proxy-Authorization", session["proxy_authorization"].encode())])))
+        assert isinstance(self._next(), AcceptConnection)
+
+    def _next(self):
+        while True:
+            for event in self.ws.events():
+                return event
+            data = self.sock.recv(65536)
+            self.ws.receive_data(data or None)
+            if not data:
+                return None
+
+    def echo(self, data: bytes) -> bytes:
+        self.sock.sendall(self.ws.send(Message(data=data)))
+        got = b""
+        while len(got) < len(data):
+            event = self._next()
+            assert isinstance(event, Message), event
+            got += event.data
+        return got
+
+    def closed_within(self, seconds: float) -> bool:
+        self.sock.settimeout(seconds)
+        try:
+            event = self._next()
+        except TimeoutError:
+            return False
+        except OSError:
+            return True
+        return event is None or isinstance(event, CloseConnection)
+
+
+def _start(lab, start_proxy, tmp_path, echo: WsEcho, **spec):
+    text = lab.policy_text("session: required\n").replace("  http: [", f"  http: [{echo.port}, ")
+    proxy = start_proxy(text, "--admin-token-file", str(token_file(tmp_path)))
+    session = create(proxy.admin_port, {"hosts": ["public.lab.example"]}, **spec)
+    client = Client(proxy, echo, session)
+    assert client.echo(b"hello") == b"hello"
+    assert not client.closed_within(SESSION_SWEEP * 2)  # the session holds: open
+    return proxy, session, client
+
+
+def _cut_line(proxy, session) -> dict:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        lines = [r for r in proxy.audit() if r.get("session") == session["id"] and r["id"].endswith("-ws")]
+        if lines:
+            return lines[0]
+        time.sleep(0.1)
+    raise AssertionError(proxy.audit())
+
+
+@both_transports
+def test_ending_a_session_closes_its_open_websocket(lab, start_proxy, tmp_path, echo):
+    proxy, session, client = _start(lab, start_proxy, tmp_path, echo)
+    assert api(proxy.admin_port, "DELETE", f"/v1/sessions/{session['id']}")[0] in (200, 204)
+    assert client.closed_within(SESSION_SWEEP * 3 + 1), "the WebSocket outlived its session"
+    line = _cut_line(proxy, session)
+    assert (line["verdict"], line["rule"], line["host"]) == ("refuse", "session:ended", "public.lab.example"), line
+    assert "closed the WebSocket" in line["reason"], line
+
+
+@both_transports
+def test_a_websocket_past_the_response_bytes_budget_is_closed_and_its_bytes_are_charged(lab, start_proxy, tmp_path,
+                                                                                        echo):
+    proxy, session, client = _start(lab, start_proxy, tmp_path, echo, budgets={"response_bytes": 100_000})
+    for _ in range(3):
+        assert len(client.echo(b"e" * 50_000)) == 50_000
+    assert client.closed_within(SESSION_SWEEP * 3 + 1), "the WebSocket moved past its session's response_bytes"
+    line = _cut_line(proxy, session)
+    assert line["rule"] == "session:budget-response-bytes", line
+    status, _, view = api(proxy.admin_port, "GET", f"/v1/sessions/{session['id']}")
+    assert status == 200 and view["usage"]["response_bytes"] > 100_000, view
+    assert view["usage"]["request_bytes"] >= 150_000, view  # the client's messages are charged too

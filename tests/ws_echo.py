@@ -1,0 +1,52 @@
+"""A WebSocket echo origin for the lab: wsproto's server side over a loopback socket, a thread a connection."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import AcceptConnection, CloseConnection, Message, Ping, Request
+
+
+class WsEcho:
+    def __init__(self, host: str) -> None:
+        self.sock = socket.create_server((host, 0))
+        self.port = self.sock.getsockname()[1]
+        self.connections: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        ws = WSConnection(ConnectionType.SERVER)
+        with contextlib.suppress(OSError), conn:
+            while True:
+                data = conn.recv(65536)
+                ws.receive_data(data or None)
+                for event in ws.events():
+                    if isinstance(event, Request):
+                        conn.sendall(ws.send(AcceptConnection()))
+                    elif isinstance(event, Message):
+                        conn.sendall(ws.send(Message(data=event.data, message_finished=event.message_finished)))
+                    elif isinstance(event, Ping):
+                        conn.sendall(ws.send(event.response()))
+                    elif isinstance(event, CloseConnection):
+                        conn.sendall(ws.send(event.response()))
+                        return
+                if not data:
+                    return
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.connections:
+            with contextlib.suppress(OSError):
+                conn.close()
