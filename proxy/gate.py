@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -54,6 +55,7 @@ from .reload import PolicyHolder
 from .sessions.service import SessionService
 from .tls_retry import RetryWatch
 
+log = logging.getLogger("egresswall")
 LIMITS, TLS, HTTP = "limits", "tls", "http"
 SESSION_SWEEP = 1.0  # seconds between looks at the sessions of open tunnels (an end cuts them within it)
 
@@ -375,7 +377,11 @@ class Gate:
             for helds in by_session.values():
                 session = helds[0].session
                 assert session is not None
-                over = await self.sessions.over(session) or await self._charge_open(session, helds)
+                try:
+                    over = await self.sessions.over(session) or await self._charge_open(session, helds)
+                except Exception:  # noqa: BLE001 - a sweep that died would cut nothing for any session again
+                    log.exception("session %s: its open tunnels and WebSockets could not be looked at", session.id)
+                    continue
                 if over is None:
                     continue
                 for held in helds:

@@ -363,3 +363,47 @@ def test_a_gate_charges_open_tunnels_as_they_move_and_only_the_rest_at_close(tmp
     assert past[0] is not None and past[0].rule == BUDGET_REQUEST_BYTES and past[1] == Usage(0, 0, 1450, 30)
     assert failed == (None, (1200, 10))  # not charged: counted at the next look or at close
     gate.audit.close()
+
+
+def test_the_sweep_goes_on_past_a_session_it_cannot_look_at(tmp_path, monkeypatch):
+    """An error looking at one session's open tunnels is logged and the sweep goes on: the other sessions'
+    tunnels are still cut when their session ends (a sweep that died would never cut anything again)."""
+    import proxy.gate as gate_module
+    from policy.hosts import parse_authority as authority
+    from proxy.audit import AuditLog
+    from proxy.gate import Gate, Tunnel
+    from proxy.metrics import Metrics
+    from proxy.reload import PolicyHolder
+    from proxy.sessions.service import SessionService
+
+    monkeypatch.setattr(gate_module, "SESSION_SWEEP", 0.01)
+    (tmp_path / "policy.yaml").write_text("version: 1\ndefault: allow\n")
+    store = MemoryStore(clock=lambda: NOW)
+    service = SessionService(store, clock=lambda: NOW)
+    gate = Gate(PolicyHolder(str(tmp_path / "policy.yaml")), AuditLog(str(tmp_path / "audit.jsonl")), Metrics(),
+                sessions=service)
+    broken, ending = session_of({"hosts": ["a.example"]}), Session("s2", secret_digest("x"), NOW, NOW + 60,
+                                                                     session_of({"hosts": ["a.example"]}).spec)
+    cut: list[str] = []
+    looked = service.over
+
+    async def over(session):
+        if session.id == "s1":
+            raise RuntimeError("a bug in a store")
+        return await looked(session)
+    service.over = over
+
+    async def run() -> None:
+        await store.put(ending)
+        for session in (broken, ending):
+            tunnel = Tunnel(f"t-{session.id}", authority("a.example:443"), Verdict(True, "decide", "allow", ""),
+                            "c", False, False, session=session)
+            tunnel.cut = lambda name=session.id: cut.append(name)
+            gate._watch_session(tunnel.id, tunnel)
+        await asyncio.sleep(0.05)
+        await store.delete("s2")
+        await asyncio.sleep(0.05)
+
+    asyncio.run(run())
+    assert cut == ["s2"]
+    gate.audit.close()
