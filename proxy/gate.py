@@ -374,20 +374,27 @@ class Gate:
             for held in list(self.under_sessions.values()):
                 assert held.session is not None
                 by_session.setdefault(held.session.id, []).append(held)
-            for helds in by_session.values():
-                session = helds[0].session
-                assert session is not None
-                try:
-                    over = await self.sessions.over(session) or await self._charge_open(session, helds)
-                except Exception:  # noqa: BLE001 - a sweep that died would cut nothing for any session again
-                    log.exception("session %s: its open tunnels and WebSockets could not be looked at", session.id)
-                    continue
-                if over is None:
-                    continue
-                for held in helds:
-                    if held.cut is not None and not held.closed and held.cut_by is None:
-                        held.cut_by = over
-                        held.cut()
+            # Concurrently: each look is a few store round trips, and one slow session must not stretch
+            # the others' bound of about a second.
+            await asyncio.gather(*(self._look_at_session(helds) for helds in by_session.values()))
+
+    async def _look_at_session(self, helds: list[UnderSession]) -> None:
+        """End a session's open tunnels and WebSockets once it has ended or expired, or its bytes are past a
+        byte budget. An error here is logged, and the sweep goes on for every other session (a sweep that
+        died would cut nothing again until another one opened)."""
+        session = helds[0].session
+        assert session is not None
+        try:
+            over = await self.sessions.over(session) or await self._charge_open(session, helds)
+        except Exception:  # noqa: BLE001 - see the docstring; CancelledError (shutdown) is no Exception
+            log.exception("session %s: its open tunnels and WebSockets could not be looked at", session.id)
+            return
+        if over is None:
+            return
+        for held in helds:
+            if held.cut is not None and not held.closed and held.cut_by is None:
+                held.cut_by = over
+                held.cut()
 
     async def _charge_open(self, session: Session, helds: list[UnderSession]) -> Verdict | None:
         """Charge the session what its open tunnels and WebSockets moved since the last look, and say whether

@@ -16,6 +16,7 @@ import time
 import pytest
 from proxyproc import both_transports
 from session_client import api, connect, create, token_file
+from test_sessions_redis import redis_server  # noqa: F401 (a fixture)
 
 from proxy.gate import SESSION_SWEEP
 
@@ -97,3 +98,37 @@ def test_a_session_that_expires_closes_its_open_tls_tunnel(lab, start_proxy, tmp
         assert _closed_within(tls, 3 + SESSION_SWEEP * 3 + 1), "the tunnel outlived its session"
     line = _tunnel_line(proxy, session)
     assert "expired" in line["error"], line
+
+
+@both_transports
+def test_a_session_the_sweep_cannot_read_does_not_stop_it_cutting_the_others(lab, start_proxy, tmp_path,
+                                                                             redis_server):  # noqa: F811
+    """One session's look fails with something other than an unreachable store: here its record in the shared
+    store carries a budget this egresswall does not know (written by a newer one, in a rolling upgrade). Before,
+    the exception ended the sweep's task, and no tunnel of any session was cut again until another session
+    tunnel opened: the next session that ended kept its tunnel moving."""
+    import json
+
+    proxy = start_proxy(lab.policy_text("session: required\n"), "--admin-token-file", str(token_file(tmp_path)),
+                        "--session-store", redis_server.url)
+    opened = []
+    for _ in range(2):
+        session = create(proxy.admin_port, {"hosts": ["public.lab.example"]})
+        sock, status, _, body = connect(proxy, f"public.lab.example:{lab.public_tls.port}", session)
+        assert status == 200, body
+        tls = ssl.create_default_context(cafile=str(lab.cert_file)).wrap_socket(
+            sock, server_hostname="public.lab.example")
+        assert _get(tls, lab, "/before").startswith(b"HTTP/1.1 200")
+        opened.append((session, tls))
+    (unreadable, first), (ended, second) = opened
+    key = f"egresswall:session:{unreadable['id']}"
+    record = json.loads(redis_server.command("GET", key).split(b"\r\n")[1])
+    record["spec"]["budgets"]["websocket_bytes"] = 1000
+    assert redis_server.command("SET", key, json.dumps(record), "KEEPTTL").startswith(b"+OK")
+    with first, second:
+        assert not _closed_within(second, SESSION_SWEEP * 2)  # the sweep has looked at the unreadable one
+        status, _, body = api(proxy.admin_port, "DELETE", f"/v1/sessions/{ended['id']}")
+        assert status in (200, 204), body
+        assert _closed_within(second, SESSION_SWEEP * 3 + 1), "the ended session's tunnel was not cut"
+    line = _tunnel_line(proxy, ended)
+    assert "has ended" in line["error"] and "closed the tunnel" in line["error"], line

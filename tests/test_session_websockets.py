@@ -17,7 +17,7 @@ import time
 import pytest
 from labnet import PUBLIC_IP
 from proxyproc import both_transports
-from session_client import api, create, token_file
+from session_client import api, connect, create, token_file
 from ws_echo import WsEcho
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, CloseConnection, Message, Request
@@ -37,12 +37,18 @@ def echo():
 class Client:
     """A WebSocket client through the proxy (absolute-form handshake with the session's credentials)."""
 
-    def __init__(self, proxy, echo: WsEcho, session: dict) -> None:
-        self.sock = socket.create_connection((proxy.host, proxy.port), timeout=10)
+    def __init__(self, proxy, echo: WsEcho, session: dict, tunnel: bool = False) -> None:
         self.ws = WSConnection(ConnectionType.CLIENT)
         authority = f"public.lab.example:{echo.port}"
-        self.sock.sendall(self.ws.send(Request(host=authority, target=f"http://{authority}/chat", extra_headers=[
-            (b"Proxy-Authorization", session["proxy_authorization"].encode())])))
+        credentials = [(b"Proxy-Authorization", session["proxy_authorization"].encode())]
+        if tunnel:  # as Chromium sends ws:// through a proxy: a CONNECT, then the handshake in origin form
+            self.sock, status, _, body = connect(proxy, authority, session)
+            assert status == 200, body
+            request = Request(host=authority, target="/chat")
+        else:
+            self.sock = socket.create_connection((proxy.host, proxy.port), timeout=10)
+            request = Request(host=authority, target=f"http://{authority}/chat", extra_headers=credentials)
+        self.sock.sendall(self.ws.send(request))
         assert isinstance(self._next(), AcceptConnection)
 
     def _next(self):
@@ -74,11 +80,12 @@ class Client:
         return event is None or isinstance(event, CloseConnection)
 
 
-def _start(lab, start_proxy, tmp_path, echo: WsEcho, **spec):
+def _start(lab, start_proxy, tmp_path, echo: WsEcho, tunnel: bool = False, **spec):
     text = lab.policy_text("session: required\n").replace("  http: [", f"  http: [{echo.port}, ")
+    text = text.replace("  connect: [", f"  connect: [{echo.port}, ")
     proxy = start_proxy(text, "--admin-token-file", str(token_file(tmp_path)))
     session = create(proxy.admin_port, {"hosts": ["public.lab.example"]}, **spec)
-    client = Client(proxy, echo, session)
+    client = Client(proxy, echo, session, tunnel)
     assert client.echo(b"hello") == b"hello"
     assert not client.closed_within(SESSION_SWEEP * 2)  # the session holds: open
     return proxy, session, client
@@ -95,8 +102,9 @@ def _cut_line(proxy, session) -> dict:
 
 
 @both_transports
-def test_ending_a_session_closes_its_open_websocket(lab, start_proxy, tmp_path, echo):
-    proxy, session, client = _start(lab, start_proxy, tmp_path, echo)
+@pytest.mark.parametrize("tunnel", [False, True], ids=["absolute-form", "in-a-connect"])
+def test_ending_a_session_closes_its_open_websocket(lab, start_proxy, tmp_path, echo, tunnel):
+    proxy, session, client = _start(lab, start_proxy, tmp_path, echo, tunnel)
     assert api(proxy.admin_port, "DELETE", f"/v1/sessions/{session['id']}")[0] in (200, 204)
     assert client.closed_within(SESSION_SWEEP * 3 + 1), "the WebSocket outlived its session"
     line = _cut_line(proxy, session)
@@ -105,9 +113,10 @@ def test_ending_a_session_closes_its_open_websocket(lab, start_proxy, tmp_path, 
 
 
 @both_transports
+@pytest.mark.parametrize("tunnel", [False, True], ids=["absolute-form", "in-a-connect"])
 def test_a_websocket_past_the_response_bytes_budget_is_closed_and_its_bytes_are_charged(lab, start_proxy, tmp_path,
-                                                                                        echo):
-    proxy, session, client = _start(lab, start_proxy, tmp_path, echo, budgets={"response_bytes": 100_000})
+                                                                                        echo, tunnel):
+    proxy, session, client = _start(lab, start_proxy, tmp_path, echo, tunnel, budgets={"response_bytes": 100_000})
     for _ in range(3):
         assert len(client.echo(b"e" * 50_000)) == 50_000
     assert client.closed_within(SESSION_SWEEP * 3 + 1), "the WebSocket moved past its session's response_bytes"
