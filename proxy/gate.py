@@ -330,8 +330,7 @@ class Gate:
         record = self.recorder.record(TUNNEL, tunnel.id, tunnel.client, "CONNECT", tunnel.target, tunnel.verdict,
                                       tunnel.cnames)
         self.recorder.ended(record, tunnel.started, up, down, error, status)
-        charged_up, charged_down = tunnel.charged  # counted while it was open (``_charge_open``)
-        self.sessions.count_bytes(tunnel.verdict.session, max(0, up - charged_up), max(0, down - charged_down))
+        self._charge_rest(tunnel, tunnel.verdict.session, up, down)
 
     # ---- tunnels and WebSockets under a session ----------------------------------------------------
 
@@ -353,8 +352,12 @@ class Gate:
             self.refuse(websocket.client, "GET", websocket.target, 0, SESSION_STAGE, websocket.cut_by.rule,
                         f"{websocket.cut_by.reason}: egresswall closed the WebSocket", flow_id=f"{websocket.id}-ws",
                         session=websocket.verdict.session)
-        charged_up, charged_down = websocket.charged
-        self.sessions.count_bytes(websocket.verdict.session, max(0, up - charged_up), max(0, down - charged_down))
+        self._charge_rest(websocket, websocket.verdict.session, up, down)
+
+    def _charge_rest(self, held: UnderSession, session_id: str | None, up: int, down: int) -> None:
+        """At its close: the session is charged what it moved past what the sweep charged while it was open."""
+        charged_up, charged_down = held.charged
+        self.sessions.count_bytes(session_id, max(0, up - charged_up), max(0, down - charged_down))
 
     def _watch_session(self, key: str, held: UnderSession) -> None:
         self.under_sessions[key] = held
