@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 
 import netaddr
 
-from .model import ALLOW, DENY, HostRule, HostTable, Origin, Policy
+from .model import ALLOW, DENY, HostRule, HostTable, Origin, Policy, ech_allowed
 from .patterns import PatternKind
 from .ports import ports_text
 
@@ -48,7 +48,23 @@ def lint(policy: Policy, now: datetime | None = None) -> list[LintWarning]:
                                                          "every host it names"))
     warnings += _overlapping_ranges(policy)
     warnings += _address_literals_not_readmitted(policy, scopes)
+    warnings += _sessions_dodged_by_ech(policy)
     return warnings
+
+
+def _sessions_dodged_by_ech(policy: Policy) -> list[LintWarning]:
+    """Sessions narrow an open-web policy that lets Encrypted Client Hello through (``tls.ech`` unset, no host
+    to refuse): a tunnel under a session granted one name is judged by its outer name, and ECH can carry any
+    host behind it (a CDN's). Not refused by default, since every Chromium not launched by egresswall sends a
+    GREASE ECH that cannot be told from a real one; said here, with the way to close it."""
+    if not policy.requires_sessions or policy.tls_ech or not ech_allowed(policy):
+        return []
+    return [LintWarning(policy.default_origin, "sessions are required, but Encrypted Client Hello is let through "
+                                               "(tls.ech unset on an open-web policy with no host to refuse): a "
+                                               "session granted one name (a CDN's) can reach any host behind it "
+                                               "with ECH; set tls: {ech: refuse} (its clients' Chromium then needs "
+                                               "EncryptedClientHelloEnabled: false, which egresswall's launcher "
+                                               "sets), or tls: {ech: allow} to accept it")]
 
 
 def notes(policy: Policy) -> list[LintWarning]:

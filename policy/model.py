@@ -278,7 +278,7 @@ class Policy:
     http: HttpSettings = HttpSettings()
     log_query_strings: bool = False
     session: str = "optional"  # REQUIRED: a client outside a role that says otherwise must present a session
-    tls_ech: str | None = None  # "allow" | "refuse"; None: refused on an allowlist (proxy/gate.py ech_allowed)
+    tls_ech: str | None = None  # "allow" | "refuse"; None: refused on an allowlist (``ech_allowed``)
     address_rules_text: tuple[tuple[str, str, Origin], ...] = ()  # (action, cidr, origin), for lint/export
     # Forward through this proxy (policy/upstream.py): decisions stay egresswall's, the connect is the upstream's.
     upstream: Upstream | None = None
@@ -319,3 +319,15 @@ class Policy:
         """True when an allow rule asks to decrypt TLS for this host (path or frame rules)."""
         tables = [self.allow] + [role.allow for role in self.roles]
         return any(rule.intercept for table in tables for rule in table.candidates(host))
+
+
+def ech_allowed(policy: Policy) -> bool:
+    """``tls.ech`` in the policy. Unset, Encrypted Client Hello is let through only where no host rule can
+    be dodged with it: ECH hides the real name behind the outer one, and the outer name (a CDN's, say) is all
+    egresswall can check. So it is refused on an allowlist, and on the open web too once any deny rule names
+    a host or any role denies by default; an open-web policy with no host to refuse lets it through."""
+    if policy.tls_ech:
+        return policy.tls_ech == "allow"
+    if policy.default != "allow" or len(policy.deny):
+        return False
+    return not any(role.default == "deny" or len(role.deny) for role in policy.roles)

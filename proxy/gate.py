@@ -36,7 +36,7 @@ from policy.hosts import (
     parse_origin_target,
     parse_url,
 )
-from policy.model import Policy
+from policy.model import Policy, ech_allowed
 from policy.resolver import DnsResolver, Resolver, resolve_and_decide
 from policy.sessions import STAGE as SESSION_STAGE
 from policy.sessions import Session
@@ -667,18 +667,6 @@ def refusal_for(status: int, verdict: Verdict, target: Target | None, accept: It
 def self_refusal(pinned: str, port: int, own: str, verdict: Verdict) -> Verdict:
     return Verdict(False, "address", "self", f"{pinned}:{port} is {own}; a request to the proxy itself is refused",
                    role=verdict.role, addresses=verdict.addresses)
-
-
-def ech_allowed(policy: Policy) -> bool:
-    """``tls.ech`` in the policy. Unset, Encrypted Client Hello is let through only where no host rule can
-    be dodged with it: ECH hides the real name behind the outer one, and the outer name (a CDN's, say) is all
-    egresswall can check. So it is refused on an allowlist, and on the open web too once any deny rule names
-    a host or any role denies by default; an open-web policy with no host to refuse lets it through."""
-    if policy.tls_ech:
-        return policy.tls_ech == "allow"
-    if policy.default != "allow" or len(policy.deny):
-        return False
-    return not any(role.default == "deny" or len(role.deny) for role in policy.roles)
 
 
 def safe_text(text: str, limit: int = 300) -> str:

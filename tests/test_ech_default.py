@@ -1,7 +1,7 @@
 """Encrypted Client Hello when ``tls.ech`` is unset: refused wherever a host rule could be dodged with it.
 
 ECH hides the real server name behind the outer one, and the outer name is all egresswall can judge; an
-allowed outer name (a CDN's) can carry a host a deny rule names. Unit tests of ``proxy.gate.ech_allowed``
+allowed outer name (a CDN's) can carry a host a deny rule names. Unit tests of ``policy.model.ech_allowed``
 over parsed policies, and one through the real proxy on both tunnel transports."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from rawclient import read_all
 from tls_build import ECH, client_hello, extension
 
 from policy.loader import parse_policy
-from proxy.gate import ech_allowed
+from policy.model import ech_allowed
 
 HEAD = "version: 1\nmode: enforce\n"
 ROLE = "roles:\n  - name: kiosk\n    clients: [10.0.0.0/8]\n"

@@ -359,3 +359,21 @@ def test_other_unreachable_address_literals(body: str, words: str) -> None:
 ])
 def test_address_literals_that_can_work_are_not_flagged(body: str) -> None:
     assert warnings(body) == []
+
+
+@pytest.mark.parametrize("text, warned", [
+    ("default: allow\nsession: required\n", True),
+    ("default: allow\nroles:\n  - name: agents\n    clients: [10.0.0.0/8]\n    session: required\n", True),
+    ("default: allow\nsession: required\ntls:\n  ech: refuse\n", False),
+    ("default: allow\nsession: required\ntls:\n  ech: allow\n", False),  # said outright: accepted
+    ("default: allow\nsession: required\nhosts:\n  deny: [ads.example]\n", False),  # ECH refused already
+    ("default: deny\nsession: required\nhosts:\n  allow: [a.example]\n", False),
+    ("default: allow\n", False),  # no session to dodge
+])
+def test_sessions_on_an_open_web_policy_that_lets_ech_through_are_warned_of(text, warned):
+    """A session's grants are dodged by ECH where the policy lets it through unset; lint says so and how to close
+    it (tls.ech: refuse), and says nothing once tls.ech is set or ECH is refused anyway."""
+    found = [w for w in lint(parse_policy("version: 1\n" + text, "p.yaml")) if "Encrypted Client Hello" in w.message]
+    assert bool(found) is warned, found
+    if warned:
+        assert "tls: {ech: refuse}" in found[0].message and found[0].origin.line == 2
