@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import socket
 import time
+from pathlib import Path
 
 import pytest
 from labnet import PUBLIC_IP
@@ -125,3 +126,26 @@ def test_a_websocket_past_the_response_bytes_budget_is_closed_and_its_bytes_are_
     status, _, view = api(proxy.admin_port, "GET", f"/v1/sessions/{session['id']}")
     assert status == 200 and view["usage"]["response_bytes"] > 100_000, view
     assert view["usage"]["request_bytes"] >= 150_000, view  # the client's messages are charged too
+
+
+def _rss_kib(pid: int) -> int:
+    """The proxy's resident memory, its worker processes' too."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return sum(int(line.split()[1]) for child in [pid, *children]
+               for line in Path(f"/proc/{child}/status").read_text().splitlines() if line.startswith("VmRSS:"))
+
+
+@both_transports
+def test_a_long_websocket_does_not_keep_what_it_carried(lab, start_proxy, tmp_path, echo):
+    """mitmproxy keeps every message of a WebSocket flow for its whole life: 60 MiB echoed (120 MiB through the
+    proxy) grew the proxy by 120 MiB, and one long WebSocket could fill a worker's memory. Only the newest
+    message is kept now."""
+    proxy, session, client = _start(lab, start_proxy, tmp_path, echo)
+    piece = b"m" * (1 << 20)
+    for _ in range(5):
+        client.echo(piece)
+    before = _rss_kib(proxy.process.pid)
+    for _ in range(60):
+        assert client.echo(piece) == piece
+    grown = (_rss_kib(proxy.process.pid) - before) // 1024
+    assert grown < 30, f"the proxy grew by {grown} MiB over a 120 MiB WebSocket"

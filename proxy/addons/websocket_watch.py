@@ -7,6 +7,10 @@ sees it: every second its message bytes so far are charged, and it is closed (th
 closed, as a passed-through tunnel's is) once the session has ended, expired or gone past a byte budget,
 with a line saying why. (WebSockets are carried on mitmproxy's path on both transports: the fast path
 hands every upgrade to it.)
+
+Every WebSocket, under a session or not, keeps only its newest message: mitmproxy's layer appends each
+message to ``flow.websocket.messages`` for the flow's whole life, so one long WebSocket held everything it
+ever carried in the worker's memory (nothing of egresswall reads the older ones).
 """
 
 from __future__ import annotations
@@ -37,11 +41,13 @@ class WebSocketWatch:
         flow.metadata[HELD] = (held, counts)
 
     def websocket_message(self, flow: http.HTTPFlow) -> None:
-        held: tuple[OpenWebSocket, list[int]] | None = flow.metadata.get(HELD)
-        if held is None or flow.websocket is None or not flow.websocket.messages:
+        if flow.websocket is None or not flow.websocket.messages:
             return
-        message = flow.websocket.messages[-1]
-        held[1][0 if message.from_client else 1] += len(message.content)
+        del flow.websocket.messages[:-1]
+        held: tuple[OpenWebSocket, list[int]] | None = flow.metadata.get(HELD)
+        if held is not None:
+            message = flow.websocket.messages[-1]
+            held[1][0 if message.from_client else 1] += len(message.content)
 
     def websocket_end(self, flow: http.HTTPFlow) -> None:
         held = flow.metadata.pop(HELD, None)
