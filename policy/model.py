@@ -228,6 +228,9 @@ class Limits:
     # A connection that has sent nothing at all is closed after this long: silent sockets must not
     # hold their client's (or everyone's) connection slots until the idle timeout.
     first_byte_timeout: float = 10.0
+    # One WebSocket message, either way: mitmproxy holds a message whole before relaying it, so without a
+    # bound one endless fragmented message filled a worker's memory (proxy/mitm_patches.py).
+    max_websocket_message: int = 10 * 1024 * 1024
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,12 @@ gate's owner builds — installing a second, different state is an error, never 
   a request pipelined behind is dropped unparsed, as on the fast path (it was decided and recorded as
   answered on a connection then closed). Tests: test_half_close_while_deciding.py,
   test_review_round8.py.
+* **A WebSocket message is bounded** (``WebsocketConnection.events``): mitmproxy holds each message whole
+  (every fragment of it) before relaying it, without limit, so one endless fragmented message from either
+  side filled a worker's memory. Past ``limits.max_websocket_message`` the message ends there: both sides
+  get close code 1009 (message too big) and the WebSocket is over; the connection is marked
+  (``WEBSOCKET_TOO_BIG``) and its refusal is recorded at ``websocket_end`` (proxy/addons/websocket_watch.py).
+  Test: test_session_websockets.py::test_a_websocket_message_over_the_limit_ends_the_websocket.
 """
 
 from __future__ import annotations
@@ -145,6 +151,9 @@ from mitmproxy.proxy.layers.http._events import (
 )
 from mitmproxy.proxy.layers.http._hooks import HttpErrorHook
 from mitmproxy.proxy.layers.http._http1 import Http1Client, Http1Server
+from mitmproxy.proxy.layers.websocket import WebsocketConnection
+from wsproto.events import CloseConnection as WebSocketClose
+from wsproto.events import Message as WebSocketMessage
 
 from policy.decision import Verdict
 from policy.model import Limits
@@ -229,6 +238,10 @@ _HALF_CLOSED = "_egresswall_half_closed"  # on an Http1Server: its client half-c
 _STATUS_CODE = re.compile(rb"[^ ]+ +([1-9][0-9]{2})(?: |$)")
 _LENGTH_DIGITS = 20  # h11's bound on a Content-Length's digits ("bad Content-Length" on the fast path)
 _originals: dict[str, object] = {}
+# On a mitmproxy Connection whose WebSocket message went over limits.max_websocket_message: the reason.
+WEBSOCKET_TOO_BIG = "egresswall_websocket_too_big"
+_WEBSOCKET_HELD = "_egresswall_websocket_held"  # on a WebsocketConnection: bytes of its unfinished message
+WEBSOCKET_MESSAGE_TOO_BIG = 1009  # RFC 6455 7.4.1
 
 
 def install(state: PatchState) -> None:
@@ -252,7 +265,7 @@ def install(state: PatchState) -> None:
                       on_timeout=mitmproxy.proxy.server.ConnectionHandler.on_timeout,
                       handle_connection=mitmproxy.proxy.server.ConnectionHandler.handle_connection,
                       hook_task=mitmproxy.proxy.server.ConnectionHandler.hook_task,
-                      asyncio_module=mitmproxy.proxy.server.asyncio)
+                      asyncio_module=mitmproxy.proxy.server.asyncio, websocket_events=WebsocketConnection.events)
     HttpStream.start_request_stream = _start_request_stream
     HttpStream.handle_protocol_error = _handle_protocol_error
     HttpStream.check_invalid = _check_invalid
@@ -271,6 +284,7 @@ def install(state: PatchState) -> None:
     mitmproxy.proxy.server.ConnectionHandler.on_timeout = _on_timeout
     mitmproxy.proxy.server.ConnectionHandler.handle_connection = _handle_connection
     mitmproxy.proxy.server.ConnectionHandler.hook_task = _hook_task
+    WebsocketConnection.events = _websocket_events
     # mitmproxy's connection handler calls ``asyncio.open_connection``: give that module its own
     # asyncio namespace whose open_connection has a timeout, leaving asyncio itself untouched.
     bounded = types.ModuleType("asyncio")
@@ -302,6 +316,7 @@ def uninstall() -> None:
         mitmproxy.proxy.server.ConnectionHandler.handle_connection = _originals["handle_connection"]
         mitmproxy.proxy.server.ConnectionHandler.hook_task = _originals["hook_task"]
         mitmproxy.proxy.server.asyncio = _originals["asyncio_module"]
+        WebsocketConnection.events = _originals["websocket_events"]
         _originals.clear()
     _state = None
 
@@ -993,3 +1008,29 @@ def _plain_refusal(status: int, rule: str, reason: str) -> http.Response:
 
     code, headers, body = refusal_parts(Refusal(status, Verdict(False, "limits", rule, reason)))
     return http.Response.make(code, body, [(k.encode(), v.encode("latin-1")) for k, v in headers])
+
+
+# ---- a WebSocket message is bounded ----------------------------------------------------------------
+
+def _websocket_events(self: WebsocketConnection) -> Generator:
+    """wsproto's events, with the bytes of the message being received counted: past the limit the message
+    goes no further and a close (1009) stands in for it, which mitmproxy's layer sends to both sides before it
+    closes both connections; nothing after it is read."""
+    held = self.__dict__.get(_WEBSOCKET_HELD, 0)
+    for event in _originals["websocket_events"](self):
+        if isinstance(event, WebSocketMessage):
+            data = event.data
+            held += len(data.encode("utf-8")) if isinstance(data, str) else len(data)
+            limit = state().limits().max_websocket_message
+            if held > limit:
+                reason = (f"a WebSocket message passed {limit} bytes (limits.max_websocket_message): egresswall "
+                          "holds a message whole before relaying it, and closed the WebSocket")
+                self.conn.__dict__[WEBSOCKET_TOO_BIG] = reason
+                self.__dict__[_WEBSOCKET_HELD] = 0
+                yield WebSocketClose(code=WEBSOCKET_MESSAGE_TOO_BIG, reason="message too big")
+                return
+            if event.message_finished:
+                held = 0
+        self.__dict__[_WEBSOCKET_HELD] = held
+        yield event
+    self.__dict__[_WEBSOCKET_HELD] = held

@@ -11,6 +11,7 @@ upgrade over), so both are run.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from pathlib import Path
@@ -81,8 +82,8 @@ class Client:
         return event is None or isinstance(event, CloseConnection)
 
 
-def _start(lab, start_proxy, tmp_path, echo: WsEcho, tunnel: bool = False, **spec):
-    text = lab.policy_text("session: required\n").replace("  http: [", f"  http: [{echo.port}, ")
+def _start(lab, start_proxy, tmp_path, echo: WsEcho, tunnel: bool = False, limits: str = "", **spec):
+    text = lab.policy_text("session: required\n", limits=limits).replace("  http: [", f"  http: [{echo.port}, ")
     text = text.replace("  connect: [", f"  connect: [{echo.port}, ")
     proxy = start_proxy(text, "--admin-token-file", str(token_file(tmp_path)))
     session = create(proxy.admin_port, {"hosts": ["public.lab.example"]}, **spec)
@@ -149,3 +150,56 @@ def test_a_long_websocket_does_not_keep_what_it_carried(lab, start_proxy, tmp_pa
         assert client.echo(piece) == piece
     grown = (_rss_kib(proxy.process.pid) - before) // 1024
     assert grown < 30, f"the proxy grew by {grown} MiB over a 120 MiB WebSocket"
+
+
+def _limit_line(proxy) -> dict:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        lines = [r for r in proxy.audit() if r.get("rule") == "limits.max_websocket_message"]
+        if lines:
+            return lines[0]
+        time.sleep(0.1)
+    raise AssertionError(proxy.audit())
+
+
+LIMIT = "limits:\n  max_websocket_message: 1000000\n"
+
+
+@both_transports
+def test_a_websocket_message_over_the_limit_ends_the_websocket(lab, start_proxy, tmp_path, echo):
+    """mitmproxy holds a message whole (every fragment) before relaying it: one endless fragmented message held
+    without limit filled the worker's memory. Past limits.max_websocket_message the client gets close 1009 and
+    the WebSocket ends, with a refusal line; the origin never gets the message."""
+    proxy, session, client = _start(lab, start_proxy, tmp_path, echo, limits=LIMIT)
+    assert len(client.echo(b"x" * 900_000)) == 900_000  # under the limit: relayed
+    before = _rss_kib(proxy.process.pid)
+    sent = 0
+    with contextlib.suppress(OSError):
+        while sent < 50_000_000:
+            client.sock.sendall(client.ws.send(Message(data=b"f" * 65536, message_finished=False)))
+            sent += 65536
+    assert sent < 10_000_000, "the proxy kept reading one endless message"
+    client.sock.settimeout(5)
+    closed = None
+    with contextlib.suppress(OSError):
+        closed = client._next()
+    assert closed is None or (isinstance(closed, CloseConnection) and closed.code == 1009), closed
+    assert (_rss_kib(proxy.process.pid) - before) // 1024 < 20
+    line = _limit_line(proxy)
+    assert line["verdict"] == "refuse" and line["host"] == "public.lab.example" and "1000000 bytes" in line["reason"]
+    assert line["session"] == session["id"]
+
+
+@both_transports
+def test_an_origin_s_message_over_the_limit_ends_the_websocket(lab, start_proxy, tmp_path, echo):
+    proxy, _, client = _start(lab, start_proxy, tmp_path, echo, limits=LIMIT)
+    client.sock.sendall(client.ws.send(Message(data=b"big:5000000")))
+    got = 0
+    client.sock.settimeout(10)
+    while True:
+        event = client._next()
+        if not isinstance(event, Message):
+            break
+        got += len(event.data)
+    assert got == 0 and (event is None or (isinstance(event, CloseConnection) and event.code == 1009)), (got, event)
+    assert "limits.max_websocket_message" in _limit_line(proxy)["reason"]

@@ -35,6 +35,12 @@ class WsEcho:
                 for event in ws.events():
                     if isinstance(event, Request):
                         conn.sendall(ws.send(AcceptConnection()))
+                    elif isinstance(event, Message) and bytes(event.data[:4]) == b"big:":
+                        # "big:N": N bytes back in one message, in 64 KiB fragments
+                        size = int(event.data[4:])
+                        for start in range(0, size, 65536):
+                            piece = b"b" * min(65536, size - start)
+                            conn.sendall(ws.send(Message(data=piece, message_finished=start + 65536 >= size)))
                     elif isinstance(event, Message):
                         conn.sendall(ws.send(Message(data=event.data, message_finished=event.message_finished)))
                     elif isinstance(event, Ping):

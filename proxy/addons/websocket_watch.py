@@ -8,6 +8,9 @@ closed, as a passed-through tunnel's is) once the session has ended, expired or 
 with a line saying why. (WebSockets are carried on mitmproxy's path on both transports: the fast path
 hands every upgrade to it.)
 
+A message over ``limits.max_websocket_message`` ends its WebSocket (proxy/mitm_patches.py bounds it, and
+marks the connection); its refusal is recorded here, when the WebSocket ends.
+
 Every WebSocket, under a session or not, keeps only its newest message: mitmproxy's layer appends each
 message to ``flow.websocket.messages`` for the flow's whole life, so one long WebSocket held everything it
 ever carried in the worker's memory (nothing of egresswall reads the older ones).
@@ -17,7 +20,8 @@ from __future__ import annotations
 
 from mitmproxy import http
 
-from ..gate import Gate, OpenWebSocket
+from ..gate import LIMITS, Gate, OpenWebSocket
+from ..mitm_patches import WEBSOCKET_TOO_BIG
 from ..peers import peer_of
 from .decision import FLOW_ID, SESSION, TARGET, VERDICT
 from .tunnel_watch import close_client
@@ -50,6 +54,14 @@ class WebSocketWatch:
             held[1][0 if message.from_client else 1] += len(message.content)
 
     def websocket_end(self, flow: http.HTTPFlow) -> None:
+        verdict = flow.metadata.get(VERDICT)
+        for conn in (flow.client_conn, flow.server_conn):
+            reason = conn.__dict__.pop(WEBSOCKET_TOO_BIG, None)
+            if reason is not None:
+                self.gate.refuse(peer_of(flow.client_conn.peername), flow.request.method, flow.metadata.get(TARGET),
+                                 0, LIMITS, "limits.max_websocket_message", reason,
+                                 flow_id=f"{flow.metadata.get(FLOW_ID, flow.id)}-ws",
+                                 session=verdict.session if verdict is not None else None)
         held = flow.metadata.pop(HELD, None)
         if held is not None:
             self.gate.websocket_closed(held[0], held[1][0], held[1][1])
