@@ -119,6 +119,13 @@ gate's owner builds — installing a second, different state is an error, never 
   get close code 1009 (message too big) and the WebSocket is over; the connection is marked
   (``WEBSOCKET_TOO_BIG``) and its refusal is recorded at ``websocket_end`` (proxy/addons/websocket_watch.py).
   Test: test_session_websockets.py::test_a_websocket_message_over_the_limit_ends_the_websocket.
+  Each fragment but the last counts ``WEBSOCKET_FRAGMENT_COST`` beyond its payload (mitmproxy keeps one entry a
+  fragment: endless empty fragments grew that list past any limit); a permessage-deflate message inflates at
+  most the limit + 1 bytes a piece (``PerMessageDeflate.frame_inbound_payload_data``: 64 KiB on the wire
+  became 64 MiB before); pings' and pongs' payloads are counted on their connection
+  (``WEBSOCKET_CONTROL_BYTES``) for a session's budgets. Tests: test_session_websockets.py
+  (test_a_compressed_message_is_bounded_as_it_inflates, test_a_message_of_endless_empty_fragments_is_bounded,
+  test_pings_and_pongs_are_charged_to_the_session).
 """
 
 from __future__ import annotations
@@ -128,6 +135,7 @@ import contextlib
 import re
 import time
 import types
+import zlib
 from collections import deque
 from collections.abc import Callable, Coroutine, Generator
 from dataclasses import dataclass, field
@@ -154,6 +162,10 @@ from mitmproxy.proxy.layers.http._http1 import Http1Client, Http1Server
 from mitmproxy.proxy.layers.websocket import WebsocketConnection
 from wsproto.events import CloseConnection as WebSocketClose
 from wsproto.events import Message as WebSocketMessage
+from wsproto.events import Ping as WebSocketPing
+from wsproto.events import Pong as WebSocketPong
+from wsproto.extensions import PerMessageDeflate
+from wsproto.frame_protocol import CloseReason
 
 from policy.decision import Verdict
 from policy.model import Limits
@@ -242,6 +254,11 @@ _originals: dict[str, object] = {}
 WEBSOCKET_TOO_BIG = "egresswall_websocket_too_big"
 _WEBSOCKET_HELD = "_egresswall_websocket_held"  # on a WebsocketConnection: bytes of its unfinished message
 WEBSOCKET_MESSAGE_TOO_BIG = 1009  # RFC 6455 7.4.1
+# On a mitmproxy Connection in a WebSocket: the bytes of the pings and pongs it sent (relayed, as messages are).
+WEBSOCKET_CONTROL_BYTES = "egresswall_websocket_control_bytes"
+# What one fragment of a held message costs beyond its payload (mitmproxy keeps a bytes object and a list slot a
+# fragment): counted against the limit, so a message of endless empty fragments is bounded too.
+WEBSOCKET_FRAGMENT_COST = 64
 
 
 def install(state: PatchState) -> None:
@@ -265,7 +282,8 @@ def install(state: PatchState) -> None:
                       on_timeout=mitmproxy.proxy.server.ConnectionHandler.on_timeout,
                       handle_connection=mitmproxy.proxy.server.ConnectionHandler.handle_connection,
                       hook_task=mitmproxy.proxy.server.ConnectionHandler.hook_task,
-                      asyncio_module=mitmproxy.proxy.server.asyncio, websocket_events=WebsocketConnection.events)
+                      asyncio_module=mitmproxy.proxy.server.asyncio, websocket_events=WebsocketConnection.events,
+                      deflate_inbound=PerMessageDeflate.frame_inbound_payload_data)
     HttpStream.start_request_stream = _start_request_stream
     HttpStream.handle_protocol_error = _handle_protocol_error
     HttpStream.check_invalid = _check_invalid
@@ -285,6 +303,7 @@ def install(state: PatchState) -> None:
     mitmproxy.proxy.server.ConnectionHandler.handle_connection = _handle_connection
     mitmproxy.proxy.server.ConnectionHandler.hook_task = _hook_task
     WebsocketConnection.events = _websocket_events
+    PerMessageDeflate.frame_inbound_payload_data = _inflate_bounded
     # mitmproxy's connection handler calls ``asyncio.open_connection``: give that module its own
     # asyncio namespace whose open_connection has a timeout, leaving asyncio itself untouched.
     bounded = types.ModuleType("asyncio")
@@ -317,6 +336,7 @@ def uninstall() -> None:
         mitmproxy.proxy.server.ConnectionHandler.hook_task = _originals["hook_task"]
         mitmproxy.proxy.server.asyncio = _originals["asyncio_module"]
         WebsocketConnection.events = _originals["websocket_events"]
+        PerMessageDeflate.frame_inbound_payload_data = _originals["deflate_inbound"]
         _originals.clear()
     _state = None
 
@@ -1018,9 +1038,14 @@ def _websocket_events(self: WebsocketConnection) -> Generator:
     closes both connections; nothing after it is read."""
     held = self.__dict__.get(_WEBSOCKET_HELD, 0)
     for event in _originals["websocket_events"](self):
+        if isinstance(event, (WebSocketPing, WebSocketPong)):
+            self.conn.__dict__[WEBSOCKET_CONTROL_BYTES] = (self.conn.__dict__.get(WEBSOCKET_CONTROL_BYTES, 0)
+                                                           + len(event.payload))
         if isinstance(event, WebSocketMessage):
             data = event.data
             held += len(data.encode("utf-8")) if isinstance(data, str) else len(data)
+            if event.frame_finished and not event.message_finished:
+                held += WEBSOCKET_FRAGMENT_COST  # mitmproxy keeps it as one more fragment
             limit = state().limits().max_websocket_message
             if held > limit:
                 reason = (f"a WebSocket message passed {limit} bytes (limits.max_websocket_message): egresswall "
@@ -1034,3 +1059,15 @@ def _websocket_events(self: WebsocketConnection) -> Generator:
         self.__dict__[_WEBSOCKET_HELD] = held
         yield event
     self.__dict__[_WEBSOCKET_HELD] = held
+
+
+def _inflate_bounded(self: PerMessageDeflate, proto, data: bytes) -> bytes | CloseReason:
+    """wsproto's inflating of a permessage-deflate frame, with at most ``limits.max_websocket_message`` + 1 bytes
+    out of one piece of it: unbounded, 64 KiB read from the wire became 64 MiB before the limit was looked at (a
+    decompression bomb). A piece cut short is over the limit, so ``_websocket_events`` ends the WebSocket on it."""
+    if not self._inbound_compressed or not self._inbound_is_compressible:
+        return data
+    try:
+        return self._decompressor.decompress(bytes(data), state().limits().max_websocket_message + 1)
+    except zlib.error:
+        return CloseReason.INVALID_FRAME_PAYLOAD_DATA

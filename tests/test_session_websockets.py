@@ -22,7 +22,8 @@ from proxyproc import both_transports
 from session_client import api, connect, create, token_file
 from ws_echo import WsEcho
 from wsproto import ConnectionType, WSConnection
-from wsproto.events import AcceptConnection, CloseConnection, Message, Request
+from wsproto.events import AcceptConnection, CloseConnection, Message, Ping, Request
+from wsproto.extensions import PerMessageDeflate
 
 from proxy.gate import SESSION_SWEEP
 
@@ -39,19 +40,22 @@ def echo():
 class Client:
     """A WebSocket client through the proxy (absolute-form handshake with the session's credentials)."""
 
-    def __init__(self, proxy, echo: WsEcho, session: dict, tunnel: bool = False) -> None:
+    def __init__(self, proxy, echo: WsEcho, session: dict, tunnel: bool = False, deflate: bool = False) -> None:
         self.ws = WSConnection(ConnectionType.CLIENT)
+        extensions = [PerMessageDeflate()] if deflate else []
         authority = f"public.lab.example:{echo.port}"
         credentials = [(b"Proxy-Authorization", session["proxy_authorization"].encode())]
         if tunnel:  # as Chromium sends ws:// through a proxy: a CONNECT, then the handshake in origin form
             self.sock, status, _, body = connect(proxy, authority, session)
             assert status == 200, body
-            request = Request(host=authority, target="/chat")
+            request = Request(host=authority, target="/chat", extensions=extensions)
         else:
             self.sock = socket.create_connection((proxy.host, proxy.port), timeout=10)
-            request = Request(host=authority, target=f"http://{authority}/chat", extra_headers=credentials)
+            request = Request(host=authority, target=f"http://{authority}/chat", extra_headers=credentials,
+                              extensions=extensions)
         self.sock.sendall(self.ws.send(request))
-        assert isinstance(self._next(), AcceptConnection)
+        self.accepted = self._next()
+        assert isinstance(self.accepted, AcceptConnection)
 
     def _next(self):
         while True:
@@ -82,12 +86,13 @@ class Client:
         return event is None or isinstance(event, CloseConnection)
 
 
-def _start(lab, start_proxy, tmp_path, echo: WsEcho, tunnel: bool = False, limits: str = "", **spec):
+def _start(lab, start_proxy, tmp_path, echo: WsEcho, tunnel: bool = False, limits: str = "", deflate: bool = False,
+           **spec):
     text = lab.policy_text("session: required\n", limits=limits).replace("  http: [", f"  http: [{echo.port}, ")
     text = text.replace("  connect: [", f"  connect: [{echo.port}, ")
     proxy = start_proxy(text, "--admin-token-file", str(token_file(tmp_path)))
     session = create(proxy.admin_port, {"hosts": ["public.lab.example"]}, **spec)
-    client = Client(proxy, echo, session, tunnel)
+    client = Client(proxy, echo, session, tunnel, deflate)
     assert client.echo(b"hello") == b"hello"
     assert not client.closed_within(SESSION_SWEEP * 2)  # the session holds: open
     return proxy, session, client
@@ -203,3 +208,81 @@ def test_an_origin_s_message_over_the_limit_ends_the_websocket(lab, start_proxy,
         got += len(event.data)
     assert got == 0 and (event is None or (isinstance(event, CloseConnection) and event.code == 1009)), (got, event)
     assert "limits.max_websocket_message" in _limit_line(proxy)["reason"]
+
+
+def _peak_kib(pid: int) -> int:
+    """The proxy's peak resident memory (VmHWM), its worker processes' too."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return sum(int(line.split()[1]) for child in [pid, *children]
+               for line in Path(f"/proc/{child}/status").read_text().splitlines() if line.startswith("VmHWM:"))
+
+
+def _closed_with(client: Client, seconds: float) -> CloseConnection | None:
+    """Read (and drop) what comes until the WebSocket is closed: its close, None for a bare close, or fail."""
+    deadline = time.monotonic() + seconds
+    client.sock.settimeout(seconds)
+    while time.monotonic() < deadline:
+        try:
+            event = client._next()
+        except TimeoutError:
+            break
+        except OSError:
+            return None
+        if event is None or isinstance(event, CloseConnection):
+            return event
+    raise AssertionError("the WebSocket is still open")
+
+
+@both_transports
+def test_a_compressed_message_is_bounded_as_it_inflates(lab, start_proxy, tmp_path):
+    """A WebSocket whose origin accepts permessage-deflate is compressed through mitmproxy, which inflates what it
+    reads with no bound: 64 KiB on the wire became 64 MiB in the worker before the message limit was looked at (a
+    decompression bomb). The inflating is bounded by limits.max_websocket_message now."""
+    echo = WsEcho(PUBLIC_IP, deflate=True)
+    try:
+        proxy, session, client = _start(lab, start_proxy, tmp_path, echo, limits=LIMIT, deflate=True)
+        assert client.accepted.extensions, "permessage-deflate was not negotiated"
+        assert len(client.echo(b"z" * 900_000)) == 900_000  # under the limit, compressed: relayed
+        before = _peak_kib(proxy.process.pid)
+        with contextlib.suppress(OSError):
+            client.sock.sendall(client.ws.send(Message(data=bytes(128 << 20))))  # ~128 KiB on the wire
+        closed = _closed_with(client, 10)
+        assert closed is None or closed.code == 1009, closed
+        grown = (_peak_kib(proxy.process.pid) - before) // 1024
+        assert grown < 30, f"the proxy's peak memory grew by {grown} MiB inflating one message"
+        line = _limit_line(proxy)
+        assert line["session"] == session["id"] and "1000000 bytes" in line["reason"], line
+    finally:
+        echo.close()
+
+
+@both_transports
+def test_a_message_of_endless_empty_fragments_is_bounded(lab, start_proxy, tmp_path, echo):
+    """mitmproxy keeps a list entry for every fragment of a message it holds; the limit counted only payload bytes,
+    so a message of empty fragments (6 bytes each on the wire) grew that list forever, never past the limit.
+    Every fragment counts now."""
+    proxy, session, client = _start(lab, start_proxy, tmp_path, echo, limits=LIMIT)
+    mask = b"\x00\x00\x00\x00"
+    with contextlib.suppress(OSError):
+        client.sock.sendall(b"\x02\x80" + mask)  # a binary message, not final, empty
+        for _ in range(50):
+            client.sock.sendall((b"\x00\x80" + mask) * 10_000)  # empty continuations, none final
+    closed = _closed_with(client, 10)
+    assert closed is None or closed.code == 1009, closed
+    line = _limit_line(proxy)
+    assert line["session"] == session["id"] and "limits.max_websocket_message" in line["reason"], line
+
+
+@both_transports
+def test_pings_and_pongs_are_charged_to_the_session(lab, start_proxy, tmp_path, echo):
+    """A ping's payload is relayed to the other side, and the origin's pong back, as a message is; only messages
+    were charged, so pings moved any number of bytes past a session's byte budget."""
+    proxy, session, client = _start(lab, start_proxy, tmp_path, echo, budgets={"request_bytes": 100_000})
+    for _ in range(2000):
+        client.sock.sendall(client.ws.send(Ping(payload=b"p" * 125)))
+    _closed_with(client, SESSION_SWEEP * 3 + 1)
+    line = _cut_line(proxy, session)
+    assert line["rule"] == "session:budget-request-bytes", line
+    status, _, view = api(proxy.admin_port, "GET", f"/v1/sessions/{session['id']}")
+    assert status == 200 and view["usage"]["request_bytes"] >= 250_000, view
+    assert view["usage"]["response_bytes"] >= 250_000, view  # the pongs

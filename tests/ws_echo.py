@@ -8,10 +8,12 @@ import threading
 
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, CloseConnection, Message, Ping, Request
+from wsproto.extensions import PerMessageDeflate
 
 
 class WsEcho:
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: str, deflate: bool = False) -> None:
+        self.deflate = deflate  # accept permessage-deflate when the client offers it
         self.sock = socket.create_server((host, 0))
         self.port = self.sock.getsockname()[1]
         self.connections: list[socket.socket] = []
@@ -34,7 +36,8 @@ class WsEcho:
                 ws.receive_data(data or None)
                 for event in ws.events():
                     if isinstance(event, Request):
-                        conn.sendall(ws.send(AcceptConnection()))
+                        extensions = [PerMessageDeflate()] if self.deflate else []
+                        conn.sendall(ws.send(AcceptConnection(extensions=extensions)))
                     elif isinstance(event, Message) and bytes(event.data[:4]) == b"big:":
                         # "big:N": N bytes back in one message, in 64 KiB fragments
                         size = int(event.data[4:])

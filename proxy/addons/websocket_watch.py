@@ -3,10 +3,10 @@
 The handshake is a request, decided and charged like any other; the messages after it are not, so
 without this a WebSocket ran on after its session ended or expired and its bytes were never charged to
 the session's byte budgets. From ``websocket_start`` on, the gate's sweep (``Gate._sweep_sessions``)
-sees it: every second its message bytes so far are charged, and it is closed (the client connection
-closed, as a passed-through tunnel's is) once the session has ended, expired or gone past a byte budget,
-with a line saying why. (WebSockets are carried on mitmproxy's path on both transports: the fast path
-hands every upgrade to it.)
+sees it: every second its message bytes so far (and its pings' and pongs') are charged, and it is closed
+(the client connection closed, as a passed-through tunnel's is) once the session has ended, expired or
+gone past a byte budget, with a line saying why. (WebSockets are carried on mitmproxy's path on both
+transports: the fast path hands every upgrade to it.)
 
 A message over ``limits.max_websocket_message`` ends its WebSocket (proxy/mitm_patches.py bounds it, and
 marks the connection); its refusal is recorded here, when the WebSocket ends.
@@ -21,7 +21,7 @@ from __future__ import annotations
 from mitmproxy import http
 
 from ..gate import LIMITS, Gate, OpenWebSocket
-from ..mitm_patches import WEBSOCKET_TOO_BIG
+from ..mitm_patches import WEBSOCKET_CONTROL_BYTES, WEBSOCKET_TOO_BIG
 from ..peers import peer_of
 from .decision import FLOW_ID, SESSION, TARGET, VERDICT
 from .tunnel_watch import close_client
@@ -41,7 +41,7 @@ class WebSocketWatch:
         client_id = flow.client_conn.id
         held = self.gate.websocket_opened(flow.metadata[FLOW_ID], peer_of(flow.client_conn.peername),
                                           flow.metadata[TARGET], flow.metadata[VERDICT], session,
-                                          lambda: close_client(client_id), lambda: (counts[0], counts[1]))
+                                          lambda: close_client(client_id), lambda: _moved(flow, counts))
         flow.metadata[HELD] = (held, counts)
 
     def websocket_message(self, flow: http.HTTPFlow) -> None:
@@ -64,4 +64,10 @@ class WebSocketWatch:
                                  session=verdict.session if verdict is not None else None)
         held = flow.metadata.pop(HELD, None)
         if held is not None:
-            self.gate.websocket_closed(held[0], held[1][0], held[1][1])
+            self.gate.websocket_closed(held[0], *_moved(flow, held[1]))
+
+
+def _moved(flow: http.HTTPFlow, counts: list[int]) -> tuple[int, int]:
+    """A WebSocket's bytes each way: its messages', and its pings' and pongs' (relayed to the other side too)."""
+    return (counts[0] + flow.client_conn.__dict__.get(WEBSOCKET_CONTROL_BYTES, 0),
+            counts[1] + flow.server_conn.__dict__.get(WEBSOCKET_CONTROL_BYTES, 0))
