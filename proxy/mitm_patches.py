@@ -132,12 +132,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import re
 import time
 import types
 import zlib
 from collections import deque
-from collections.abc import Callable, Coroutine, Generator
+from collections.abc import Callable, Coroutine, Generator, Iterable
 from dataclasses import dataclass, field
 
 import mitmproxy.proxy.server
@@ -282,6 +283,7 @@ def install(state: PatchState) -> None:
                       on_timeout=mitmproxy.proxy.server.ConnectionHandler.on_timeout,
                       handle_connection=mitmproxy.proxy.server.ConnectionHandler.handle_connection,
                       hook_task=mitmproxy.proxy.server.ConnectionHandler.hook_task,
+                      drain_writers=mitmproxy.proxy.server.ConnectionHandler.drain_writers,
                       asyncio_module=mitmproxy.proxy.server.asyncio, websocket_events=WebsocketConnection.events,
                       deflate_inbound=PerMessageDeflate.frame_inbound_payload_data)
     HttpStream.start_request_stream = _start_request_stream
@@ -302,7 +304,9 @@ def install(state: PatchState) -> None:
     mitmproxy.proxy.server.ConnectionHandler.on_timeout = _on_timeout
     mitmproxy.proxy.server.ConnectionHandler.handle_connection = _handle_connection
     mitmproxy.proxy.server.ConnectionHandler.hook_task = _hook_task
+    mitmproxy.proxy.server.ConnectionHandler.drain_writers = _drain_writers
     WebsocketConnection.events = _websocket_events
+    WebsocketConnection.frame_buf = property(_frame_buf, _set_frame_buf)
     PerMessageDeflate.frame_inbound_payload_data = _inflate_bounded
     # mitmproxy's connection handler calls ``asyncio.open_connection``: give that module its own
     # asyncio namespace whose open_connection has a timeout, leaving asyncio itself untouched.
@@ -334,8 +338,10 @@ def uninstall() -> None:
         mitmproxy.proxy.server.ConnectionHandler.on_timeout = _originals["on_timeout"]
         mitmproxy.proxy.server.ConnectionHandler.handle_connection = _originals["handle_connection"]
         mitmproxy.proxy.server.ConnectionHandler.hook_task = _originals["hook_task"]
+        mitmproxy.proxy.server.ConnectionHandler.drain_writers = _originals["drain_writers"]
         mitmproxy.proxy.server.asyncio = _originals["asyncio_module"]
         WebsocketConnection.events = _originals["websocket_events"]
+        del WebsocketConnection.frame_buf  # an instance attribute again
         PerMessageDeflate.frame_inbound_payload_data = _originals["deflate_inbound"]
         _originals.clear()
     _state = None
@@ -940,6 +946,7 @@ async def _handle_connection(self: mitmproxy.proxy.server.ConnectionHandler, con
     io = self.transports.get(conn)
     if conn is self.client and io is not None and io.reader is not None:
         io.reader = HeldReader(io.reader)  # the original takes its reader from here when it starts
+    _reading.set(conn)  # this task's own context: what its read loop's drain_writers skips
     try:
         await _originals["handle_connection"](self, conn)
     finally:
@@ -954,6 +961,26 @@ async def _handle_connection(self: mitmproxy.proxy.server.ConnectionHandler, con
                 # Shielded: a second cancel while this waits for mitmproxy's event lock would leave the
                 # layers untold (test_mitm_patches_sockets.py, task-cancelled-twice).
                 await asyncio.shield(self.server_event(events.ConnectionClosed(conn)))
+
+
+# The connection whose read loop runs in this task (each connection's loop is a task of its own).
+_reading: contextvars.ContextVar[connection.Connection | None] = contextvars.ContextVar("egresswall_reading",
+                                                                                       default=None)
+
+
+async def _drain_writers(self: mitmproxy.proxy.server.ConnectionHandler) -> None:
+    """mitmproxy's backpressure after a read, by direction: wait for the writers to the other connections,
+    not to the one just read from, and each read loop on its own (no shared lock), so a peer slow to read
+    what it is sent is still read from. StreamWriter.drain may be awaited by several tasks at once."""
+    reading = _reading.get()
+    for conn, io in list(self.transports.items()):
+        if conn is reading or io.writer is None:
+            continue
+        try:
+            await io.writer.drain()
+        except OSError as err:
+            if io.handler is not None:
+                io.handler.cancel(f"Error sending data: {err}")
 
 
 class HeldReader:
@@ -1059,6 +1086,27 @@ def _websocket_events(self: WebsocketConnection) -> Generator:
         self.__dict__[_WEBSOCKET_HELD] = held
         yield event
     self.__dict__[_WEBSOCKET_HELD] = held
+
+
+class _FrameBuffer(list):
+    """mitmproxy's ``frame_buf`` (the pieces of the message being received, one a frame) with each piece a
+    bytearray: the layer appends what each read brings by ``frame_buf[-1] += data``, which on bytes copies the
+    whole frame so far every time, so a 10 MiB frame trickled in 1 KiB pieces copied some 50 GB (a worker's CPU
+    held by one slow client); a bytearray grows in place."""
+
+    def __init__(self, pieces: Iterable[bytes] = ()) -> None:
+        super().__init__(bytearray(piece) for piece in pieces)
+
+    def append(self, piece: bytes) -> None:
+        super().append(bytearray(piece))
+
+
+def _frame_buf(self: WebsocketConnection) -> _FrameBuffer:
+    return self.__dict__["_egresswall_frame_buf"]
+
+
+def _set_frame_buf(self: WebsocketConnection, pieces: Iterable[bytes]) -> None:
+    self.__dict__["_egresswall_frame_buf"] = _FrameBuffer(pieces)
 
 
 def _inflate_bounded(self: PerMessageDeflate, proto, data: bytes) -> bytes | CloseReason:
