@@ -26,7 +26,8 @@ from labnet import PUBLIC_IP
 from proxyproc import both_transports
 from ws_echo import WsEcho
 from wsproto import ConnectionType, WSConnection
-from wsproto.events import AcceptConnection, Message, Request
+from wsproto.events import AcceptConnection, CloseConnection, Message, Request
+from wsproto.extensions import PerMessageDeflate
 
 from proxy.mitm_patches import _FrameBuffer
 
@@ -44,8 +45,9 @@ class Client:
     """A WebSocket client through the proxy: an absolute-form handshake, or (as Chromium sends ws://) a
     CONNECT and the handshake inside it."""
 
-    def __init__(self, proxy, echo: WsEcho, tunnel: bool) -> None:
+    def __init__(self, proxy, echo: WsEcho, tunnel: bool, deflate: bool = False) -> None:
         self.ws = WSConnection(ConnectionType.CLIENT)
+        extensions = [PerMessageDeflate()] if deflate else []
         authority = f"public.lab.example:{echo.port}"
         self.sock = socket.create_connection((proxy.host, proxy.port), timeout=10)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -55,11 +57,12 @@ class Client:
             while b"\r\n\r\n" not in head:
                 head += self.sock.recv(4096)
             assert head.startswith(b"HTTP/1.1 200"), head
-            request = Request(host=authority, target="/chat")
+            request = Request(host=authority, target="/chat", extensions=extensions)
         else:
-            request = Request(host=authority, target=f"http://{authority}/chat")
+            request = Request(host=authority, target=f"http://{authority}/chat", extensions=extensions)
         self.sock.sendall(self.ws.send(request))
-        assert isinstance(self._next(), AcceptConnection)
+        self.accepted = self._next()
+        assert isinstance(self.accepted, AcceptConnection)
 
     def _next(self):
         while True:
@@ -146,3 +149,36 @@ def test_a_frame_buffer_grows_its_pieces_in_place():
     frame_buf[-1] += b"de"
     assert frame_buf[0] is first and isinstance(frame_buf[1], bytearray)
     assert b"".join(frame_buf) == b"abcabcabcde" and [len(piece) for piece in frame_buf] == [9, 2]
+
+
+def _peak_kib(pid: int) -> int:
+    """The proxy's peak resident memory (VmHWM), its worker processes' too."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return sum(int(line.split()[1]) for child in [pid, *children]
+               for line in Path(f"/proc/{child}/status").read_text().splitlines() if line.startswith("VmHWM:"))
+
+
+@both_transports
+def test_an_origin_s_compressed_frame_is_bounded_as_it_inflates(lab, start_proxy):
+    """The bomb from the origin's side: one permessage-deflate frame of 256 MiB of zeros (about 256 KiB on the
+    wire). It is inflated no further than limits.max_websocket_message + 1 bytes a piece, the client gets close
+    1009 and never a byte of it, and the worker's peak memory hardly moves."""
+    origin = WsEcho(PUBLIC_IP, deflate=True)
+    try:
+        proxy = _start(lab, start_proxy, origin, limits="limits:\n  max_websocket_message: 1000000\n")
+        client = Client(proxy, origin, tunnel=False, deflate=True)
+        assert client.accepted.extensions, "permessage-deflate was not negotiated"
+        before = _peak_kib(proxy.process.pid)
+        client.sock.sendall(client.ws.send(Message(data=f"zeros:{256 << 20}".encode())))
+        client.sock.settimeout(10)
+        event = client._next()
+        assert event is None or (isinstance(event, CloseConnection) and event.code == 1009), event
+        grown = (_peak_kib(proxy.process.pid) - before) // 1024
+        assert grown < 30, f"the proxy's peak memory grew by {grown} MiB inflating the origin's frame"
+        deadline = time.monotonic() + 5  # the refusal line is written as the WebSocket ends
+        while not (lines := [r for r in proxy.audit() if r.get("rule") == "limits.max_websocket_message"]):
+            assert time.monotonic() < deadline, proxy.audit()
+            time.sleep(0.1)
+        assert "1000000 bytes" in lines[0]["reason"] and lines[0]["host"] == "public.lab.example", lines
+    finally:
+        origin.close()

@@ -44,6 +44,9 @@ class WsEcho:
                         for start in range(0, size, 65536):
                             piece = b"b" * min(65536, size - start)
                             conn.sendall(ws.send(Message(data=piece, message_finished=start + 65536 >= size)))
+                    elif isinstance(event, Message) and bytes(event.data[:6]) == b"zeros:":
+                        # "zeros:N": N zero bytes back in one frame (compressed, if permessage-deflate is on)
+                        conn.sendall(ws.send(Message(data=bytes(int(event.data[6:])))))
                     elif isinstance(event, Message):
                         conn.sendall(ws.send(Message(data=event.data, message_finished=event.message_finished)))
                     elif isinstance(event, Ping):
