@@ -126,6 +126,17 @@ gate's owner builds — installing a second, different state is an error, never 
   (``WEBSOCKET_CONTROL_BYTES``) for a session's budgets. Tests: test_session_websockets.py
   (test_a_compressed_message_is_bounded_as_it_inflates, test_a_message_of_endless_empty_fragments_is_bounded,
   test_pings_and_pongs_are_charged_to_the_session).
+  A frame that arrives in many reads grows in place (``WebsocketConnection.frame_buf``, a list of bytearrays):
+  the layer's ``frame_buf[-1] += data`` on bytes copied the whole frame so far on every read, so one client
+  trickling an 8 MiB frame held a worker's CPU. Test:
+  test_websocket_relay.py::test_a_trickled_frame_costs_cpu_in_proportion.
+* **Backpressure by direction** (``ConnectionHandler.drain_writers``): after each read mitmproxy waited, under one
+  lock, until every writer of the connection had drained, the one to the peer it had just read from too; a
+  peer that writes before it reads (an echo origin answering a large WebSocket message as it arrives) filled
+  both ways' buffers and neither was read again: the WebSocket hung until the idle timeout. A read now waits
+  for the writers to the other connections, and for the one to its own peer only when the proxy answered that
+  peer itself (a refusal, a TLS alert: what the original's rule bounded; ``AnsweringWriter``). Tests:
+  test_websocket_relay.py::test_a_large_message_to_an_origin_that_echoes_as_it_reads, test_mitm_patches_drain.py.
 """
 
 from __future__ import annotations
@@ -946,7 +957,9 @@ async def _handle_connection(self: mitmproxy.proxy.server.ConnectionHandler, con
     io = self.transports.get(conn)
     if conn is self.client and io is not None and io.reader is not None:
         io.reader = HeldReader(io.reader)  # the original takes its reader from here when it starts
-    _reading.set(conn)  # this task's own context: what its read loop's drain_writers skips
+    if io is not None and io.writer is not None and not isinstance(io.writer, AnsweringWriter):
+        io.writer = AnsweringWriter(io.writer, conn)
+    _reading.set(conn)  # in this task's own context: whose read loop this is (_drain_writers)
     try:
         await _originals["handle_connection"](self, conn)
     finally:
@@ -963,21 +976,48 @@ async def _handle_connection(self: mitmproxy.proxy.server.ConnectionHandler, con
                 await asyncio.shield(self.server_event(events.ConnectionClosed(conn)))
 
 
-# The connection whose read loop runs in this task (each connection's loop is a task of its own).
+# The connection whose read loop runs in this task (each connection's loop is a task of its own, and the
+# tasks it makes for hooks inherit it).
 _reading: contextvars.ContextVar[connection.Connection | None] = contextvars.ContextVar("egresswall_reading",
                                                                                        default=None)
 
 
+class AnsweringWriter:
+    """A connection's writer that notes when it is written to on behalf of that connection's own reads: the
+    proxy answering the peer itself (a refusal, a TLS alert, a close), not relaying the other side. Those are
+    the only writes to it that its own read loop waits for, so a peer that sends and never reads cannot make
+    the proxy queue answers without bound. Whatever else mitmproxy asks of it goes to the writer it wraps."""
+
+    def __init__(self, writer, conn: connection.Connection) -> None:
+        self._writer = writer
+        self._conn = conn
+        self.answered = False  # written to by its own read loop (or a hook it started) since it last drained
+
+    def write(self, data: bytes) -> None:
+        if _reading.get() is self._conn:
+            self.answered = True
+        self._writer.write(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self._writer, name)
+
+
 async def _drain_writers(self: mitmproxy.proxy.server.ConnectionHandler) -> None:
-    """mitmproxy's backpressure after a read, by direction: wait for the writers to the other connections,
-    not to the one just read from, and each read loop on its own (no shared lock), so a peer slow to read
-    what it is sent is still read from. StreamWriter.drain may be awaited by several tasks at once."""
+    """mitmproxy's backpressure after a read, by direction: wait for the writers to the other connections, and
+    for the one to the peer just read from only when this read answered it, each read loop on its own (no
+    shared lock: StreamWriter.drain may be awaited by several tasks at once). So the peer's bytes are still read
+    while it is slow to read what was relayed to it."""
     reading = _reading.get()
     for conn, io in list(self.transports.items()):
-        if conn is reading or io.writer is None:
+        writer = io.writer
+        if writer is None:
             continue
+        if conn is reading:
+            if not getattr(writer, "answered", True):
+                continue
+            writer.answered = False
         try:
-            await io.writer.drain()
+            await writer.drain()
         except OSError as err:
             if io.handler is not None:
                 io.handler.cancel(f"Error sending data: {err}")
