@@ -298,3 +298,18 @@ def test_an_allowed_url_has_no_hint() -> None:
     (answer,) = [json.loads(line) for line in
                  egresswall("check", "--json", "--allow-range", "10.0.0.0/8", "http://10.0.0.1/").stdout.splitlines()]
     assert "hint" not in answer
+
+
+def test_urls_may_follow_the_options(dns: DnsLab) -> None:
+    """argparse takes a positional list only where it starts: a URL after an option was an unrecognized
+    argument (exit 2). Every URL is checked now, wherever it stands; a mistyped option still exits 2."""
+    result = check(dns, "--json", "http://93.184.216.34/", "--deny-range", "1.1.1.0/24", "http://1.1.1.1/",
+                   "--method", "POST", "http://[2606:2800:220:1:248:1893:25c8:1946]/")
+    assert result.returncode == 1, result.stderr
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(line["url"], line["verdict"]) for line in lines] == [
+        ("http://93.184.216.34/", "allow"), ("http://1.1.1.1/", "refuse"),
+        ("http://[2606:2800:220:1:248:1893:25c8:1946]/", "allow")], lines
+    assert "--deny-range 1.1.1.0/24" in lines[1]["rule"], lines[1]
+    wrong = check(dns, "http://93.184.216.34/", "--jsn", "http://1.1.1.1/")
+    assert wrong.returncode == 2 and "unrecognized arguments: --jsn" in wrong.stderr, wrong.stderr

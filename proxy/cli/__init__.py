@@ -71,6 +71,17 @@ def _command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser = chosen.choices[name]
 
 
+def _parse_intermixed(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                      argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """A command whose positionals may come after its options (``check URL --json URL2``): argparse takes a
+    positional list only where it starts, so the command's own parser reads its arguments again, intermixed."""
+    command = _command_parser(parser, args)
+    rest = argv[argv.index(args.command) + 1:]  # the top level takes no option with a value (_command_named)
+    reread, unknown = command.parse_known_intermixed_args(rest)
+    reread.command = args.command
+    return reread, unknown
+
+
 def _stdout_reader_gone() -> bool:
     """Whether standard output is a pipe (or socket) whose reading end is closed: poll() reports POLLERR."""
     try:
@@ -84,6 +95,8 @@ def _stdout_reader_gone() -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(argv)
     args, unknown = parser.parse_known_args(argv)  # a usage error: argparse's usage line and message, exit 2
+    if unknown and getattr(args, "intermixed", False):
+        args, unknown = _parse_intermixed(parser, args, sys.argv[1:] if argv is None else list(argv))
     if unknown:
         # argparse would report these with the top-level usage ("egresswall [-h] [--version] {lint} ..."), which
         # says nothing of the options the command does take: the command's own parser says it, with its usage.

@@ -29,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     check.add_argument("--client", help="the client address (chooses a role)")
     check.add_argument("--method", default="GET")
     check.add_argument("--json", action="store_true", help="one JSON object per URL")
-    check.set_defaults(func=cmd_check)
+    check.set_defaults(func=cmd_check, intermixed=True)  # URLs may follow the options too
 
 
 def cmd_check(args: argparse.Namespace) -> int:
