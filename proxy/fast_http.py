@@ -33,7 +33,7 @@ import contextlib
 import re
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -46,6 +46,7 @@ from policy.model import Policy
 from .body_budget import BodyHold
 from .body_reasons import TRAILERS_REASON, body_line_too_long_reason, body_over_limit_reason, body_unparseable_reason
 from .dial import connect_pinned
+from .early_response import UpstreamListener
 from .gate import Gate, HttpAsk, plain_target, refusal_for
 from .head_reader import HeadProblem, answer_then_drain, read_head
 from .http_head import PlainRequest, take_head
@@ -110,6 +111,7 @@ class Relayed:
 
     status: int | None = None
     down: int = 0
+    up: int = 0  # the request body's bytes sent so far
 
 
 class ClientWatch:
@@ -292,7 +294,25 @@ class FastHttp:
                     raise Ended(error, self._connect_refusal(error, verdict, target, accept))
                 upstream = Upstream(sock, key, h11.Connection(
                     h11.CLIENT, max_incomplete_event_size=gate.policy.limits.max_header_bytes))
-            up = await self._send_request(conn, server, request, upstream, body, up)
+            sending = self._send_request(conn, server, request, upstream, body, up, relayed)
+            if body_pending:
+                early, up = await self._early_response(sending, upstream)
+                if early is not None:  # the origin answered before it had the whole body
+                    try:
+                        tail = await self._relay_response(conn, client, server, request, target, accept, upstream,
+                                                          None, relayed, verdict.session)
+                        answered = True
+                    finally:
+                        early.cancel()
+                        await asyncio.gather(early, return_exceptions=True)  # its failure is the body's, unsent
+                    up = relayed.up
+                    gate.response_closed(ask.flow_id, client, request.method, target, verdict, started, up,
+                                         relayed.down, relayed.status, None)
+                    upstream.close()  # neither connection is at a message's end: both end, the client answered
+                    await answer_then_drain(conn, tail, DRAIN_AFTER_REFUSAL, DRAIN_BYTES)
+                    return False, b"", None
+            else:
+                up = await sending
             hold.release()  # the body is the upstream's now (_send_request dropped each piece it sent)
             watch = ClientWatch(conn, server.trailing_data[0], gate.policy.limits.max_header_bytes, upstream.sock)
             try:
@@ -341,6 +361,25 @@ class FastHttp:
             upstream.close()
             upstream = None
         return keep, bytes(watch.data), upstream
+
+    @staticmethod
+    async def _early_response(sending: Coroutine[None, None, int], upstream: Upstream
+                              ) -> tuple[asyncio.Task[int] | None, int]:
+        """Send the request (``sending``) while listening to the upstream (proxy/early_response.py): (None, the
+        body's bytes) when it was all sent first, as nearly always; (the send, still going, 0) when the
+        origin's final response began before."""
+        listener = UpstreamListener(upstream.sock, upstream.parser, READ)
+        task = asyncio.ensure_future(sending)
+        try:
+            await asyncio.wait({task, listener.answered}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # cancelled: the send goes with it
+            task.cancel()
+            raise
+        finally:
+            listener.stop()
+        if task.done():
+            return None, task.result()  # its failure is raised here, as without the listener
+        return task, 0
 
     def _connect_refusal(self, reason: str, verdict: Verdict, target: Target, accept: tuple[str, ...]) -> Refusal:
         return refusal_for(502, Verdict(False, "connect", "connect", reason, role=verdict.role), target, accept)
@@ -434,10 +473,11 @@ class FastHttp:
             server.receive_data(await _body_bytes(conn, idle))
 
     async def _send_request(self, conn: socket.socket, server: h11.Connection, request: PlainRequest,
-                            upstream: Upstream, body: list[bytes], up: int) -> int:
+                            upstream: Upstream, body: list[bytes], up: int, relayed: Relayed) -> int:
         """The head, then the body: a chunked one read already, a Content-Length one as it arrives (each
         piece sent before waiting for the next). Returns the body's bytes."""
         idle = self.gate.policy.limits.idle_timeout
+        relayed.up = up  # a chunked body's, read already
         out = bytearray(upstream.parser.send(h11.Request(method=request.method, target=request.path,
                                                          headers=_forwarded_request_headers(request))))
         if request.chunked:
@@ -456,6 +496,7 @@ class FastHttp:
                     break
                 if isinstance(event, h11.Data):
                     up += len(event.data)
+                    relayed.up = up
                     out += upstream.parser.send(h11.Data(data=event.data))
         out += upstream.parser.send(h11.EndOfMessage())
         await send_while_moving(upstream.sock, bytes(out), idle, _upstream_stalled(idle))
@@ -463,7 +504,7 @@ class FastHttp:
 
     async def _relay_response(self, conn: socket.socket, client: str, server: h11.Connection,
                               request: PlainRequest, target: Target, accept: tuple[str, ...], upstream: Upstream,
-                              watch: ClientWatch, relayed: Relayed, session: str | None) -> bytes:
+                              watch: ClientWatch | None, relayed: Relayed, session: str | None) -> bytes:
         """The origin's response, parsed by h11 and re-framed for the client; returns its last bytes, not yet
         sent. Its status and body bytes are kept in ``relayed`` as they come, so that a response that breaks
         off is recorded with what the client was sent of it. ``session``: the request's (its refusal here
@@ -523,7 +564,7 @@ class FastHttp:
                     what = "sent no response" if relayed.status is None else "stopped sending its response"
                     raise Ended(f"nothing moved for limits.idle_timeout ({limits.idle_timeout:g}s): the upstream "
                                 f"{what}, and egresswall closed the connection") from None
-                if watch.over:
+                if watch is not None and watch.over:
                     raise Ended(f"egresswall: {_pipelined_reason(limits.max_header_bytes)}")
                 if relayed.status is None:
                     if head_started is None and chunk:

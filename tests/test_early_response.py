@@ -1,0 +1,148 @@
+"""An origin that answers before it has read the request body, on both transports.
+
+RFC 9110 lets a server answer before it has the content (a 413, a 401, a redirect) and stop reading it. The
+fast path sent the whole body before it read any response, so with an origin that no longer read, the answer
+waited behind the body until limits.idle_timeout and the client got a reset instead (mitmproxy's path relayed
+it at once). Now the fast path listens to the origin while a body goes up (proxy/early_response.py): a final
+response that begins is relayed at once, beside the body, which goes on while the origin takes it. So a
+full-duplex origin (it streams its answer while it reads) gets the whole body, and an unasked
+``100 Continue`` changes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+
+import pytest
+from hostile import _Server
+from proxyproc import both_transports
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("internal_saw_nothing")]
+
+BODY = 8_000_000  # far more than the sockets between client, proxy and origin hold
+
+
+def _length_and_rest(head: bytes) -> tuple[int, bytes]:
+    """A request's Content-Length, and the body bytes read with its head (hostile.read_head reads past it)."""
+    head, _, rest = head.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    return length, rest
+
+
+class AnswersFirst(_Server):
+    """Answers 413 as soon as it has the head, then reads nothing more for a while."""
+
+    def handle(self, conn: socket.socket, head: bytes) -> None:
+        conn.sendall(b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 5\r\nConnection: close\r\n\r\nlarge")
+        time.sleep(8)
+
+
+class EchoesAsItReads(_Server):
+    """Answers 200 at once with a chunked body that echoes the request body as it reads it."""
+
+    def handle(self, conn: socket.socket, head: bytes) -> None:
+        length, chunk = _length_and_rest(head)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        while chunk:
+            length -= len(chunk)
+            conn.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            chunk = conn.recv(min(65536, length)) if length else b""
+        conn.sendall(b"0\r\n\r\n")
+
+
+class ContinuesUnasked(_Server):
+    """Sends ``100 Continue`` nobody asked for, then reads the whole body and says how much came."""
+
+    def handle(self, conn: socket.socket, head: bytes) -> None:
+        length, already = _length_and_rest(head)
+        conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+        got = len(already)
+        while got < length and (chunk := conn.recv(65536)):
+            got += len(chunk)
+        answer = str(got).encode()
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(answer), answer))
+
+
+def _proxy(lab, start_proxy, origin: _Server, limits: str = ""):
+    return start_proxy(lab.policy_text(limits=limits).replace("  http: [", f"  http: [{origin.port}, "))
+
+
+def _post(proxy, origin: _Server, body: bytes, chunked: bool = False, seconds: float = 10) -> tuple[bytes, int]:
+    """POST ``body`` through the proxy, writing as fast as the socket takes it while reading what comes back,
+    until the answer has ended, the connection closed or time ran out: (what came back, body bytes sent)."""
+    authority = f"public.lab.example:{origin.port}"
+    framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {len(body)}"
+    wire = (b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)) if chunked else body
+    sock = socket.create_connection((proxy.host, proxy.port), timeout=10)
+    sock.sendall(f"POST http://{authority}/up HTTP/1.1\r\nHost: {authority}\r\n{framing}\r\n\r\n".encode())
+    sock.setblocking(False)
+    got, sent = b"", 0
+    deadline = time.monotonic() + seconds
+    with contextlib.suppress(ConnectionResetError, BrokenPipeError), sock:
+        while time.monotonic() < deadline and not got.endswith((b"\r\n0\r\n\r\n", b"large")) \
+                and not (got.startswith(b"HTTP/1.1 200 OK\r\nContent-Length") and b"\r\n\r\n" in got
+                         and got.split(b"\r\n\r\n", 1)[1].isdigit() and len(got.split(b"\r\n\r\n", 1)[1]) >= 7):
+            with contextlib.suppress(BlockingIOError):
+                if sent < len(wire):
+                    sent += sock.send(wire[sent:sent + 65536])
+            with contextlib.suppress(BlockingIOError):
+                chunk = sock.recv(1 << 20)
+                if not chunk:
+                    break
+                got += chunk
+            time.sleep(0.0005)
+    return got, sent
+
+
+@both_transports
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_an_answer_before_the_body_is_relayed_at_once(lab, start_proxy, chunked):
+    origin = AnswersFirst()
+    try:
+        proxy = _proxy(lab, start_proxy, origin)
+        started = time.monotonic()
+        got, _ = _post(proxy, origin, b"x" * BODY, chunked)
+        assert got.startswith(b"HTTP/1.1 413 Payload Too Large") and got.endswith(b"large"), got[:200]
+        assert time.monotonic() - started < 5, "the answer waited behind the body"
+        records = [r for r in proxy.audit() if r["event"] == "response"]
+        assert [(r["status"], r["error"]) for r in records] == [(413, None)], records
+    finally:
+        origin.close()
+
+
+@both_transports
+def test_a_full_duplex_origin_gets_the_whole_body_while_its_answer_streams(lab, start_proxy):
+    origin = EchoesAsItReads()
+    try:
+        proxy = _proxy(lab, start_proxy, origin, limits="limits:\n  max_request_body: 40000000\n")
+        body = bytes(range(256)) * (32_000_000 // 256)  # more than every socket buffer on the way holds
+        got, sent = _post(proxy, origin, body, seconds=20)
+        head, _, chunked = got.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), got[:200]
+        echoed = bytearray()
+        while chunked:
+            size_line, _, chunked = chunked.partition(b"\r\n")
+            size = int(size_line, 16)
+            echoed += chunked[:size]
+            chunked = chunked[size + 2:]
+            if size == 0:
+                break
+        assert sent == len(body) and bytes(echoed) == body, (sent, len(echoed))
+    finally:
+        origin.close()
+
+
+@both_transports
+def test_an_unasked_100_continue_leaves_the_body_going(lab, start_proxy):
+    origin = ContinuesUnasked()
+    try:
+        proxy = _proxy(lab, start_proxy, origin)
+        got, sent = _post(proxy, origin, b"y" * BODY)
+        assert sent == BODY and got.startswith(b"HTTP/1.1 200 OK"), got[:200]
+        assert got.endswith(str(BODY).encode()), got[-200:]
+        assert b"100 Continue" not in got
+    finally:
+        origin.close()
