@@ -55,8 +55,6 @@ from .refusals import OWN_HEADER_PREFIX, UNRELAYABLE_RESPONSE, Refusal, refusal_
 
 Handoff = Callable[[socket.socket, bytes], None]
 READ = 65536
-DRAIN_AFTER_REFUSAL = 2.0  # how long a refused request's unread body is read and dropped before the close
-DRAIN_BYTES = 1 << 20
 _SWITCHING = re.compile(rb"HTTP/1\.[01] 101[ \r]")
 _UNASKED_SWITCH = "_SWITCH_UPGRADE event without a pending proposal"  # h11's words for a 101 nobody asked for
 _RESPONSE_DROPPED = ALWAYS_HOP_BY_HOP | {"transfer-encoding"}  # re-framed by h11 for the client
@@ -309,7 +307,7 @@ class FastHttp:
                     gate.response_closed(ask.flow_id, client, request.method, target, verdict, started, up,
                                          relayed.down, relayed.status, None)
                     upstream.close()  # neither connection is at a message's end: both end, the client answered
-                    await answer_then_drain(conn, tail, DRAIN_AFTER_REFUSAL, DRAIN_BYTES)
+                    await answer_then_drain(conn, tail)
                     return False, b"", None
             else:
                 up = await sending
@@ -618,7 +616,7 @@ class FastHttp:
         """Send a refusal (its record is written) before the connection is closed; a body still coming is
         read and dropped for a moment first (``answer_then_drain``)."""
         if body_pending:
-            await answer_then_drain(conn, refusal_bytes(refusal), DRAIN_AFTER_REFUSAL, DRAIN_BYTES)
+            await answer_then_drain(conn, refusal_bytes(refusal))
             return
         with contextlib.suppress(OSError):
             await asyncio.get_running_loop().sock_sendall(conn, refusal_bytes(refusal))

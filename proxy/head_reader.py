@@ -73,7 +73,15 @@ async def read_head(conn: socket.socket, limits: Limits, first_byte: float | Non
         buffer += chunk
 
 
-async def answer_then_drain(conn: socket.socket, answer: bytes, seconds: float = 2.0, limit: int = 1 << 20) -> None:
+# How long, and how much, what a client still sends is read and dropped before the proxy closes its connection
+# (both transports: mitm_patches.AnsweringWriter too): a client may send all of a 10 MB body before it reads
+# the answer it got early; reading costs some milliseconds of CPU a MiB.
+LINGER_SECONDS = 2.0
+LINGER_BYTES = 16 << 20
+
+
+async def answer_then_drain(conn: socket.socket, answer: bytes, seconds: float = LINGER_SECONDS,
+                            limit: int = LINGER_BYTES) -> None:
     """Send ``answer``, then read and drop what the client still sends (bounded by ``seconds`` and
     ``limit``) before the caller closes: closing a socket with unread bytes makes the kernel send a reset,
     which can destroy the answer before the client has read it."""

@@ -186,6 +186,7 @@ from .accept import prefers_json
 from .body_reasons import TRAILERS_REASON, body_line_too_long_reason, body_unparseable_reason
 from .dial import connect_failed, connect_timed_out
 from .head_end import HEAD_END  # what h11's ReceiveBuffer accepts as the end of a head
+from .head_reader import LINGER_BYTES, LINGER_SECONDS
 from .http_hygiene import CONTROL_BYTE
 from .refusals import UNRELAYABLE_RESPONSE, Refusal, refusal_bytes
 
@@ -958,7 +959,9 @@ async def _handle_connection(self: mitmproxy.proxy.server.ConnectionHandler, con
     if conn is self.client and io is not None and io.reader is not None:
         io.reader = HeldReader(io.reader)  # the original takes its reader from here when it starts
     if io is not None and io.writer is not None and not isinstance(io.writer, AnsweringWriter):
-        io.writer = AnsweringWriter(io.writer, conn)
+        # The client's writer closes lingering, reading from the reader HeldReader wraps (its holds are over).
+        reader = io.reader.reader if isinstance(io.reader, HeldReader) else None
+        io.writer = AnsweringWriter(io.writer, conn, reader)
     _reading.set(conn)  # in this task's own context: whose read loop this is (_drain_writers)
     try:
         await _originals["handle_connection"](self, conn)
@@ -982,15 +985,27 @@ _reading: contextvars.ContextVar[connection.Connection | None] = contextvars.Con
                                                                                        default=None)
 
 
+_lingering: set[asyncio.Task] = set()  # the lingering closes under way (a task needs a reference to run)
+
+
 class AnsweringWriter:
     """A connection's writer that notes when it is written to on behalf of that connection's own reads: the
     proxy answering the peer itself (a refusal, a TLS alert, a close), not relaying the other side. Those are
     the only writes to it that its own read loop waits for, so a peer that sends and never reads cannot make
-    the proxy queue answers without bound. Whatever else mitmproxy asks of it goes to the writer it wraps."""
+    the proxy queue answers without bound. Whatever else mitmproxy asks of it goes to the writer it wraps.
 
-    def __init__(self, writer, conn: connection.Connection) -> None:
+    A client's writer (given its ``reader``) also closes lingering: closing a socket with bytes unread makes
+    the kernel send a reset, which destroys an answer the client has not read yet, so a client still sending
+    (a body an origin answered early, with 413, and stopped reading) got a reset instead of the answer. Its
+    sending side is shut at once, and what the client sends is read and dropped until it closes, for at most
+    LINGER_SECONDS and LINGER_BYTES, before the socket closes (the fast path's answer_then_drain, the same
+    bound). Test: test_early_response.py::test_an_answer_then_a_drain_reaches_a_client_still_sending."""
+
+    def __init__(self, writer, conn: connection.Connection, reader=None) -> None:
         self._writer = writer
         self._conn = conn
+        self._reader = reader
+        self._lingering = False
         self.answered = False  # written to by its own read loop (or a hook it started) since it last drained
 
     def write(self, data: bytes) -> None:
@@ -998,8 +1013,39 @@ class AnsweringWriter:
             self.answered = True
         self._writer.write(data)
 
+    def close(self) -> None:
+        if self._lingering:
+            return  # the lingering close closes it
+        reader, self._reader = self._reader, None
+        if reader is None or reader.at_eof() or not isinstance(self._writer, asyncio.StreamWriter) \
+                or self._writer.is_closing():
+            self._writer.close()
+            return
+        self._lingering = True
+        task = asyncio.get_running_loop().create_task(_linger(reader, self._writer))
+        _lingering.add(task)
+        task.add_done_callback(_lingering.discard)
+
     def __getattr__(self, name: str):
         return getattr(self._writer, name)
+
+
+async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Shut the sending side, read and drop what comes until the peer closes or the bound is reached, close."""
+    loop = asyncio.get_running_loop()
+    try:
+        if writer.can_write_eof():
+            writer.write_eof()  # after what is queued: the answer goes out first
+        deadline, drained = loop.time() + LINGER_SECONDS, 0
+        while drained < LINGER_BYTES and (left := deadline - loop.time()) > 0:
+            chunk = await asyncio.wait_for(reader.read(65536), left)
+            if not chunk:
+                break
+            drained += len(chunk)
+    except (OSError, RuntimeError, TimeoutError):
+        pass
+    finally:
+        writer.close()
 
 
 async def _drain_writers(self: mitmproxy.proxy.server.ConnectionHandler) -> None:
@@ -1033,6 +1079,7 @@ class HeldReader:
 
     def __init__(self, reader) -> None:
         self._reader = reader
+        self.reader = reader  # the one it wraps
         self._holds = 0
         self._released: asyncio.Future[None] | None = None
 

@@ -6,7 +6,9 @@ waited behind the body until limits.idle_timeout and the client got a reset inst
 it at once). Now the fast path listens to the origin while a body goes up (proxy/early_response.py): a final
 response that begins is relayed at once, beside the body, which goes on while the origin takes it. So a
 full-duplex origin (it streams its answer while it reads) gets the whole body, and an unasked
-``100 Continue`` changes nothing.
+``100 Continue`` changes nothing. mitmproxy's path, for its part, closed the client's connection at once
+after such an answer, and the reset of a socket closed with bytes unread destroyed the answer before a client
+still sending had read it; both paths close lingering now.
 """
 
 from __future__ import annotations
@@ -40,6 +42,18 @@ class AnswersFirst(_Server):
         time.sleep(8)
 
 
+class AnswersThenDrains(_Server):
+    """Answers 413 as soon as it has the head, shuts its sending side, reads and drops the body for a while
+    (a lingering close, as nginx does), then closes."""
+
+    def handle(self, conn: socket.socket, head: bytes) -> None:
+        conn.sendall(b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 5\r\nConnection: close\r\n\r\nlarge")
+        conn.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline and conn.recv(65536):
+            pass
+
+
 class EchoesAsItReads(_Server):
     """Answers 200 at once with a chunked body that echoes the request body as it reads it."""
 
@@ -70,9 +84,11 @@ def _proxy(lab, start_proxy, origin: _Server, limits: str = ""):
     return start_proxy(lab.policy_text(limits=limits).replace("  http: [", f"  http: [{origin.port}, "))
 
 
-def _post(proxy, origin: _Server, body: bytes, chunked: bool = False, seconds: float = 10) -> tuple[bytes, int]:
-    """POST ``body`` through the proxy, writing as fast as the socket takes it while reading what comes back,
-    until the answer has ended, the connection closed or time ran out: (what came back, body bytes sent)."""
+def _post(proxy, origin: _Server, body: bytes, chunked: bool = False, seconds: float = 10,
+          read_after: float = 0.0) -> tuple[bytes, int]:
+    """POST ``body`` through the proxy, writing as fast as the socket takes it while reading what comes back
+    (from ``read_after`` seconds on), until the answer has ended, the connection closed or time ran out: (what
+    came back, body bytes sent)."""
     authority = f"public.lab.example:{origin.port}"
     framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {len(body)}"
     wire = (b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)) if chunked else body
@@ -80,7 +96,7 @@ def _post(proxy, origin: _Server, body: bytes, chunked: bool = False, seconds: f
     sock.sendall(f"POST http://{authority}/up HTTP/1.1\r\nHost: {authority}\r\n{framing}\r\n\r\n".encode())
     sock.setblocking(False)
     got, sent = b"", 0
-    deadline = time.monotonic() + seconds
+    deadline, reading = time.monotonic() + seconds, time.monotonic() + read_after
     with contextlib.suppress(ConnectionResetError, BrokenPipeError), sock:
         while time.monotonic() < deadline and not got.endswith((b"\r\n0\r\n\r\n", b"large")) \
                 and not (got.startswith(b"HTTP/1.1 200 OK\r\nContent-Length") and b"\r\n\r\n" in got
@@ -88,6 +104,8 @@ def _post(proxy, origin: _Server, body: bytes, chunked: bool = False, seconds: f
             with contextlib.suppress(BlockingIOError):
                 if sent < len(wire):
                     sent += sock.send(wire[sent:sent + 65536])
+            if time.monotonic() < reading:
+                continue
             with contextlib.suppress(BlockingIOError):
                 chunk = sock.recv(1 << 20)
                 if not chunk:
@@ -109,6 +127,22 @@ def test_an_answer_before_the_body_is_relayed_at_once(lab, start_proxy, chunked)
         assert time.monotonic() - started < 5, "the answer waited behind the body"
         records = [r for r in proxy.audit() if r["event"] == "response"]
         assert [(r["status"], r["error"]) for r in records] == [(413, None)], records
+    finally:
+        origin.close()
+
+
+@both_transports
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_an_answer_then_a_drain_reaches_a_client_still_sending(lab, start_proxy, chunked):
+    """The origin answers and ends its side; the proxy ends the client's connection, which is still sending
+    its body and reads the answer only half a second later. Closed at once with the client's bytes unread,
+    the socket sent a reset, which destroyed the answer before the client read it (mitmproxy's path; the
+    fast path reads and drops for a moment first). Both close lingering now (mitm_patches.AnsweringWriter)."""
+    origin = AnswersThenDrains()
+    try:
+        proxy = _proxy(lab, start_proxy, origin)
+        got, _ = _post(proxy, origin, b"x" * BODY, chunked, read_after=0.5)
+        assert got.startswith(b"HTTP/1.1 413 Payload Too Large") and got.endswith(b"large"), got[:200]
     finally:
         origin.close()
 
