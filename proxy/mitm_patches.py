@@ -104,6 +104,12 @@ gate's owner builds — installing a second, different state is an error, never 
   deciding: what is held is the socket buffers. Tests:
   test_body_while_deciding.py::test_bodies_sent_while_their_decisions_wait_are_not_read_meanwhile,
   test_mitm_patches_reads.py.
+* **No reading while the origin's TLS is made** (``ClientTLSLayer.start_server_tls``): connects are eager, so
+  for an intercepted host mitmproxy makes the origin's TLS before the client's, its client layer paused the
+  while, and it read the client on, queueing every byte in that paused layer: an origin that never answered
+  its ClientHello let one client grow a worker by 1.2 GB in 4 s. The client's reads are held until the origin's
+  handshake is done (``HeldReader``), as while a hook runs. Test:
+  test_review_round13.py::test_an_intercepted_client_sending_while_the_origin_s_handshake_waits_is_bounded.
 * **A half-closed client is answered** (``Http1Server.wait``, ``Http1Server.mark_done``): a client that
   shuts its sending side after a whole request (``nc -N``, some scripts) was closed unanswered ("a peer
   which sent at least a FIN is not interested in any more data from us"), its refusal recorded as sent; it
@@ -171,6 +177,7 @@ from mitmproxy.proxy.layers.http._events import (
 )
 from mitmproxy.proxy.layers.http._hooks import HttpErrorHook
 from mitmproxy.proxy.layers.http._http1 import Http1Client, Http1Server
+from mitmproxy.proxy.layers.tls import ClientTLSLayer
 from mitmproxy.proxy.layers.websocket import WebsocketConnection
 from wsproto.events import CloseConnection as WebSocketClose
 from wsproto.events import Message as WebSocketMessage
@@ -295,6 +302,7 @@ def install(state: PatchState) -> None:
                       on_timeout=mitmproxy.proxy.server.ConnectionHandler.on_timeout,
                       handle_connection=mitmproxy.proxy.server.ConnectionHandler.handle_connection,
                       hook_task=mitmproxy.proxy.server.ConnectionHandler.hook_task,
+                      start_server_tls=ClientTLSLayer.start_server_tls,
                       drain_writers=mitmproxy.proxy.server.ConnectionHandler.drain_writers,
                       asyncio_module=mitmproxy.proxy.server.asyncio, websocket_events=WebsocketConnection.events,
                       deflate_inbound=PerMessageDeflate.frame_inbound_payload_data)
@@ -316,6 +324,7 @@ def install(state: PatchState) -> None:
     mitmproxy.proxy.server.ConnectionHandler.on_timeout = _on_timeout
     mitmproxy.proxy.server.ConnectionHandler.handle_connection = _handle_connection
     mitmproxy.proxy.server.ConnectionHandler.hook_task = _hook_task
+    ClientTLSLayer.start_server_tls = _start_server_tls
     mitmproxy.proxy.server.ConnectionHandler.drain_writers = _drain_writers
     WebsocketConnection.events = _websocket_events
     WebsocketConnection.frame_buf = property(_frame_buf, _set_frame_buf)
@@ -350,6 +359,7 @@ def uninstall() -> None:
         mitmproxy.proxy.server.ConnectionHandler.on_timeout = _originals["on_timeout"]
         mitmproxy.proxy.server.ConnectionHandler.handle_connection = _originals["handle_connection"]
         mitmproxy.proxy.server.ConnectionHandler.hook_task = _originals["hook_task"]
+        ClientTLSLayer.start_server_tls = _originals["start_server_tls"]
         mitmproxy.proxy.server.ConnectionHandler.drain_writers = _originals["drain_writers"]
         mitmproxy.proxy.server.asyncio = _originals["asyncio_module"]
         WebsocketConnection.events = _originals["websocket_events"]
@@ -958,6 +968,7 @@ async def _handle_connection(self: mitmproxy.proxy.server.ConnectionHandler, con
     io = self.transports.get(conn)
     if conn is self.client and io is not None and io.reader is not None:
         io.reader = HeldReader(io.reader)  # the original takes its reader from here when it starts
+        conn.__dict__[_CLIENT_READER] = io.reader  # for the layers that hold it (_start_server_tls)
     if io is not None and io.writer is not None and not isinstance(io.writer, AnsweringWriter):
         # The client's writer closes lingering, reading from the reader HeldReader wraps (its holds are over).
         reader = io.reader.reader if isinstance(io.reader, HeldReader) else None
@@ -1121,6 +1132,25 @@ async def _held_hook_task(self: mitmproxy.proxy.server.ConnectionHandler, hook: 
                           reader: HeldReader) -> None:
     try:
         await _originals["hook_task"](self, hook)
+    finally:
+        reader.release()
+
+
+_CLIENT_READER = "_egresswall_client_reader"  # on a client Connection: its HeldReader
+
+
+def _start_server_tls(self: ClientTLSLayer):
+    """The client's TLS layer waiting for the origin's handshake (connects are eager, so mitmproxy makes the
+    origin's TLS before the client's), with the client's reads held meanwhile: the layer is paused until the
+    origin answers, and mitmproxy read the client on, queueing every byte in the paused layer; an origin that
+    never answered its ClientHello let one client fill a worker's memory (1.2 GB in 4 s). No client byte is
+    needed for that handshake, and a client has nothing to send before the proxy's ServerHello."""
+    reader = self.context.client.__dict__.get(_CLIENT_READER)
+    if not isinstance(reader, HeldReader):
+        return (yield from _originals["start_server_tls"](self))
+    reader.hold()
+    try:
+        return (yield from _originals["start_server_tls"](self))
     finally:
         reader.release()
 

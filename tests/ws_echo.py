@@ -11,6 +11,12 @@ from wsproto.events import AcceptConnection, CloseConnection, Message, Ping, Req
 from wsproto.extensions import PerMessageDeflate
 
 
+def _head(data: bytes | str, size: int) -> bytes:
+    """A message's first bytes, for its commands (a text message's too: it is echoed like any other)."""
+    head = data[:size]
+    return head.encode() if isinstance(head, str) else bytes(head)
+
+
 class WsEcho:
     def __init__(self, host: str, deflate: bool = False) -> None:
         self.deflate = deflate  # accept permessage-deflate when the client offers it
@@ -38,13 +44,13 @@ class WsEcho:
                     if isinstance(event, Request):
                         extensions = [PerMessageDeflate()] if self.deflate else []
                         conn.sendall(ws.send(AcceptConnection(extensions=extensions)))
-                    elif isinstance(event, Message) and bytes(event.data[:4]) == b"big:":
+                    elif isinstance(event, Message) and _head(event.data, 4) == b"big:":
                         # "big:N": N bytes back in one message, in 64 KiB fragments
                         size = int(event.data[4:])
                         for start in range(0, size, 65536):
                             piece = b"b" * min(65536, size - start)
                             conn.sendall(ws.send(Message(data=piece, message_finished=start + 65536 >= size)))
-                    elif isinstance(event, Message) and bytes(event.data[:6]) == b"zeros:":
+                    elif isinstance(event, Message) and _head(event.data, 6) == b"zeros:":
                         # "zeros:N": N zero bytes back in one frame (compressed, if permessage-deflate is on)
                         conn.sendall(ws.send(Message(data=bytes(int(event.data[6:])))))
                     elif isinstance(event, Message):
