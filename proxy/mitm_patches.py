@@ -108,8 +108,10 @@ gate's owner builds — installing a second, different state is an error, never 
   for an intercepted host mitmproxy makes the origin's TLS before the client's, its client layer paused the
   while, and it read the client on, queueing every byte in that paused layer: an origin that never answered
   its ClientHello let one client grow a worker by 1.2 GB in 4 s. The client's reads are held until the origin's
-  handshake is done (``HeldReader``), as while a hook runs. Test:
-  test_review_round13.py::test_an_intercepted_client_sending_while_the_origin_s_handshake_waits_is_bounded.
+  handshake is done (``HeldReader``), as while a hook runs; and so while a relayed tunnel waits for its server
+  connection (``TCPLayer``'s start: in upstream mode, for the upstream proxy's answer to its CONNECT). Tests:
+  test_review_round13.py::test_an_intercepted_client_sending_while_the_origin_s_handshake_waits_is_bounded,
+  test_review_round13.py::test_a_client_sending_while_an_upstream_proxy_never_answers_the_connect_is_bounded.
 * **A half-closed client is answered** (``Http1Server.wait``, ``Http1Server.mark_done``): a client that
   shuts its sending side after a whole request (``nc -N``, some scripts) was closed unanswered ("a peer
   which sent at least a FIN is not interested in any more data from us"), its refusal recorded as sent; it
@@ -177,6 +179,7 @@ from mitmproxy.proxy.layers.http._events import (
 )
 from mitmproxy.proxy.layers.http._hooks import HttpErrorHook
 from mitmproxy.proxy.layers.http._http1 import Http1Client, Http1Server
+from mitmproxy.proxy.layers.tcp import TCPLayer
 from mitmproxy.proxy.layers.tls import ClientTLSLayer
 from mitmproxy.proxy.layers.websocket import WebsocketConnection
 from wsproto.events import CloseConnection as WebSocketClose
@@ -302,7 +305,7 @@ def install(state: PatchState) -> None:
                       on_timeout=mitmproxy.proxy.server.ConnectionHandler.on_timeout,
                       handle_connection=mitmproxy.proxy.server.ConnectionHandler.handle_connection,
                       hook_task=mitmproxy.proxy.server.ConnectionHandler.hook_task,
-                      start_server_tls=ClientTLSLayer.start_server_tls,
+                      start_server_tls=ClientTLSLayer.start_server_tls, tcp_start=TCPLayer._handle_event,
                       drain_writers=mitmproxy.proxy.server.ConnectionHandler.drain_writers,
                       asyncio_module=mitmproxy.proxy.server.asyncio, websocket_events=WebsocketConnection.events,
                       deflate_inbound=PerMessageDeflate.frame_inbound_payload_data)
@@ -325,6 +328,7 @@ def install(state: PatchState) -> None:
     mitmproxy.proxy.server.ConnectionHandler.handle_connection = _handle_connection
     mitmproxy.proxy.server.ConnectionHandler.hook_task = _hook_task
     ClientTLSLayer.start_server_tls = _start_server_tls
+    TCPLayer._handle_event = _tcp_start  # its first event's handler (instances set their next)
     mitmproxy.proxy.server.ConnectionHandler.drain_writers = _drain_writers
     WebsocketConnection.events = _websocket_events
     WebsocketConnection.frame_buf = property(_frame_buf, _set_frame_buf)
@@ -360,6 +364,7 @@ def uninstall() -> None:
         mitmproxy.proxy.server.ConnectionHandler.handle_connection = _originals["handle_connection"]
         mitmproxy.proxy.server.ConnectionHandler.hook_task = _originals["hook_task"]
         ClientTLSLayer.start_server_tls = _originals["start_server_tls"]
+        TCPLayer._handle_event = _originals["tcp_start"]
         mitmproxy.proxy.server.ConnectionHandler.drain_writers = _originals["drain_writers"]
         mitmproxy.proxy.server.asyncio = _originals["asyncio_module"]
         WebsocketConnection.events = _originals["websocket_events"]
@@ -1139,20 +1144,34 @@ async def _held_hook_task(self: mitmproxy.proxy.server.ConnectionHandler, hook: 
 _CLIENT_READER = "_egresswall_client_reader"  # on a client Connection: its HeldReader
 
 
+def _holding_client_reads(layer, generator: Generator):
+    """Run a layer's generator with its client's reads held: a layer paused on a command queues every event
+    that comes meanwhile, and mitmproxy reads the client on (nothing is written, so nothing to drain)."""
+    reader = layer.context.client.__dict__.get(_CLIENT_READER)
+    if not isinstance(reader, HeldReader):
+        return (yield from generator)
+    reader.hold()
+    try:
+        return (yield from generator)
+    finally:
+        reader.release()
+
+
 def _start_server_tls(self: ClientTLSLayer):
     """The client's TLS layer waiting for the origin's handshake (connects are eager, so mitmproxy makes the
     origin's TLS before the client's), with the client's reads held meanwhile: the layer is paused until the
-    origin answers, and mitmproxy read the client on, queueing every byte in the paused layer; an origin that
-    never answered its ClientHello let one client fill a worker's memory (1.2 GB in 4 s). No client byte is
-    needed for that handshake, and a client has nothing to send before the proxy's ServerHello."""
-    reader = self.context.client.__dict__.get(_CLIENT_READER)
-    if not isinstance(reader, HeldReader):
-        return (yield from _originals["start_server_tls"](self))
-    reader.hold()
-    try:
-        return (yield from _originals["start_server_tls"](self))
-    finally:
-        reader.release()
+    origin answers, and an origin that never answered its ClientHello let one client fill a worker's memory
+    (1.2 GB in 4 s). No client byte is needed for that handshake, and a client has nothing to send before the
+    proxy's ServerHello."""
+    return (yield from _holding_client_reads(self, _originals["start_server_tls"](self)))
+
+
+def _tcp_start(self: TCPLayer, event: events.Event):
+    """A relayed tunnel's start, which in mitmproxy's upstream mode waits for the upstream proxy's answer to its
+    CONNECT (mitmproxy answered the client's itself): with the client's reads held meanwhile, as above (a mute
+    upstream proxy let one client grow a worker by 1.9 GB in 4 s). In regular mode the origin is connected
+    before the client's CONNECT is answered, and this ends at once."""
+    return (yield from _holding_client_reads(self, _originals["tcp_start"](self, event)))
 
 
 async def _open_connection(host, port, *args, **kwargs):
