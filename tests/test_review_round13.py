@@ -567,3 +567,24 @@ def test_a_client_sending_while_an_upstream_proxy_never_answers_the_connect_is_b
         grown = _grown_mib(proxy, before)
     print(f"mute upstream proxy: sent {sent >> 20} MiB, proxy grew {grown:.1f} MiB")
     assert grown < GROWTH_MIB, f"the proxy grew by {grown:.0f} MiB ({sent >> 20} MiB sent while it waited)"
+
+
+@both_transports
+def test_a_client_sending_while_an_upstream_proxy_never_answers_an_upgrade_is_bounded(lab, start_proxy, mute):
+    """Plain HTTP in upstream mode (mitmproxy's path on both transports): a WebSocket upgrade the upstream proxy
+    never answers, the client sending frames on behind it (pipelined bytes behind a waiting request)."""
+    upstream = f"upstream:\n  proxy: http://{PUBLIC_IP}:{mute.port}\n  resolution: upstream\n"
+    proxy = start_proxy(lab.policy_text(upstream))
+    authority = f"public.lab.example:{lab.public.port}"
+    sock = socket.create_connection((proxy.host, proxy.port), timeout=10)
+    sock.sendall((f"GET http://{authority}/chat HTTP/1.1\r\nHost: {authority}\r\nUpgrade: websocket\r\n"
+                  "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                  "Sec-WebSocket-Version: 13\r\n\r\n").encode())
+    piece = _frame(0x2, b"w" * 65536)
+    time.sleep(0.5)
+    before = _rss_kib(proxy.process.pid)
+    with sock:
+        sent = _blast(sock, lambda: piece)
+        grown = _grown_mib(proxy, before)
+    print(f"mute upstream, upgrade: sent {sent >> 20} MiB, proxy grew {grown:.1f} MiB")
+    assert grown < GROWTH_MIB, f"the proxy grew by {grown:.0f} MiB ({sent >> 20} MiB sent while it waited)"
