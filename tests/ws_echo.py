@@ -9,6 +9,7 @@ import threading
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, CloseConnection, Message, Ping, Request
 from wsproto.extensions import PerMessageDeflate
+from wsproto.utilities import RemoteProtocolError
 
 
 def _head(data: bytes | str, size: int) -> bytes:
@@ -36,7 +37,8 @@ class WsEcho:
 
     def _serve(self, conn: socket.socket) -> None:
         ws = WSConnection(ConnectionType.SERVER)
-        with contextlib.suppress(OSError), conn:
+        # A client the proxy cut off mid-handshake or mid-frame ends its connection, not the thread with a trace.
+        with contextlib.suppress(OSError, RemoteProtocolError), conn:
             while True:
                 data = conn.recv(65536)
                 ws.receive_data(data or None)
