@@ -360,13 +360,12 @@ class FastHttp:
             upstream = None
         return keep, bytes(watch.data), upstream
 
-    @staticmethod
-    async def _early_response(sending: Coroutine[None, None, int], upstream: Upstream
+    async def _early_response(self, sending: Coroutine[None, None, int], upstream: Upstream
                               ) -> tuple[asyncio.Task[int] | None, int]:
         """Send the request (``sending``) while listening to the upstream (proxy/early_response.py): (None, the
         body's bytes) when it was all sent first, as nearly always; (the send, still going, 0) when the
         origin's final response began before."""
-        listener = UpstreamListener(upstream.sock, upstream.parser, READ)
+        listener = UpstreamListener(upstream.sock, upstream.parser, READ, self.gate.policy.limits.max_header_bytes)
         task = asyncio.ensure_future(sending)
         try:
             await asyncio.wait({task, listener.answered}, return_when=asyncio.FIRST_COMPLETED)

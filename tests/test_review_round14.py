@@ -1,0 +1,121 @@
+"""Review round 14: an origin's answer before the request body is sent (proxy/early_response.py and its use in
+proxy/fast_http.py), attacked from a hostile origin and a hostile client, on both transports."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+
+import pytest
+from hostile import _Server
+from proxyproc import both_transports
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("internal_saw_nothing")]
+
+BODY = 8_000_000
+
+
+def _length_and_rest(head: bytes) -> tuple[int, bytes]:
+    head, _, rest = head.partition(b"\r\n\r\n")
+    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    return length, rest
+
+
+class Early(_Server):
+    """Sends ``answer`` once it has the head, then reads ``read`` bytes of the body (counting them in
+    ``received``), then waits ``hold`` seconds, then closes (``close``: plainly; ``rst``: with a reset)."""
+
+    def __init__(self, answer: bytes | list[bytes], read: int = 0, hold: float = 8.0, rst: bool = False,
+                 gap: float = 0.0) -> None:
+        self.answer = answer if isinstance(answer, list) else [answer]
+        self.read, self.hold, self.rst, self.gap = read, hold, rst, gap
+        self.received = 0
+        self.heads: list[bytes] = []
+        super().__init__()
+
+    def handle(self, conn: socket.socket, head: bytes) -> None:
+        self.heads.append(head)
+        _, rest = _length_and_rest(head)
+        self.received += len(rest)
+        for piece in self.answer:
+            conn.sendall(piece)
+            if self.gap:
+                time.sleep(self.gap)
+        while self.received < self.read and (chunk := conn.recv(65536)):
+            self.received += len(chunk)
+        if self.rst:
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            return
+        time.sleep(self.hold)
+
+
+def _proxy(lab, start_proxy, origin, limits: str = ""):
+    return start_proxy(lab.policy_text(limits=limits).replace("  http: [", f"  http: [{origin.port}, "))
+
+
+def post(proxy, port: int, body: bytes, chunked: bool = False, seconds: float = 10, after: bytes = b"",
+         stop_at: int | None = None, until=None) -> tuple[bytes, int, float]:
+    """POST ``body`` (then ``after``) writing as the socket takes it and reading at the same time, until the
+    proxy closes, time runs out, or ``until(got)``: (what came back, bytes sent, seconds taken)."""
+    authority = f"public.lab.example:{port}"
+    framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {len(body)}"
+    wire = (b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)) if chunked else body
+    wire += after
+    if stop_at is not None:
+        wire = wire[:stop_at]
+    sock = socket.create_connection((proxy.host, proxy.port), timeout=10)
+    sock.sendall(f"POST http://{authority}/up HTTP/1.1\r\nHost: {authority}\r\n{framing}\r\n\r\n".encode())
+    sock.setblocking(False)
+    got, sent = b"", 0
+    started = time.monotonic()
+    deadline = started + seconds
+    with contextlib.suppress(ConnectionResetError, BrokenPipeError), sock:
+        while time.monotonic() < deadline and not (until and until(got)):
+            with contextlib.suppress(BlockingIOError):
+                if sent < len(wire):
+                    sent += sock.send(wire[sent:sent + 65536])
+            with contextlib.suppress(BlockingIOError):
+                chunk = sock.recv(1 << 20)
+                if not chunk:
+                    break
+                got += chunk
+            time.sleep(0.0005)
+    return got, sent, time.monotonic() - started
+
+
+def responses(proxy) -> list[dict]:
+    return [r for r in proxy.audit() if r["event"] == "response"]
+
+
+def fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+FINAL_413 = b"HTTP/1.1 413 Too Large\r\nContent-Length: 5\r\n\r\nlarge"
+
+
+@both_transports
+@pytest.mark.parametrize("interim", [b"HTTP/1.1 100 Continue\r\n\r\n",
+                                     b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n",
+                                     b"HTTP/1.1 100 Continue\n\n"],  # h11 ends a head at a bare LF too
+                         ids=["100", "103", "100-bare-lf"])
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_an_answer_after_an_interim_one_is_relayed_at_once(lab, start_proxy, interim, chunked):
+    """An origin that sends an interim response, then its final answer, and then reads no more: the answer
+    is relayed at once (the listener went on after the interim one), not held behind the body until
+    limits.idle_timeout and then lost in a reset (mitmproxy's path relays it at once)."""
+    origin = Early([interim, FINAL_413], hold=8, gap=0.05)  # the two come in reads of their own
+    try:
+        proxy = _proxy(lab, start_proxy, origin, limits="limits:\n  idle_timeout: 6\n")
+        got, _, took = post(proxy, origin.port, b"x" * BODY, chunked, seconds=10,
+                            until=lambda g: g.endswith(b"large"))
+        assert got.startswith(b"HTTP/1.1 413 Too Large") and got.endswith(b"large"), got[:200]
+        assert b" 10" not in got.split(b"\r\n", 1)[0] and b"Continue" not in got and b"Early" not in got
+        assert took < 3, f"the answer waited {took:.1f}s behind the body"
+        time.sleep(0.5)
+        assert [(r["status"], r["error"]) for r in responses(proxy)] == [(413, None)], responses(proxy)
+    finally:
+        origin.close()
