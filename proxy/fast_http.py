@@ -337,6 +337,10 @@ class FastHttp:
             if ended.error:  # "" : the refusal that ended it is the flow's closing record already
                 gate.response_closed(ask.flow_id, client, request.method, target, verdict, started, up,
                                      relayed.down, relayed.status, ended.error)
+            if ended.answer is not None and not answered and server.their_state is h11.SEND_BODY:
+                # The body is still coming (an early answer refused, a 101 or garbage): closing with it unread
+                # would reset the connection and destroy the refusal, so it is read and dropped a moment first.
+                await answer_then_drain(conn, b"", DRAIN_AFTER_REFUSAL, DRAIN_BYTES)
             return False, b"", upstream
         except (OSError, TimeoutError) as err:
             if upstream is not None:

@@ -119,3 +119,19 @@ def test_an_answer_after_an_interim_one_is_relayed_at_once(lab, start_proxy, int
         assert [(r["status"], r["error"]) for r in responses(proxy)] == [(413, None)], responses(proxy)
     finally:
         origin.close()
+
+
+@both_transports
+def test_an_unasked_101_before_the_body_is_refused_at_once(lab, start_proxy):
+    """A 101 the request did not ask for, sent before the body: refused with 502 at once (never relayed),
+    not taken for an interim response that leaves the body waiting on an origin that no longer reads."""
+    origin = Early(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\nConnection: upgrade\r\n\r\nraw bytes",
+                   hold=8)
+    try:
+        proxy = _proxy(lab, start_proxy, origin, limits="limits:\n  idle_timeout: 6\n")
+        got, _, took = post(proxy, origin.port, b"x" * BODY, seconds=10, until=lambda g: b"\r\n\r\n" in g)
+        assert got.startswith(b"HTTP/1.1 502"), got[:200]
+        assert b"101" not in got.split(b"\r\n", 1)[0] and b"raw bytes" not in got
+        assert took < 3, f"the refusal waited {took:.1f}s"
+    finally:
+        origin.close()
