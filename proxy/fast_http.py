@@ -322,6 +322,9 @@ class FastHttp:
             if watch.over:
                 raise Ended(f"egresswall: {_pipelined_reason(gate.policy.limits.max_header_bytes)}")
         except (Ended, h11.LocalProtocolError) as failure:
+            # A send that broke off (or still went on beside an early answer) returned no count: the body's
+            # bytes so far are relayed.up, and bytes_up is what a session's request_bytes budget is charged.
+            up = max(up, relayed.up)
             ended = failure if isinstance(failure, Ended) else Ended(f"egresswall cannot relay the response: "
                                                                      f"{failure}"[:300])
             if watch is not None and watch.over:  # the bound's own line, as on mitmproxy's path
@@ -343,6 +346,7 @@ class FastHttp:
                 await answer_then_drain(conn, b"", DRAIN_AFTER_REFUSAL, DRAIN_BYTES)
             return False, b"", upstream
         except (OSError, TimeoutError) as err:
+            up = max(up, relayed.up)  # as above
             if upstream is not None:
                 upstream.close()
                 upstream = None

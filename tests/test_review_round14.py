@@ -135,3 +135,23 @@ def test_an_unasked_101_before_the_body_is_refused_at_once(lab, start_proxy):
         assert took < 3, f"the refusal waited {took:.1f}s"
     finally:
         origin.close()
+
+
+@both_transports
+@pytest.mark.parametrize("answer", [b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial", b""],
+                         ids=["early-answer-broken-off", "no-answer"])
+def test_a_body_cut_short_is_recorded_with_the_bytes_that_went_up(lab, start_proxy, answer):
+    """The origin takes a megabyte of the body, then resets (after an early answer it breaks off, or without
+    one): the record's bytes_up has the body's bytes that went up, not 0 (they are what a session's
+    request_bytes budget is charged with)."""
+    origin = Early(answer, read=1_000_000, rst=True)
+    try:
+        proxy = _proxy(lab, start_proxy, origin)
+        post(proxy, origin.port, b"x" * BODY, seconds=5)
+        time.sleep(0.5)
+        records = responses(proxy)
+        assert len(records) == 1 and records[0]["error"], records
+        assert origin.received >= 1_000_000
+        assert records[0]["bytes_up"] >= origin.received, (records[0]["bytes_up"], origin.received)
+    finally:
+        origin.close()
