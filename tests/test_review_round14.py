@@ -155,3 +155,137 @@ def test_a_body_cut_short_is_recorded_with_the_bytes_that_went_up(lab, start_pro
         assert records[0]["bytes_up"] >= origin.received, (records[0]["bytes_up"], origin.received)
     finally:
         origin.close()
+
+
+class AnswersFirstKeepsReading(_Server):
+    """Answers 413 at once (keep-alive: no Connection: close), then reads and keeps every head-like line it
+    gets on the connection, and answers each with a 200 that names what it took for its request line."""
+
+    def __init__(self) -> None:
+        self.heads: list[bytes] = []
+        self.taken = b""
+        super().__init__()
+
+    def handle(self, conn: socket.socket, head: bytes) -> None:
+        self.heads.append(head)
+        conn.sendall(FINAL_413)
+        conn.settimeout(3)
+        with contextlib.suppress(OSError):
+            while chunk := conn.recv(65536):
+                self.taken += chunk
+                if b"GET http" in self.taken or b"GET /smuggled" in self.taken:
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\nsmuggled")
+
+
+@both_transports
+def test_a_request_inside_a_body_answered_early_is_never_read_as_one(lab, start_proxy):
+    """The body's bytes after the origin's early answer look like requests (to a path the policy would
+    decide on its own): they stay body bytes the origin may take, never a request of the client's (no
+    decision for it), and what the origin sends after its answer (a 200 to the look-alike) is not relayed."""
+    origin = AnswersFirstKeepsReading()
+    try:
+        proxy = _proxy(lab, start_proxy, origin)
+        authority = f"public.lab.example:{origin.port}"
+        fake = f"GET http://{authority}/smuggled HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode()
+        body = fake * (2_000_000 // len(fake))
+        got, _, _ = post(proxy, origin.port, body, seconds=8)
+        assert got.startswith(b"HTTP/1.1 413") and got.endswith(b"large"), got[:200]
+        assert b"smuggled" not in got and got.count(b"HTTP/1.1") == 1, got[:300]
+        time.sleep(0.5)
+        assert len(origin.heads) == 1 and origin.connections == 1
+        decisions = [r for r in proxy.decisions() if r.get("path") == "/smuggled"]
+        assert not decisions, decisions
+        assert [(r["status"], r["error"]) for r in responses(proxy)] == [(413, None)], responses(proxy)
+    finally:
+        origin.close()
+
+
+@both_transports
+def test_a_client_that_half_closes_mid_body_still_gets_the_early_answer(lab, start_proxy):
+    """The client sends a part of its body, reads nothing yet, then half-closes: the origin's early answer
+    is still relayed in full, and the exchange has one response record, the answer's status."""
+    origin = Early(FINAL_413, hold=4)
+    try:
+        proxy = _proxy(lab, start_proxy, origin)
+        authority = f"public.lab.example:{origin.port}"
+        with socket.create_connection((proxy.host, proxy.port), timeout=8) as sock:
+            sock.sendall(f"POST http://{authority}/up HTTP/1.1\r\nHost: {authority}\r\n"
+                         f"Content-Length: {BODY}\r\n\r\n".encode() + b"x" * 100_000)
+            time.sleep(0.3)
+            sock.shutdown(socket.SHUT_WR)
+            got = b""
+            with contextlib.suppress(OSError):
+                while not got.endswith(b"large") and (chunk := sock.recv(65536)):
+                    got += chunk
+        assert got.startswith(b"HTTP/1.1 413") and got.endswith(b"large"), got[:200]
+        time.sleep(0.5)
+        records = responses(proxy)
+        assert [r["status"] for r in records] == [413], records
+        assert 0 < records[0]["bytes_up"] <= 100_000, records
+    finally:
+        origin.close()
+
+
+class TrickledHead(_Server):
+    """Answers at once with a status line, then header lines of 1 KB each, one every ``interval`` seconds,
+    and never reads the body."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        super().__init__()
+
+    def handle(self, conn: socket.socket, head: bytes) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\n")
+        deadline = time.monotonic() + 15
+        while not self.closed.is_set() and time.monotonic() < deadline:
+            conn.sendall(b"X-Trickle: " + b"a" * 1000 + b"\r\n")
+            time.sleep(self.interval)
+
+
+@both_transports
+@pytest.mark.parametrize("interval", [0.0005, 0.2], ids=["fast", "slow"])
+def test_an_early_head_that_never_ends_is_bounded(lab, start_proxy, interval):
+    """An early answer whose head never ends, sent fast (over limits.max_header_bytes) or trickled (past
+    limits.header_timeout): refused with 502 within the bound, nothing of it relayed."""
+    origin = TrickledHead(interval)
+    try:
+        proxy = _proxy(lab, start_proxy, origin, limits="limits:\n  header_timeout: 2\n  max_header_bytes: 16384\n")
+        got, _, took = post(proxy, origin.port, b"x" * BODY, seconds=10, until=lambda g: b"\r\n\r\n" in g)
+        assert b"X-Trickle" not in got and b"200 OK" not in got, got[:200]
+        assert took < 6, took
+        time.sleep(0.5)
+        records = responses(proxy)
+        assert len(records) <= 1 and all(r["status"] in (502, None) for r in records), records
+    finally:
+        origin.close()
+
+
+@both_transports
+def test_many_early_answers_leave_no_descriptor_behind(lab, start_proxy):
+    """Forty exchanges answered early (a 413, garbage, an answer broken off, a 100 then a 413), with the
+    client going away in different ways: the proxy's open descriptors come back to what they were, and each
+    exchange has its one response record."""
+    answers = [FINAL_413, b"GARBAGE\r\n\r\n", b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npart",
+               [b"HTTP/1.1 100 Continue\r\n\r\n", FINAL_413]]
+    origins = [Early(answer, hold=0.5, gap=0.02) for answer in answers]
+    try:
+        policy = lab.policy_text().replace("  http: [", "  http: [" + "".join(f"{o.port}, " for o in origins))
+        proxy = start_proxy(policy)
+        post(proxy, origins[0].port, b"x" * 1000, seconds=3, until=lambda g: g.endswith(b"large"))
+        time.sleep(0.5)
+        before = fds(proxy.process.pid)
+        for round_ in range(10):
+            for index, origin in enumerate(origins):
+                seconds = 0.3 if (round_ + index) % 3 == 0 else 3  # some clients leave before the end
+                post(proxy, origin.port, b"x" * 2_000_000, seconds=seconds,
+                     until=lambda g: g.endswith((b"large", b"part")) or b"\r\n\r\n" in g and b"502" in g[:12])
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline and fds(proxy.process.pid) > before:
+            time.sleep(0.2)
+        assert fds(proxy.process.pid) <= before, (before, os.listdir(f"/proc/{proxy.process.pid}/fd"))
+        records = responses(proxy)
+        assert len(records) == 41, [(r["status"], r["error"]) for r in records]
+        assert all(r["status"] is None or 100 <= r["status"] < 600 for r in records)
+    finally:
+        for origin in origins:
+            origin.close()
