@@ -343,7 +343,7 @@ class FastHttp:
             if ended.answer is not None and not answered and server.their_state is h11.SEND_BODY:
                 # The body is still coming (an early answer refused, a 101 or garbage): closing with it unread
                 # would reset the connection and destroy the refusal, so it is read and dropped a moment first.
-                await answer_then_drain(conn, b"", DRAIN_AFTER_REFUSAL, DRAIN_BYTES)
+                await answer_then_drain(conn, b"")
             return False, b"", upstream
         except (OSError, TimeoutError) as err:
             up = max(up, relayed.up)  # as above
