@@ -50,7 +50,8 @@ class UpstreamListener:
             return
         except OSError:
             chunk = b""
-        self.parser.receive_data(chunk)  # h11 takes b"" as the upstream's close
+        if chunk:  # the upstream's close is left for the relay to read itself (and name: "closed without a response")
+            self.parser.receive_data(chunk)
         self._fed += len(chunk)
         if not chunk or self._fed > self.limit or self._final_begins(chunk):
             self.stop()

@@ -350,8 +350,19 @@ class FastHttp:
             if upstream is not None:
                 upstream.close()
                 upstream = None
+            error = f"the exchange failed: {getattr(err, 'strerror', None) or err}"
+            told = relayed.status is None and not answered
+            if told:
+                # Nothing of a response reached the client (the origin reset the connection): it is told with a
+                # 502, as mitmproxy's path tells it, not left with a reset; a body still coming is drained first.
+                refusal = self._connect_refusal(f"egresswall: {error}", verdict, target, accept)
+                relayed.status = refusal.status
+                with contextlib.suppress(OSError):
+                    await loop.sock_sendall(conn, refusal_bytes(refusal))
             gate.response_closed(ask.flow_id, client, request.method, target, verdict, started, up, relayed.down,
-                                 relayed.status, f"the exchange failed: {getattr(err, 'strerror', None) or err}")
+                                 relayed.status, error)
+            if told and server.their_state is h11.SEND_BODY:
+                await answer_then_drain(conn, b"")
             return False, b"", upstream
         finally:  # every way out: sent, refused, reset, timed out, cancelled
             hold.release()
@@ -382,8 +393,10 @@ class FastHttp:
             raise
         finally:
             listener.stop()
-        if task.done():
+        if task.done() and not (listener.answered.done() and task.exception() is not None):
             return None, task.result()  # its failure is raised here, as without the listener
+        # The answer began (the send may have failed in the same turn, the origin gone once it had answered:
+        # what it sent is in the parser and is relayed).
         return task, 0
 
     def _connect_refusal(self, reason: str, verdict: Verdict, target: Target, accept: tuple[str, ...]) -> Refusal:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import struct
 import time
 
 import pytest
@@ -178,5 +179,29 @@ def test_an_unasked_100_continue_leaves_the_body_going(lab, start_proxy):
         assert sent == BODY and got.startswith(b"HTTP/1.1 200 OK"), got[:200]
         assert got.endswith(str(BODY).encode()), got[-200:]
         assert b"100 Continue" not in got
+    finally:
+        origin.close()
+
+
+class Resets(_Server):
+    """Reads what came with the head, then resets the connection (SO_LINGER 0) without a word."""
+
+    def handle(self, conn: socket.socket, head: bytes) -> None:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.close()
+
+
+@both_transports
+@pytest.mark.parametrize("size", [0, BODY], ids=["no-body", "body"])
+def test_an_origin_that_resets_gets_the_client_a_502(lab, start_proxy, size):
+    """The fast path left the client with a reset of its own when the origin reset before answering (the
+    send or the read failed); mitmproxy's path answers 502. Both answer 502 now, with one record."""
+    origin = Resets()
+    try:
+        proxy = _proxy(lab, start_proxy, origin)
+        got, _ = _post(proxy, origin, b"z" * size, seconds=5)
+        assert got.startswith(b"HTTP/1.1 502 Bad Gateway"), got[:200]
+        records = [r for r in proxy.audit() if r["event"] == "response"]
+        assert [r["status"] for r in records] == [502] and records[0]["error"], records
     finally:
         origin.close()
