@@ -1094,7 +1094,6 @@ class HeldReader:
     wraps."""
 
     def __init__(self, reader) -> None:
-        self._reader = reader
         self.reader = reader  # the one it wraps
         self._holds = 0
         self._released: asyncio.Future[None] | None = None
@@ -1111,10 +1110,10 @@ class HeldReader:
         while self._holds:
             self._released = asyncio.get_running_loop().create_future()
             await self._released
-        return await self._reader.read(n)
+        return await self.reader.read(n)
 
     def __getattr__(self, name: str):
-        return getattr(self._reader, name)
+        return getattr(self.reader, name)
 
 
 def _hook_task(self: mitmproxy.proxy.server.ConnectionHandler, hook: commands.StartHook) -> Coroutine:

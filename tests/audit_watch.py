@@ -61,3 +61,23 @@ def rss_kib(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
     raise RuntimeError("no VmRSS")
+
+
+def _tree(pid: int) -> list[str]:
+    """A proxy's process and its worker processes."""
+    return [str(pid), *Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def tree_kib(pid: int, field: str = "VmRSS") -> int:
+    """A /proc status figure (VmRSS, or the peak VmHWM) summed over the proxy and its worker processes."""
+    return sum(int(line.split()[1]) for process in _tree(pid)
+               for line in Path(f"/proc/{process}/status").read_text().splitlines() if line.startswith(f"{field}:"))
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User and system CPU of the proxy and its worker processes."""
+    ticks = 0
+    for process in _tree(pid):
+        fields = Path(f"/proc/{process}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")

@@ -17,9 +17,9 @@ import struct
 import threading
 import time
 import zlib
-from pathlib import Path
 
 import pytest
+from audit_watch import tree_kib
 from labnet import PUBLIC_IP
 from proxyproc import both_transports
 from ws_echo import WsEcho
@@ -29,12 +29,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("internal_saw_not
 BLAST_SECONDS = 4.0
 GROWTH_MIB = 24  # what a connection may grow the proxy by while its peer sends and never reads
 
-
-def _rss_kib(pid: int) -> int:
-    """The proxy's resident memory, its worker processes' too."""
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return sum(int(line.split()[1]) for child in [pid, *children]
-               for line in Path(f"/proc/{child}/status").read_text().splitlines() if line.startswith("VmRSS:"))
 
 
 def _blast(sock: socket.socket, next_piece, seconds: float = BLAST_SECONDS) -> int:
@@ -63,7 +57,7 @@ def _blast(sock: socket.socket, next_piece, seconds: float = BLAST_SECONDS) -> i
 
 
 def _grown_mib(proxy, before_kib: int) -> float:
-    return (_rss_kib(proxy.process.pid) - before_kib) / 1024
+    return (tree_kib(proxy.process.pid) - before_kib) / 1024
 
 
 # ---- WebSockets: a client that sends and never reads -------------------------------------------------
@@ -133,7 +127,7 @@ def test_a_websocket_client_that_sends_and_never_reads_is_bounded(lab, start_pro
     answered). So the origin must stop being read, and then the client, within the buffers."""
     proxy = _ws_proxy(lab, start_proxy, echo)
     sock = _ws_open(proxy, echo.port, tunnel)
-    before = _rss_kib(proxy.process.pid)
+    before = tree_kib(proxy.process.pid)
     frame = _frame(0x2, b"m" * 65536) if what == "messages" else _frame(0x9, b"p" * 125) * 512
     with sock:
         sent = _blast(sock, lambda: frame)
@@ -164,7 +158,7 @@ def test_pipelined_requests_whose_answers_are_never_read_are_bounded(lab, start_
     proxy = start_proxy(lab.policy_text())
     batch = _requests(lab, kind)
     sock = socket.create_connection((proxy.host, proxy.port), timeout=10)
-    before = _rss_kib(proxy.process.pid)
+    before = tree_kib(proxy.process.pid)
     with sock:
         sent = _blast(sock, lambda: batch)
         grown = _grown_mib(proxy, before)
@@ -180,7 +174,7 @@ def test_pipelined_requests_inside_a_connect_to_a_plain_http_port_are_bounded(la
     sock, status, _ = proxy.connect(f"public.lab.example:{lab.public.port}")
     assert status == 200
     batch = _requests(lab, kind, origin_form=True)
-    before = _rss_kib(proxy.process.pid)
+    before = tree_kib(proxy.process.pid)
     with sock:
         sent = _blast(sock, lambda: batch)
         grown = _grown_mib(proxy, before)
@@ -242,7 +236,7 @@ def test_pipelined_requests_in_an_intercepted_tunnel_whose_answers_are_never_rea
     tls = _TlsOverSocket(sock, "public.lab.example")
     plain = (f"GET {'/bytes/65536' if kind == 'big' else '/short'} HTTP/1.1\r\nHost: {authority}\r\n\r\n"
              * (1 if kind == "big" else 16)).encode()
-    before = _rss_kib(proxy.process.pid)
+    before = tree_kib(proxy.process.pid)
     with sock:
         sent = _blast(sock, lambda: tls.records(plain))
         grown = _grown_mib(proxy, before)
@@ -263,7 +257,7 @@ def test_a_passed_through_tunnel_whose_client_never_reads_is_bounded(lab, start_
     assert status == 200
     tls = _TlsOverSocket(sock, "public.lab.example")
     piece = b"d" * 65536
-    before = _rss_kib(proxy.process.pid)
+    before = tree_kib(proxy.process.pid)
     with sock:
         sent = _blast(sock, lambda: tls.records(piece))
         grown = _grown_mib(proxy, before)
@@ -334,7 +328,7 @@ def test_an_intercepted_client_sending_while_the_origin_s_handshake_waits_is_bou
     sock.sendall(_client_hello("public.lab.example"))
     junk = b"\x17\x03\x03\x40\x00" + b"j" * 16384  # an application-data record's shape
     time.sleep(0.5)
-    before = _rss_kib(proxy.process.pid)
+    before = tree_kib(proxy.process.pid)
     with sock:
         sent = _blast(sock, lambda: junk)
         grown = _grown_mib(proxy, before)
@@ -561,7 +555,7 @@ def test_a_client_sending_while_an_upstream_proxy_never_answers_the_connect_is_b
     sock.sendall(_client_hello("public.lab.example"))
     junk = b"\x17\x03\x03\x40\x00" + b"j" * 16384
     time.sleep(0.5)
-    before = _rss_kib(proxy.process.pid)
+    before = tree_kib(proxy.process.pid)
     with sock:
         sent = _blast(sock, lambda: junk)
         grown = _grown_mib(proxy, before)
@@ -582,7 +576,7 @@ def test_a_client_sending_while_an_upstream_proxy_never_answers_an_upgrade_is_bo
                   "Sec-WebSocket-Version: 13\r\n\r\n").encode())
     piece = _frame(0x2, b"w" * 65536)
     time.sleep(0.5)
-    before = _rss_kib(proxy.process.pid)
+    before = tree_kib(proxy.process.pid)
     with sock:
         sent = _blast(sock, lambda: piece)
         grown = _grown_mib(proxy, before)

@@ -14,9 +14,9 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
-from pathlib import Path
 
 import pytest
+from audit_watch import tree_kib
 from labnet import PUBLIC_IP
 from proxyproc import both_transports
 from session_client import api, connect, create, token_file
@@ -135,12 +135,6 @@ def test_a_websocket_past_the_response_bytes_budget_is_closed_and_its_bytes_are_
     assert view["usage"]["request_bytes"] >= 150_000, view  # the client's messages are charged too
 
 
-def _rss_kib(pid: int) -> int:
-    """The proxy's resident memory, its worker processes' too."""
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return sum(int(line.split()[1]) for child in [pid, *children]
-               for line in Path(f"/proc/{child}/status").read_text().splitlines() if line.startswith("VmRSS:"))
-
 
 @both_transports
 def test_a_long_websocket_does_not_keep_what_it_carried(lab, start_proxy, tmp_path, echo):
@@ -151,10 +145,10 @@ def test_a_long_websocket_does_not_keep_what_it_carried(lab, start_proxy, tmp_pa
     piece = b"m" * (1 << 20)
     for _ in range(5):
         client.echo(piece)
-    before = _rss_kib(proxy.process.pid)
+    before = tree_kib(proxy.process.pid)
     for _ in range(60):
         assert client.echo(piece) == piece
-    grown = (_rss_kib(proxy.process.pid) - before) // 1024
+    grown = (tree_kib(proxy.process.pid) - before) // 1024
     assert grown < 30, f"the proxy grew by {grown} MiB over a 120 MiB WebSocket"
 
 
@@ -178,7 +172,7 @@ def test_a_websocket_message_over_the_limit_ends_the_websocket(lab, start_proxy,
     the WebSocket ends, with a refusal line; the origin never gets the message."""
     proxy, session, client = _start(lab, start_proxy, tmp_path, echo, limits=LIMIT)
     assert len(client.echo(b"x" * 900_000)) == 900_000  # under the limit: relayed
-    before = _rss_kib(proxy.process.pid)
+    before = tree_kib(proxy.process.pid)
     sent = 0
     with contextlib.suppress(OSError):
         while sent < 50_000_000:
@@ -191,7 +185,7 @@ def test_a_websocket_message_over_the_limit_ends_the_websocket(lab, start_proxy,
     with contextlib.suppress(OSError):
         closed = client._next()
     assert closed is None or (isinstance(closed, CloseConnection) and closed.code == 1009), closed
-    assert (_rss_kib(proxy.process.pid) - before) // 1024 < 20
+    assert (tree_kib(proxy.process.pid) - before) // 1024 < 20
     line = _limit_line(proxy)
     assert line["verdict"] == "refuse" and line["host"] == "public.lab.example" and "1000000 bytes" in line["reason"]
     assert line["session"] == session["id"]
@@ -211,12 +205,6 @@ def test_an_origin_s_message_over_the_limit_ends_the_websocket(lab, start_proxy,
     assert got == 0 and (event is None or (isinstance(event, CloseConnection) and event.code == 1009)), (got, event)
     assert "limits.max_websocket_message" in _limit_line(proxy)["reason"]
 
-
-def _peak_kib(pid: int) -> int:
-    """The proxy's peak resident memory (VmHWM), its worker processes' too."""
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return sum(int(line.split()[1]) for child in [pid, *children]
-               for line in Path(f"/proc/{child}/status").read_text().splitlines() if line.startswith("VmHWM:"))
 
 
 def _closed_with(client: Client, seconds: float) -> CloseConnection | None:
@@ -245,12 +233,12 @@ def test_a_compressed_message_is_bounded_as_it_inflates(lab, start_proxy, tmp_pa
         proxy, session, client = _start(lab, start_proxy, tmp_path, echo, limits=LIMIT, deflate=True)
         assert client.accepted.extensions, "permessage-deflate was not negotiated"
         assert len(client.echo(b"z" * 900_000)) == 900_000  # under the limit, compressed: relayed
-        before = _peak_kib(proxy.process.pid)
+        before = tree_kib(proxy.process.pid, "VmHWM")
         with contextlib.suppress(OSError):
             client.sock.sendall(client.ws.send(Message(data=bytes(128 << 20))))  # ~128 KiB on the wire
         closed = _closed_with(client, 10)
         assert closed is None or closed.code == 1009, closed
-        grown = (_peak_kib(proxy.process.pid) - before) // 1024
+        grown = (tree_kib(proxy.process.pid, "VmHWM") - before) // 1024
         assert grown < 30, f"the proxy's peak memory grew by {grown} MiB inflating one message"
         line = _limit_line(proxy)
         assert line["session"] == session["id"] and "1000000 bytes" in line["reason"], line

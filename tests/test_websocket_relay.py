@@ -15,13 +15,12 @@ Two faults of the relay itself, each with the patch that fixes it (proxy/mitm_pa
 
 from __future__ import annotations
 
-import os
 import socket
 import struct
 import time
-from pathlib import Path
 
 import pytest
+from audit_watch import tree_cpu_seconds, tree_kib
 from labnet import PUBLIC_IP
 from proxyproc import both_transports
 from ws_echo import WsEcho
@@ -107,15 +106,6 @@ def test_a_large_message_to_an_origin_that_echoes_as_it_reads(lab, start_proxy, 
     assert got == size, f"{got} of {size} bytes came back in 30 s: the relay is stuck"
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User and system CPU of the proxy and its worker processes."""
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    ticks = 0
-    for process in [pid, *children]:
-        fields = Path(f"/proc/{process}/stat").read_text().rsplit(")", 1)[1].split()
-        ticks += int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
-
 
 @both_transports
 def test_a_trickled_frame_costs_cpu_in_proportion(lab, start_proxy, echo):
@@ -128,14 +118,14 @@ def test_a_trickled_frame_costs_cpu_in_proportion(lab, start_proxy, echo):
     size = 8 << 20
     mask = b"\x00\x00\x00\x00"  # a zero mask leaves the payload as sent
     client.sock.sendall(b"\x82\xff" + struct.pack("!Q", size) + mask)
-    before = _cpu_seconds(proxy.process.pid)
+    before = tree_cpu_seconds(proxy.process.pid)
     piece = b"t" * 1024
     for index in range(size // len(piece)):
         client.sock.sendall(piece)
         if index % 2 == 0:
             time.sleep(0.001)
     assert client.read_message(size, 30) == size
-    spent = _cpu_seconds(proxy.process.pid) - before
+    spent = tree_cpu_seconds(proxy.process.pid) - before
     assert spent < 2.0, f"the proxy spent {spent:.2f} s of CPU on one trickled 8 MiB frame"
 
 
@@ -151,12 +141,6 @@ def test_a_frame_buffer_grows_its_pieces_in_place():
     assert b"".join(frame_buf) == b"abcabcabcde" and [len(piece) for piece in frame_buf] == [9, 2]
 
 
-def _peak_kib(pid: int) -> int:
-    """The proxy's peak resident memory (VmHWM), its worker processes' too."""
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return sum(int(line.split()[1]) for child in [pid, *children]
-               for line in Path(f"/proc/{child}/status").read_text().splitlines() if line.startswith("VmHWM:"))
-
 
 @both_transports
 def test_an_origin_s_compressed_frame_is_bounded_as_it_inflates(lab, start_proxy):
@@ -168,12 +152,12 @@ def test_an_origin_s_compressed_frame_is_bounded_as_it_inflates(lab, start_proxy
         proxy = _start(lab, start_proxy, origin, limits="limits:\n  max_websocket_message: 1000000\n")
         client = Client(proxy, origin, tunnel=False, deflate=True)
         assert client.accepted.extensions, "permessage-deflate was not negotiated"
-        before = _peak_kib(proxy.process.pid)
+        before = tree_kib(proxy.process.pid, "VmHWM")
         client.sock.sendall(client.ws.send(Message(data=f"zeros:{256 << 20}".encode())))
         client.sock.settimeout(10)
         event = client._next()
         assert event is None or (isinstance(event, CloseConnection) and event.code == 1009), event
-        grown = (_peak_kib(proxy.process.pid) - before) // 1024
+        grown = (tree_kib(proxy.process.pid, "VmHWM") - before) // 1024
         assert grown < 30, f"the proxy's peak memory grew by {grown} MiB inflating the origin's frame"
         deadline = time.monotonic() + 5  # the refusal line is written as the WebSocket ends
         while not (lines := [r for r in proxy.audit() if r.get("rule") == "limits.max_websocket_message"]):
