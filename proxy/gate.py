@@ -53,11 +53,15 @@ from .records import DECISION, RESPONSE, TUNNEL, Recorder
 from .refusals import Refusal
 from .reload import PolicyHolder
 from .sessions.service import SessionService
+from .sessions.store import StoreUnavailable
 from .tls_retry import RetryWatch
 
 log = logging.getLogger("egresswall")
 LIMITS, TLS, HTTP = "limits", "tls", "http"
 SESSION_SWEEP = 1.0  # seconds between looks at the sessions of open tunnels (an end cuts them within it)
+# How long the session store may go unanswered before what is open under a session is closed: a hiccup cuts
+# nothing, an outage does not leave bytes moving that can be neither charged nor held to the session's end.
+SESSION_STORE_GRACE = 5.0
 
 
 @dataclass(eq=False, kw_only=True)
@@ -74,6 +78,7 @@ class UnderSession:
     cut_by: Verdict | None = None
     moved: Callable[[], tuple[int, int]] | None = None
     charged: tuple[int, int] = (0, 0)
+    store_silent_since: float | None = None  # when the sweep first found the session store not answering
 
 
 @dataclass(eq=False)
@@ -157,6 +162,7 @@ class Gate:
         self._audit_probe: asyncio.Task | None = None
         self.under_sessions: dict[str, UnderSession] = {}  # open tunnels and WebSockets under a session, by id
         self._session_sweep: asyncio.Task | None = None
+        self.store_grace = SESSION_STORE_GRACE
         self.metrics.policy_in_force()
         self.metrics.count_audit_failures(lambda: self.audit.failures)
 
@@ -382,16 +388,22 @@ class Gate:
             await asyncio.gather(*(self._look_at_session(helds) for helds in by_session.values()))
 
     async def _look_at_session(self, helds: list[UnderSession]) -> None:
-        """End a session's open tunnels and WebSockets once it has ended or expired, or its bytes are past a
-        byte budget. An error here is logged, and the sweep goes on for every other session (a sweep that
-        died would cut nothing again until another one opened)."""
+        """End a session's open tunnels and WebSockets once it has ended or expired, its bytes are past a byte
+        budget, or the store has not answered for ``store_grace`` seconds. Any other error here is logged, and
+        the sweep goes on for every other session (a sweep that died would cut nothing again until another one
+        opened)."""
         session = helds[0].session
         assert session is not None
         try:
             over = await self.sessions.over(session) or await self._charge_open(session, helds)
+        except StoreUnavailable as err:
+            over = self._store_silent(session, helds, err)
         except Exception:  # noqa: BLE001 - see the docstring; CancelledError (shutdown) is no Exception
             log.exception("session %s: its open tunnels and WebSockets could not be looked at", session.id)
             return
+        else:
+            for held in helds:
+                held.store_silent_since = None
         if over is None:
             return
         for held in helds:
@@ -399,21 +411,36 @@ class Gate:
                 held.cut_by = over
                 held.cut()
 
+    def _store_silent(self, session: Session, helds: list[UnderSession], err: StoreUnavailable) -> Verdict | None:
+        """The store did not answer this look. A hiccup cuts nothing (new requests under the session are refused
+        503 meanwhile); once it has not answered for ``store_grace`` seconds, the refusal that ends them."""
+        now = time.monotonic()
+        for held in helds:
+            if held.store_silent_since is None:
+                held.store_silent_since = now
+        silent = now - min(held.store_silent_since or now for held in helds)
+        log.warning("session %s: the session store did not answer for %.0fs: %s", session.id, silent, err)
+        if silent < self.store_grace:
+            return None
+        return self.sessions.store_lost(session, self.store_grace, err)
+
     async def _charge_open(self, session: Session, helds: list[UnderSession]) -> Verdict | None:
         """Charge the session what its open tunnels and WebSockets moved since the last look, and say whether
         that put it past a byte budget. The charged counts are moved on before the store is asked, so one that
         closes meanwhile counts only the rest (``tunnel_closed``, ``websocket_closed``); a store that could not
-        take them moves them back for the ones still open."""
+        take them moves them back for the ones still open (and StoreUnavailable goes on to the sweep)."""
         moved = [(held, held.charged, held.moved()) for held in helds if held.moved is not None and not held.closed]
         up = sum(now[0] - before[0] for _, before, now in moved)
         down = sum(now[1] - before[1] for _, before, now in moved)
         for held, _, now in moved:
             held.charged = now
-        if not await self.sessions.add_running_bytes(session, up, down):
+        try:
+            await self.sessions.add_running_bytes(session, up, down)
+        except StoreUnavailable:
             for held, before, _ in moved:
                 if not held.closed:
                     held.charged = before
-            return None
+            raise
         return await self.sessions.over_byte_budget(session)
 
     # ---- the guard at connect time -----------------------------------------------------------------

@@ -23,6 +23,7 @@ from policy.sessions import (
     ENDED,
     EXPIRED,
     NOT_GRANTED,
+    STORE_UNAVAILABLE,
     Session,
     SessionSpecError,
     Usage,
@@ -352,7 +353,9 @@ def test_a_gate_charges_open_tunnels_as_they_move_and_only_the_rest_at_close(tmp
             raise StoreUnavailable("down")
         store.add_bytes, kept = unavailable, store.add_bytes
         moved["one"] = [1300, 10]
-        seen.append((await gate._charge_open(session, [one]), one.charged))
+        with pytest.raises(StoreUnavailable):
+            await gate._charge_open(session, [one])
+        seen.append(one.charged)
         store.add_bytes = kept
         return seen
 
@@ -361,7 +364,66 @@ def test_a_gate_charges_open_tunnels_as_they_move_and_only_the_rest_at_close(tmp
     assert second == (None, Usage(0, 0, 600, 30))
     assert after_close == Usage(0, 0, 650, 30)
     assert past[0] is not None and past[0].rule == BUDGET_REQUEST_BYTES and past[1] == Usage(0, 0, 1450, 30)
-    assert failed == (None, (1200, 10))  # not charged: counted at the next look or at close
+    assert failed == (1200, 10)  # not charged: counted at the next look or at close
+    gate.audit.close()
+
+
+def test_the_sweep_cuts_what_is_open_under_a_session_once_the_store_is_silent_past_the_grace(tmp_path):
+    """``Gate._look_at_session`` with a store that does not answer: nothing is cut within ``store_grace``, an
+    answer in between starts the count again, and past it the session's open tunnels are cut with the
+    ``session:store-unavailable`` refusal (test_session_store_outage.py does it with a real redis-server)."""
+    import time
+
+    from policy.hosts import parse_authority as authority
+    from proxy.audit import AuditLog
+    from proxy.gate import Gate, Tunnel
+    from proxy.metrics import Metrics
+    from proxy.reload import PolicyHolder
+    from proxy.sessions.service import SessionService
+    from proxy.sessions.store import StoreUnavailable
+
+    (tmp_path / "policy.yaml").write_text("version: 1\ndefault: allow\n")
+    store = MemoryStore(clock=lambda: NOW)
+    gate = Gate(PolicyHolder(str(tmp_path / "policy.yaml")), AuditLog(str(tmp_path / "audit.jsonl")), Metrics(),
+                sessions=SessionService(store, clock=lambda: NOW))
+    gate.store_grace = 0.3
+    session = session_of({"hosts": ["a.example"]})
+    cuts: list[str] = []
+    tunnel = Tunnel("t", authority("a.example:443"), Verdict(True, "decide", "allow", "", session="s1"), "c",
+                    False, False, session=session, cut=lambda: cuts.append("cut"), moved=lambda: (0, 0))
+    answering = store.get
+
+    async def silent(*_: object) -> None:
+        raise StoreUnavailable("the session store redis://127.0.0.1:1/0 cannot be reached: refused")
+
+    async def run() -> list:
+        await store.put(session)
+        seen = []
+        store.get = silent
+        await gate._look_at_session([tunnel])
+        time.sleep(0.2)
+        await gate._look_at_session([tunnel])
+        seen.append((list(cuts), tunnel.store_silent_since is not None))
+        store.get = answering
+        await gate._look_at_session([tunnel])  # it answers: the count starts again
+        seen.append((list(cuts), tunnel.store_silent_since))
+        store.get = silent
+        await gate._look_at_session([tunnel])
+        time.sleep(0.2)
+        await gate._look_at_session([tunnel])
+        seen.append(list(cuts))
+        time.sleep(0.15)
+        await gate._look_at_session([tunnel])
+        seen.append(list(cuts))
+        return seen
+
+    first_outage, answered, second_outage, past_the_grace = asyncio.run(run())
+    assert first_outage == ([], True)
+    assert answered == ([], None)
+    assert second_outage == []
+    assert past_the_grace == ["cut"]
+    assert tunnel.cut_by is not None and tunnel.cut_by.rule == STORE_UNAVAILABLE and tunnel.cut_by.session == "s1"
+    assert "has not answered for 0.3s" in tunnel.cut_by.reason and "cannot be reached" in tunnel.cut_by.reason
     gate.audit.close()
 
 

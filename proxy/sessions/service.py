@@ -115,17 +115,21 @@ class SessionService:
 
     async def over(self, session: Session) -> Verdict | None:
         """The refusal that ends a tunnel or WebSocket opened under ``session``: it has ended (deleted, or its
-        secret changed) or expired since. None while it holds, and while the store cannot be asked (new
-        requests are refused then; nothing open is cut for a store's hiccup)."""
-        try:
-            now = await self.store.get(session.id)
-        except StoreUnavailable:
-            return None
+        secret changed) or expired since. None while it holds; StoreUnavailable when the store cannot be asked
+        (the gate's sweep decides how long that may last: ``Gate.store_grace``)."""
+        now = await self.store.get(session.id)
         if now is None or not hmac.compare_digest(now.secret_digest, session.secret_digest):
             return refused(ENDED, f"session {session.id} has ended", session)
         if now.expires <= self.clock():
             return refused(EXPIRED, f"session {session.id} expired", session)
         return None
+
+    def store_lost(self, session: Session, seconds: float, err: StoreUnavailable) -> Verdict:
+        """The refusal that ends what is open under ``session`` once the store has not answered for ``seconds``:
+        its bytes can be neither charged nor held to the session's end, and egresswall fails closed."""
+        return self._counted(refused(
+            STORE_UNAVAILABLE, f"the session store has not answered for {seconds:g}s ({err}), so session "
+                               f"{session.id} can be neither checked nor charged", session))
 
     # ---- the checks ---------------------------------------------------------------------------
 
@@ -179,28 +183,18 @@ class SessionService:
         except StoreUnavailable as err:
             log.warning("session %s: %d/%d bytes not counted: %s", session_id, up, down, err)
 
-    async def add_running_bytes(self, session: Session, up: int, down: int) -> bool:
+    async def add_running_bytes(self, session: Session, up: int, down: int) -> None:
         """Add bytes an open tunnel moved since it was last counted, now (awaited: the budget is read right
-        after). False when the store cannot take them (they are counted again at the next try)."""
-        if not (up or down):
-            return True
-        try:
+        after). StoreUnavailable when the store cannot take them (they are counted again at the next try)."""
+        if up or down:
             await self.store.add_bytes(session.id, up, down)
-        except StoreUnavailable as err:
-            log.warning("session %s: %d/%d bytes of an open tunnel not counted yet: %s", session.id, up, down, err)
-            return False
-        return True
 
     async def over_byte_budget(self, session: Session) -> Verdict | None:
         """The refusal once the session's bytes are past a byte budget (its open tunnels are closed then);
-        None while within them, and while the store cannot be asked."""
+        None while within them; StoreUnavailable when the store cannot be asked."""
         if session.budgets.request_bytes is None and session.budgets.response_bytes is None:
             return None
-        try:
-            usage = await self.store.usage(session.id)
-        except StoreUnavailable:
-            return None
-        return bytes_over_budget(session, usage)
+        return bytes_over_budget(session, await self.store.usage(session.id))
 
     def _counted(self, refusal: Verdict) -> Verdict:
         self.metrics.session_refusal(refusal.rule)
