@@ -162,6 +162,12 @@ class YamlDocument:
         alias_problem = _alias_problem(root, text)
         if alias_problem is not None:
             raise _alias_error(text, source, alias_problem)
+        merge = _merge_key(root)
+        if merge is not None:
+            mark = merge.start_mark
+            raise PolicyError(source, mark.line + 1, mark.column + 1, "<<",
+                              "a YAML merge key ('<<') is not supported in a policy: write the keys out (a rule "
+                              "stands where it is written, once)")
         deep = _too_deep(root)
         if deep is not None:
             mark = deep.start_mark
@@ -359,6 +365,23 @@ def _alias_error(text: str, source: str, problem: str) -> PolicyError:
 
 def _at(source: str, event: yaml.Event, message: str) -> PolicyError:
     return PolicyError(source, event.start_mark.line + 1, event.start_mark.column + 1, "", message)
+
+
+def _merge_key(root: yaml.Node) -> yaml.Node | None:
+    """The first YAML merge key (``<<``, which copies keys from another mapping), or None. Refused before the
+    document is built: the merged data no longer matches the nodes every rule's position is read from (a list
+    merged over another took their lengths apart). Iterative; called once aliases are known to be bounded."""
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                if key.tag == "tag:yaml.org,2002:merge":
+                    return key
+                stack.append(value)
+        elif isinstance(node, yaml.SequenceNode) and not _only_scalars(node.value):
+            stack.extend(node.value)
+    return None
 
 
 def _duplicate_keys(root: yaml.Node, source: str) -> Iterable[PolicyProblem]:

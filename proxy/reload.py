@@ -60,11 +60,12 @@ class PolicyHolder:
             self._unsettled = err
             return False
         except PolicyError as err:
-            self._seen, self._unsettled = seen, None
-            self.last_error = str(err)
+            self._refused(seen, str(err))
             log.error("policy reload refused, keeping the last good policy: %s", err.summary)
-            if self.on_reload:
-                self.on_reload(False, str(err))
+            return False
+        except Exception as err:  # a bug of ours: refused like an invalid file, once per edit, not once a beat
+            self._refused(seen, f"{self.path}: internal error, a bug in egresswall: {type(err).__name__}: {err}")
+            log.exception("policy reload refused by an internal error, keeping the last good policy")
             return False
         self._seen, self._unsettled = seen, None
         self.policy = new
@@ -73,6 +74,13 @@ class PolicyHolder:
         if self.on_reload:
             self.on_reload(True, new.source)
         return True
+
+    def _refused(self, seen: FileIdentity | None, error: str) -> None:
+        """A reload refused: this version of the file is not tried again until it changes."""
+        self._seen, self._unsettled = seen, None
+        self.last_error = error
+        if self.on_reload:
+            self.on_reload(False, error)
 
     def request_reload(self) -> None:
         """SIGHUP: reload now, off the event loop when the file is big (loading a million names takes

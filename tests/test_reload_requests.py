@@ -68,3 +68,32 @@ def test_a_small_file_is_reloaded_on_the_loop_and_a_bad_one_keeps_the_last_good_
     assert threads == ["MainThread", "MainThread"]
     assert holder.policy.allow.rules[0].pattern.text == "c.example"
     assert holder.last_error is not None
+
+
+def test_a_reload_that_meets_a_bug_is_refused_once_and_keeps_the_last_good_policy(tmp_path, monkeypatch):
+    """An exception that is no PolicyError (a bug of ours: a YAML merge key once raised ValueError from deep in
+    the loader) is refused like an invalid file: counted as a failed reload, the last good policy kept, and
+    that version of the file not tried again every watcher beat (it was: a traceback three times a second)."""
+    import proxy.reload
+
+    holder, reloads, _ = _holder(tmp_path / "p.yaml", SMALL)
+    real_parse = proxy.reload.parse_policy
+    calls = []
+
+    def parse(text, source, overrides=None):
+        calls.append(text)
+        if "c.example" in text:
+            raise ValueError("2 patterns for 1 items")
+        return real_parse(text, source, overrides)
+
+    monkeypatch.setattr(proxy.reload, "parse_policy", parse)
+    (tmp_path / "p.yaml").write_text(SMALL.replace("a.example", "c.example"))
+    assert holder.changed()
+    assert holder.reload() is False
+    assert not holder.changed(), "the same file would be tried again on the next beat"
+    assert reloads == [(False, holder.last_error)]
+    assert "internal error, a bug in egresswall: ValueError" in reloads[0][1]
+    assert holder.policy.allow.rules[0].pattern.text == "a.example"
+    (tmp_path / "p.yaml").write_text(SMALL.replace("a.example", "d.example"))  # the next edit applies
+    assert holder.changed() and holder.reload() is True
+    assert holder.policy.allow.rules[0].pattern.text == "d.example" and len(calls) == 2

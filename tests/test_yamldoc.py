@@ -176,6 +176,25 @@ def test_aliases_that_multiply_a_list_are_refused_at_the_first_alias() -> None:
     assert "a.yaml:5:12:" in str(refused) and "may repeat at most 4 times" in str(refused), str(refused)
 
 
+@pytest.mark.parametrize(("text", "where"), [
+    # A list merged over another of another length took the rules' positions apart: an internal error (a
+    # traceback on every reload beat, lint's exit 70) where a policy error belongs.
+    ("hosts:\n  deny: [a.example, c.example]\n  <<: {deny: [b.example]}\n", "3:3"),
+    ("hosts:\n  deny: [a.example]\n  <<: {deny: [b.example]}\n", "3:3"),  # same length: a rule at the wrong line
+    ("base: &b {allow: [a.example]}\nroles:\n  - name: r\n    hosts: {<<: *b}\n", "4:13"),  # through an alias
+    ("x: [{a: 1}, {<<: [{b: 2}, {c: 3}]}]\n", "1:14"),  # inside a list, a list of mappings merged
+])
+def test_a_yaml_merge_key_is_refused_at_the_key(text: str, where: str) -> None:
+    refused = _parse_within(text)
+    assert isinstance(refused, PolicyError), refused
+    assert f"a.yaml:{where}:" in str(refused) and "merge key ('<<') is not supported" in str(refused), str(refused)
+
+
+def test_a_key_spelt_like_a_merge_key_in_quotes_is_only_an_unknown_key() -> None:
+    doc = _parse_within('hosts: {"<<": [b.example]}\n')
+    assert isinstance(doc, YamlDocument) and doc.data == {"hosts": {"<<": ["b.example"]}}, doc
+
+
 def test_an_alias_that_reuses_a_list_is_read() -> None:
     text = ("hosts:\n  allow: &shared [a.example, b.example]\nroles:\n  - name: r\n    clients: [10.0.0.0/8]\n"
             "    hosts:\n      allow: *shared\n      deny: [&one c.example, *one]\n")
