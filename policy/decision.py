@@ -163,6 +163,16 @@ def decide_addresses(policy: Policy, verdict: Verdict, addresses: Iterable[str],
     return replace(verdict, addresses=addresses, pinned=_choose_pin(addresses))
 
 
+def decide_on_answer(policy: Policy, request: Request, answer: Resolution) -> Verdict:
+    """The whole order of checks on an answer already had instead of a lookup: a request inside a tunnel goes
+    where the tunnel's one upstream connection goes, so it is judged on the CONNECT's answer (by the policy in
+    force now), never on a fresh one that may name another address than the bytes reach."""
+    verdict = precheck(policy, request)
+    if not verdict.needs_resolution:
+        return verdict
+    return decide_addresses(policy, verdict, answer.addresses, answer.cnames, request)
+
+
 def role_of(policy: Policy, client: str | None) -> Role | None:
     """The role a client address has (None: no role, or no parsable address)."""
     return policy.role_for(_client_address(client))

@@ -26,7 +26,8 @@ import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
-from policy.decision import Request, Resolution, Verdict, refuse_form, role_of
+from policy.addresses import unwrap_mapped
+from policy.decision import Request, Resolution, Verdict, decide_on_answer, refuse_form, role_of
 from policy.hosts import (
     HostFormError,
     Target,
@@ -185,13 +186,18 @@ class Gate:
         self._resolver_for = policy
         return self._resolver
 
-    async def decide(self, policy: Policy, request: Request) -> tuple[Verdict, Resolution | None]:
-        started = time.monotonic()
-        verdict, resolution = await resolve_and_decide(policy, request, self.resolver(policy))
-        if resolution is not None or verdict.stage == "resolve":
-            self.metrics.observe_dns(time.monotonic() - started)
-        if verdict.stage == "resolve" and verdict.rule.startswith("dns:"):
-            self.metrics.dns_error(verdict.rule[4:])
+    async def decide(self, policy: Policy, request: Request, answer: Resolution | None = None
+                     ) -> tuple[Verdict, Resolution | None]:
+        """The decision, with the name looked up, or judged on ``answer`` when there is one (``decide_on_answer``)."""
+        if answer is not None:
+            verdict, resolution = decide_on_answer(policy, request, answer), answer
+        else:
+            started = time.monotonic()
+            verdict, resolution = await resolve_and_decide(policy, request, self.resolver(policy))
+            if resolution is not None or verdict.stage == "resolve":
+                self.metrics.observe_dns(time.monotonic() - started)
+            if verdict.stage == "resolve" and verdict.rule.startswith("dns:"):
+                self.metrics.dns_error(verdict.rule[4:])
         if verdict.allowed and verdict.pinned:
             own = self.own_endpoint(verdict.pinned, request.target.port)
             if own is not None:
@@ -199,7 +205,9 @@ class Gate:
         return verdict, resolution
 
     def own_endpoint(self, address: str, port: int) -> str | None:
-        """What of egresswall's own answers at (address, port) — a listener or its session store — or None."""
+        """What of egresswall's own answers at (address, port) — a listener or its session store — or None.
+        An IPv4-mapped address is the IPv4 it maps: a name answering AAAA ``::ffff:127.0.0.1`` reaches 127.0.0.1."""
+        address = unwrap_mapped(address)
         if (address, port) in self.self_endpoints or (
                 ("*", port) in self.self_endpoints and is_local_address(address)):
             return "egresswall's own listener"
@@ -536,11 +544,15 @@ class Gate:
                 session, verdict, status = await self.sessions.current(tunnel.session, tunnel.verdict.role)
                 if session is not None:
                     verdict, status = self.sessions.check(session, target, True, tunnel.verdict.role), 403
+            else:  # opened without one: the policy in force now may require one (a reload since the CONNECT)
+                verdict = await self.sessions.required_in_tunnel(policy, ask.client)
         else:
             session, verdict, status = await self._session_first(policy, ask.client, ask.credentials, target, True)
         if verdict is None:
+            # Inside a tunnel: on the CONNECT's answer, where its one upstream connection goes (decide_on_answer).
+            answer = None if tunnel is None else Resolution(tunnel.target.host, tunnel.verdict.addresses, tunnel.cnames)
             verdict, resolution = await self.decide(
-                policy, Request(target, ask.method, ask.client, tunnel=False, websocket=ask.websocket))
+                policy, Request(target, ask.method, ask.client, tunnel=False, websocket=ask.websocket), answer)
             verdict, status = await self._session_charge(session, verdict, target, ask.content_length)
         elif session is not None:
             verdict = replace(verdict, session=session.id)

@@ -188,7 +188,9 @@ class ProxyProcess:
         return self.stderr_path.read_text(errors="replace")
 
     def audit(self) -> list[dict]:
-        return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.strip()]
+        """The audit lines written so far; a line still being written (no newline yet) is not one of them."""
+        lines = self.log_path.read_text().split("\n")
+        return [json.loads(line) for line in lines[:-1] if line.strip()]
 
     def decisions(self) -> list[dict]:
         return [r for r in self.audit() if r["event"] == "decision"]

@@ -14,7 +14,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from policy.credentials import CredentialsError, parse_proxy_authorization
 from policy.decision import Verdict, role_of
@@ -100,6 +100,16 @@ class SessionService:
                 CREDENTIALS, f"no session {credentials.session_id} with this secret (unknown, ended, or a wrong "
                              "secret)", None, role_name), 407))
         return Identity(session)
+
+    async def required_in_tunnel(self, policy: Policy, client: str | None) -> Verdict | None:
+        """For a request inside a tunnel opened without a session: the refusal when the policy in force now
+        requires one of this client (a reload since the CONNECT). A header inside a tunnel names no session,
+        so this is answered from the policy alone."""
+        identity = await self.identify(policy, client, ())
+        if identity.refusal is None:
+            return None
+        return replace(identity.refusal, reason=f"{identity.refusal.reason}; this tunnel was opened without one, "
+                                                "before the policy required it: open a new one with the session")
 
     async def current(self, session: Session, role: str | None) -> tuple[Session | None, Verdict | None, int]:
         """The session as the store holds it now, for a request inside a tunnel opened under it: an extension
