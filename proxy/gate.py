@@ -403,15 +403,16 @@ class Gate:
         session = helds[0].session
         assert session is not None
         try:
-            over = await self.sessions.over(session) or await self._charge_open(session, helds)
+            current, over = await self.sessions.over(session)
+            over = over or await self._charge_open(session, helds)
         except StoreUnavailable as err:
             over = self._store_silent(session, helds, err)
         except Exception:  # noqa: BLE001 - see the docstring; CancelledError (shutdown) is no Exception
             log.exception("session %s: its open tunnels and WebSockets could not be looked at", session.id)
             return
         else:
-            for held in helds:
-                held.store_silent_since = None
+            for held in helds:  # as the store holds it now: its expiry is known should the store fall silent
+                held.session, held.store_silent_since = current, None
         if over is None:
             return
         for held in helds:
@@ -421,7 +422,11 @@ class Gate:
 
     def _store_silent(self, session: Session, helds: list[UnderSession], err: StoreUnavailable) -> Verdict | None:
         """The store did not answer this look. A hiccup cuts nothing (new requests under the session are refused
-        503 meanwhile); once it has not answered for ``store_grace`` seconds, the refusal that ends them."""
+        503 meanwhile) unless the session has expired as last seen; once it has not answered for ``store_grace``
+        seconds, the refusal that ends them."""
+        expired = self.sessions.expired(session)
+        if expired is not None:
+            return expired
         now = time.monotonic()
         for held in helds:
             if held.store_silent_since is None:

@@ -26,10 +26,10 @@ from proxy.sessions.redis_store import TIMEOUT
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("internal_saw_nothing")]
 
 
-def _tunnel_under_redis_session(lab, start_proxy, tmp_path, redis):
+def _tunnel_under_redis_session(lab, start_proxy, tmp_path, redis, **spec):
     proxy = start_proxy(lab.policy_text("session: required\n"), "--admin-token-file", str(token_file(tmp_path)),
                         "--session-store", redis.url)
-    session = create(proxy.admin_port, {"hosts": ["public.lab.example"]})
+    session = create(proxy.admin_port, {"hosts": ["public.lab.example"]}, **spec)
     sock, status, _, body = connect(proxy, f"public.lab.example:{lab.public_tls.port}", session)
     assert status == 200, body
     tls = ssl.create_default_context(cafile=str(lab.cert_file)).wrap_socket(sock, server_hostname="public.lab.example")
@@ -71,3 +71,18 @@ def test_store_hiccups_shorter_than_the_grace_cut_nothing(lab, start_proxy, tmp_
             assert not _closed_within(tls, 2 * SESSION_SWEEP + TIMEOUT)  # a look that the store answers
         assert _get(tls, lab, "/after").startswith(b"HTTP/1.1 200")
     assert not [r for r in proxy.audit() if r.get("rule") == "session:store-unavailable"]
+
+
+@both_transports
+def test_a_session_that_expires_while_the_store_is_down_closes_its_tunnel_at_its_expiry(lab, start_proxy, tmp_path,
+                                                                                        redis_server):  # noqa: F811
+    """The grace is for a store's hiccup, not for a session's end: the expiry egresswall last saw holds while the
+    store is silent (found by review round 15: the tunnel moved 3 to 4 s past its expiry)."""
+    proxy, session, tls = _tunnel_under_redis_session(lab, start_proxy, tmp_path, redis_server, ttl=2)
+    with tls:
+        redis_server.stop()
+        stopped = time.monotonic()
+        assert _closed_within(tls, 2 + 2 * SESSION_SWEEP + TIMEOUT), "the tunnel outlived its session's expiry"
+        assert time.monotonic() - stopped < SESSION_STORE_GRACE
+    line = _tunnel_line(proxy, session)
+    assert "expired (session:expired)" in line["error"], line

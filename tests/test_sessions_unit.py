@@ -275,14 +275,14 @@ def test_a_tunnel_under_a_session_is_over_once_the_session_ends_expires_or_chang
 
     async def run() -> list:
         await store.put(session)
-        seen = [await service.over(session)]
+        seen = [(await service.over(session))[1]]
         clock[0] = NOW + 61
-        seen.append(await service.over(session))
+        seen.append((await service.over(session))[1])
         clock[0] = NOW
         await store.put(Session("s1", secret_digest("another"), NOW, NOW + 60, session.spec))
-        seen.append(await service.over(session))
+        seen.append((await service.over(session))[1])
         await store.delete("s1")
-        seen.append(await service.over(session))
+        seen.append((await service.over(session))[1])
         return seen
 
     held, expired, other_secret, ended = asyncio.run(run())

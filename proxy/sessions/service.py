@@ -123,14 +123,19 @@ class SessionService:
             return None, self._counted(refused(ENDED, f"session {session.id} has ended", session, role)), 403
         return now, None, 0
 
-    async def over(self, session: Session) -> Verdict | None:
-        """The refusal that ends a tunnel or WebSocket opened under ``session``: it has ended (deleted, or its
-        secret changed) or expired since. None while it holds; StoreUnavailable when the store cannot be asked
-        (the gate's sweep decides how long that may last: ``Gate.store_grace``)."""
+    async def over(self, session: Session) -> tuple[Session, Verdict | None]:
+        """What the store holds of ``session`` now (an extension or a shortened ttl since it opened), and the
+        refusal that ends a tunnel or WebSocket opened under it: it has ended (deleted, or its secret changed) or
+        expired since (None while it holds). StoreUnavailable when the store cannot be asked (the gate's sweep
+        decides how long that may last: ``Gate.store_grace``)."""
         now = await self.store.get(session.id)
         if now is None or not hmac.compare_digest(now.secret_digest, session.secret_digest):
-            return refused(ENDED, f"session {session.id} has ended", session)
-        if now.expires <= self.clock():
+            return session, refused(ENDED, f"session {session.id} has ended", session)
+        return now, self.expired(now)
+
+    def expired(self, session: Session) -> Verdict | None:
+        """The refusal once ``session`` (as last seen) has expired; None before."""
+        if session.expires <= self.clock():
             return refused(EXPIRED, f"session {session.id} expired", session)
         return None
 
