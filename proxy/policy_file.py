@@ -75,17 +75,18 @@ def identity(path: str | Path) -> FileIdentity | None:
 
 
 def read_policy_file(path: str | Path | None = None, *, wait: bool = True,
-                     unsettled: Unsettled | None = None) -> PolicyText:
+                     unsettled: Unsettled | None = None, settled_only: bool = False) -> PolicyText:
     """The file's text (the bundled default when path is None), or PolicyError saying why not.
 
     ``wait=False`` raises ``Unsettled`` for a file without a final newline that changed too recently; pass
     that error back as ``unsettled`` on the next try, so that the time it has already been seen unchanged
-    counts."""
+    counts. ``settled_only``: every file is held to that, a final newline or not (the watcher's reload: a
+    writer that pauses at the end of a line leaves a file that ends with one, and may say less than it will)."""
     path = Path(path) if path is not None else DEFAULT_POLICY
     deadline = time.monotonic() + SETTLE_SECONDS * _MAX_WAIT_PERIODS
     while True:
         try:
-            return _read_once(path, unsettled)
+            return _read_once(path, unsettled, settled_only)
         except Unsettled as err:
             if not wait:
                 raise
@@ -103,7 +104,7 @@ def load_policy_file(path: str | Path | None = None, overrides: Overrides | None
     return parse_policy(read.text, read.source, overrides)
 
 
-def _read_once(path: Path, unsettled: Unsettled | None) -> PolicyText:
+def _read_once(path: Path, unsettled: Unsettled | None, settled_only: bool = False) -> PolicyText:
     source = str(path)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -138,12 +139,13 @@ def _read_once(path: Path, unsettled: Unsettled | None) -> PolicyText:
         after.st_size != len(data))
     # An empty file counts as unfinished too: a writer that truncates and then writes (most editors, and
     # shell redirection) leaves it empty for a moment, and an empty read then is not the file's content.
-    if not data.endswith(b"\n") or changed_while_read:
-        _check_settled(source, ident, changed_while_read, unsettled)
+    if not data.endswith(b"\n") or changed_while_read or settled_only:
+        _check_settled(source, ident, changed_while_read, unsettled, data.endswith(b"\n"))
     return PolicyText(text, source, ident)
 
 
-def _check_settled(source: str, ident: FileIdentity, changed_while_read: bool, unsettled: Unsettled | None) -> None:
+def _check_settled(source: str, ident: FileIdentity, changed_while_read: bool, unsettled: Unsettled | None,
+                   whole_lines: bool = False) -> None:
     now = time.monotonic()
     if changed_while_read:
         raise Unsettled(source, ident, now, "changed while it was read")
@@ -152,5 +154,5 @@ def _check_settled(source: str, ident: FileIdentity, changed_while_read: bool, u
     if unsettled is not None and unsettled.identity == ident:
         since = min(since, unsettled.since)  # this reader has seen it unchanged since then
     if now - since < SETTLE_SECONDS:
-        raise Unsettled(source, ident, since, f"does not end with a newline and changed less than "
-                                              f"{SETTLE_SECONDS:g} s ago")
+        what = "changed" if whole_lines else "does not end with a newline and changed"
+        raise Unsettled(source, ident, since, f"{what} less than {SETTLE_SECONDS:g} s ago")

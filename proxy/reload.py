@@ -6,7 +6,10 @@ writing the file, and polling sees that the same way it sees an edit. SIGHUP rel
 way a big file is loaded in a thread, so the event loop goes on serving while it is parsed, and one
 reload runs at a time (a SIGHUP during a reload asks for one more after it, however many arrive).
 The file is read by ``proxy/policy_file.py`` (once, never blocking, only when whole): a file that may
-still be half-written is neither loaded nor counted as a failed reload; it is tried again each beat.
+still be half-written is neither loaded nor counted as a failed reload; it is tried again each beat. The
+watcher loads an edit once the file has stayed unchanged for ``SETTLE_SECONDS`` (a writer that pauses at the
+end of a line leaves a file that ends with a newline and may say less than it will: a deny list cut short);
+SIGHUP, the operator's word that the file is whole, loads it at once.
 """
 
 from __future__ import annotations
@@ -43,11 +46,13 @@ class PolicyHolder:
         self._reloading: asyncio.Task | None = None  # the reload in progress (SIGHUP's or the watcher's)
         self._again = False  # a SIGHUP came during it: reload once more when it is done
 
-    def reload(self) -> bool:
-        """Load the file again; keep the last good policy if the new one is invalid (or not yet whole)."""
+    def reload(self, settled_only: bool = False) -> bool:
+        """Load the file again; keep the last good policy if the new one is invalid (or not yet whole).
+        ``settled_only`` (the watcher's): only a file left unchanged for ``SETTLE_SECONDS`` is loaded, whether
+        or not it ends with a newline; SIGHUP is the operator saying the file is whole, and loads it at once."""
         seen = identity(str(self.policy.source))
         try:
-            read = read_policy_file(self.path, wait=False, unsettled=self._unsettled)
+            read = read_policy_file(self.path, wait=False, unsettled=self._unsettled, settled_only=settled_only)
             new = parse_policy(read.text, read.source, self.overrides)
             if new.upstream != self.policy.upstream:
                 # mitmproxy's mode (regular or upstream, and to where) is fixed when the proxy starts.
@@ -56,7 +61,7 @@ class PolicyHolder:
                                   f"{_upstream_text(new)}); a reload cannot change it: restart egresswall")
         except Unsettled as err:
             if self._unsettled is None or self._unsettled.identity != err.identity:
-                log.warning("policy not reloaded yet, keeping the last good policy: %s", err.summary)
+                log.info("policy not reloaded yet, keeping the last good policy: %s", err.summary)
             self._unsettled = err
             return False
         except PolicyError as err:
@@ -100,15 +105,15 @@ class PolicyHolder:
             if not self._again:
                 return
 
-    async def _reload_off_loop(self) -> bool:
+    async def _reload_off_loop(self, settled_only: bool = False) -> bool:
         if _is_large(identity(str(self.policy.source))):
-            return await asyncio.to_thread(self.reload)
-        return self.reload()
+            return await asyncio.to_thread(self.reload, settled_only)
+        return self.reload(settled_only)
 
     async def _reload_from_watcher(self) -> None:
         if self._reloading is not None and not self._reloading.done():
             return  # a SIGHUP's reload is reading the file already; the next beat looks again
-        self._reloading = asyncio.get_running_loop().create_task(self._reload_off_loop())
+        self._reloading = asyncio.get_running_loop().create_task(self._reload_off_loop(settled_only=True))
         await self._reloading
 
     def changed(self) -> bool:

@@ -214,6 +214,36 @@ def test_policy_file_fault_keeps_the_last_good_policy(lab, start_proxy, fault):
     assert proxy.process.poll() is None
 
 
+def test_policy_caught_half_written_at_a_line_end_is_not_loaded_by_the_watcher(lab, start_proxy):
+    """A writer that pauses at the end of a line (a shell loop of ``echo >>``, a script flushing line by line)
+    leaves a file that ends with a newline: it was loaded after the watcher's 0.1 s look, and its deny list cut
+    short let public.lab.example through for the rest of the pause (review round 15). The watcher now loads an
+    edit only once the file has stayed unchanged for SETTLE_SECONDS, a final newline or not."""
+    from proxy.policy_file import SETTLE_SECONDS
+
+    deny = "hosts:\n  deny:\n    - other.lab.example\n    - public.lab.example\n"
+    proxy = start_proxy(lab.policy_text(deny))
+    url = f"http://public.lab.example:{lab.public.port}/half-written"
+    assert proxy.get(url)[0] == 403
+    whole = lab.policy_text(deny.replace("    - public", "    - third.lab.example\n    - public"))
+    cut = whole.index("    - public.lab.example\n")
+    seen = []
+    with open(proxy.policy_path, "r+") as f:  # in place: truncated, the first lines, a pause, the rest
+        f.truncate(0)
+        f.write(whole[:cut])
+        f.flush()
+        pause_ends = time.monotonic() + SETTLE_SECONDS - 0.4
+        while time.monotonic() < pause_ends:
+            seen.append(proxy.get(url)[0])
+            time.sleep(0.05)
+        f.write(whole[cut:])
+    assert seen and set(seen) == {403}, f"let through while the file was half-written: {seen}"
+    wait_for(lambda: metric(proxy, 'egresswall_policy_reloads_total{result="success"}') == 1,
+             timeout=SETTLE_SECONDS + 3)
+    assert proxy.get(url)[0] == 403 and proxy.get(f"http://third.lab.example:{lab.public.port}/")[0] == 403
+    assert metric(proxy, 'egresswall_policy_reloads_total{result="failure"}') == 0
+
+
 @pytest.mark.parametrize("cut", ["mid-host", "mid-key"])
 def test_policy_caught_half_written_is_not_loaded(lab, start_proxy, cut):
     """A non-atomic write, paused half way long enough for the watcher to look (and for a SIGHUP). Cut
