@@ -152,7 +152,8 @@ class DnsResolver:
                                         f"{self.timeout:g}s") from None
         except dns.resolver.NoNameservers as err:
             kind = SERVFAIL if "SERVFAIL" in str(err) else ERROR
-            raise ResolveError(kind, f"no nameserver answered for {qname.to_text(True)} ({_short(err)})") from None
+            raise ResolveError(kind, f"no nameserver gave a usable answer for {qname.to_text(True)} "
+                                     f"({_short(err)})") from None
         except dns.exception.DNSException as err:
             raise ResolveError(ERROR, f"DNS lookup of {qname.to_text(True)} failed: {_short(err)}") from None
 
