@@ -269,6 +269,31 @@ class FastHttp:
         # A chunked body's bytes are counted against the budget while they are held (given back once the
         # upstream took them, or however the exchange ends: the finally below).
         hold = gate.body_budget.hold(client)
+
+        async def ended_early(answer: Refusal | None, error: str) -> None:
+            """Every way an exchange ends before its response was relayed whole: the upstream connection closed;
+            ``answer`` sent when nothing of a response reached the client yet; the closing record, with ``error``
+            ("": the refusal that ended it is the flow's closing record already); and a body still coming read
+            and dropped a moment first, since closing with it unread would reset the connection and destroy
+            the answer (an early answer refused, a 101, garbage, an origin's reset)."""
+            nonlocal upstream
+            # A send that broke off (or still went on beside an early answer) returned no count: the body's
+            # bytes so far are relayed.up, and bytes_up is what a session's request_bytes budget is charged.
+            sent = max(up, relayed.up)
+            if upstream is not None:
+                upstream.close()
+                upstream = None
+            told = answer is not None and not answered
+            if told:
+                relayed.status = answer.status  # the record says what the client was answered
+                with contextlib.suppress(OSError):
+                    await loop.sock_sendall(conn, refusal_bytes(answer))
+            if error:
+                gate.response_closed(ask.flow_id, client, request.method, target, verdict, started, sent,
+                                     relayed.down, relayed.status, error)
+            if told and server.their_state is h11.SEND_BODY:
+                await answer_then_drain(conn, b"")
+
         try:
             if rest:  # h11 reads b"" as the client having closed: a body still to come would be "incomplete"
                 server.receive_data(rest)
@@ -322,48 +347,21 @@ class FastHttp:
             if watch.over:
                 raise Ended(f"egresswall: {_pipelined_reason(gate.policy.limits.max_header_bytes)}")
         except (Ended, h11.LocalProtocolError) as failure:
-            # A send that broke off (or still went on beside an early answer) returned no count: the body's
-            # bytes so far are relayed.up, and bytes_up is what a session's request_bytes budget is charged.
-            up = max(up, relayed.up)
             ended = failure if isinstance(failure, Ended) else Ended(f"egresswall cannot relay the response: "
                                                                      f"{failure}"[:300])
             if watch is not None and watch.over:  # the bound's own line, as on mitmproxy's path
                 gate.connection_refused(client, 0, "limits.max_header_bytes",
                                         _pipelined_reason(gate.policy.limits.max_header_bytes))
-            if upstream is not None:
-                upstream.close()
-                upstream = None
-            if ended.answer is not None and not answered:
-                relayed.status = ended.answer.status  # the record says what the client was answered
-                with contextlib.suppress(OSError):
-                    await loop.sock_sendall(conn, refusal_bytes(ended.answer))
-            if ended.error:  # "" : the refusal that ended it is the flow's closing record already
-                gate.response_closed(ask.flow_id, client, request.method, target, verdict, started, up,
-                                     relayed.down, relayed.status, ended.error)
-            if ended.answer is not None and not answered and server.their_state is h11.SEND_BODY:
-                # The body is still coming (an early answer refused, a 101 or garbage): closing with it unread
-                # would reset the connection and destroy the refusal, so it is read and dropped a moment first.
-                await answer_then_drain(conn, b"")
-            return False, b"", upstream
+            await ended_early(ended.answer, ended.error)
+            return False, b"", None
         except (OSError, TimeoutError) as err:
-            up = max(up, relayed.up)  # as above
-            if upstream is not None:
-                upstream.close()
-                upstream = None
             error = f"the exchange failed: {getattr(err, 'strerror', None) or err}"
-            told = relayed.status is None and not answered
-            if told:
-                # Nothing of a response reached the client (the origin reset the connection): it is told with a
-                # 502, as mitmproxy's path tells it, not left with a reset; a body still coming is drained first.
-                refusal = self._connect_refusal(f"egresswall: {error}", verdict, target, accept)
-                relayed.status = refusal.status
-                with contextlib.suppress(OSError):
-                    await loop.sock_sendall(conn, refusal_bytes(refusal))
-            gate.response_closed(ask.flow_id, client, request.method, target, verdict, started, up, relayed.down,
-                                 relayed.status, error)
-            if told and server.their_state is h11.SEND_BODY:
-                await answer_then_drain(conn, b"")
-            return False, b"", upstream
+            # Nothing of a response reached the client (the origin reset the connection): it is told with a
+            # 502, as mitmproxy's path tells it, not left with a reset.
+            told = None if relayed.status is not None else self._connect_refusal(f"egresswall: {error}", verdict,
+                                                                                 target, accept)
+            await ended_early(told, error)
+            return False, b"", None
         finally:  # every way out: sent, refused, reset, timed out, cancelled
             hold.release()
         gate.response_closed(ask.flow_id, client, request.method, target, verdict, started, up, relayed.down,
