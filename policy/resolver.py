@@ -126,6 +126,8 @@ class DnsResolver:
         except TimeoutError:
             raise ResolveError(TIMEOUT, f"DNS lookup of {name} timed out after {self.timeout:g}s") from None
         answers = [answer for answer in (a, aaaa) if answer is not None]
+        for answer in answers:
+            _check_cname_stands_alone(answer.response, qname)
         if not answers:
             raise ResolveError(EMPTY, f"{name} has no A or AAAA records")
         addresses = tuple(str(rr) for answer in answers for rr in answer.rrset)
@@ -156,6 +158,18 @@ class DnsResolver:
                                      f"({_short(err)})") from None
         except dns.exception.DNSException as err:
             raise ResolveError(ERROR, f"DNS lookup of {qname.to_text(True)} failed: {_short(err)}") from None
+
+
+def _check_cname_stands_alone(response: dns.message.Message, qname: dns.name.Name) -> None:
+    """A name that has a CNAME has no other records (RFC 1034 3.6.2). An answer that holds both for one name is
+    refused: dnspython takes the name's addresses and drops its CNAME, so the name the CNAME points at would go
+    unchecked. (Of two CNAMEs for one name dnspython keeps one, and follows and checks that one.)"""
+    aliased = {rrset.name for rrset in response.answer if rrset.rdtype == dns.rdatatype.CNAME}
+    for rrset in response.answer:
+        if rrset.name in aliased and rrset.rdtype != dns.rdatatype.CNAME:
+            raise ResolveError(ERROR, f"the answer for {qname.to_text(True)} holds both a CNAME and "
+                                      f"{dns.rdatatype.to_text(rrset.rdtype)} records for {rrset.name.to_text(True)} "
+                                      "(a CNAME stands alone): a broken or hostile nameserver")
 
 
 def _short(err: Exception) -> str:

@@ -40,6 +40,8 @@ class Behaviour:
     silent: bool = False  # never answer: the resolver times out
     garbage: bool = False  # answer bytes that are not a DNS message
     truncated: bool = False  # set TC with no answer (and refuse TCP)
+    beside: list[Record] = field(default_factory=list)  # added to every answer as they are, whatever was asked
+    # (a hostile or broken server's: a CNAME beside the name's own A records, which a CNAME may not have)
 
 
 class DnsLab:
@@ -160,6 +162,9 @@ class DnsLab:
             return response.to_wire()
         records = self._records_for(name, behaviour, rdtype)
         self._add_chain(response, name, rdtype, records, depth=0)
+        for record in behaviour.beside:
+            response.answer.append(dns.rrset.from_text(name + ".", record.ttl, "IN", record.rdtype,
+                                                       record.value + ("." if record.rdtype == "CNAME" else "")))
         return response.to_wire()
 
     def _records_for(self, name: str, behaviour: Behaviour, rdtype: str) -> list[Record]:

@@ -33,6 +33,11 @@ ZONE: dict[str, Behaviour | list[Record]] = {
     "garbage.example.com": Behaviour(garbage=True),
     "truncated.example.com": Behaviour(truncated=True),
     "dangling.example.com": [Record("CNAME", "nothing.example.com")],
+    # A hostile server's: a CNAME to an internal name beside the name's own (public) address.
+    "cname-beside-a.example.com": Behaviour(records=[Record("A", "198.18.0.5")],
+                                            beside=[Record("CNAME", "db.internal")]),
+    "cname-beside-aaaa.example.com": Behaviour(records=[Record("AAAA", "2001:db8::5")],
+                                               beside=[Record("CNAME", "db.internal")]),
 }
 
 
@@ -339,3 +344,14 @@ def test_allowed_name_is_looked_up_and_checked(dns: DnsLab) -> None:
     assert not verdict.allowed and verdict.stage == ADDRESS
     assert verdict.rule == "special-purpose 2001:db8::/32" and "2001:db8::1" in verdict.reason
     assert sorted(resolution.addresses) == ["198.18.0.1", "198.18.0.2", "2001:db8::1"]
+
+
+@pytest.mark.parametrize(("name", "says"), [
+    ("cname-beside-a.example.com", "holds both a CNAME and A records for cname-beside-a.example.com"),
+    ("cname-beside-aaaa.example.com", "holds both a CNAME and AAAA records for cname-beside-aaaa.example.com"),
+])
+def test_an_answer_where_a_cname_does_not_stand_alone_is_refused(dns, name: str, says: str) -> None:
+    """dnspython takes a name's own addresses and drops a CNAME beside them, so the name it points at
+    (db.internal) was never checked: such an answer is refused (review round 15)."""
+    err = failure(resolver(dns), name)
+    assert err.kind == ERROR and says in err.reason and "a CNAME stands alone" in err.reason, err.reason
