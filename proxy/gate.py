@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import time
 import uuid
@@ -206,12 +207,17 @@ class Gate:
 
     def own_endpoint(self, address: str, port: int) -> str | None:
         """What of egresswall's own answers at (address, port) — a listener or its session store — or None.
-        An IPv4-mapped address is the IPv4 it maps: a name answering AAAA ``::ffff:127.0.0.1`` reaches 127.0.0.1."""
+        An IPv4-mapped address is the IPv4 it maps (a name answering AAAA ``::ffff:127.0.0.1`` reaches
+        127.0.0.1), and an unspecified one (``0.0.0.0``, ``::``) reaches this host's listeners, whichever
+        address they are bound to: a connect to it is a connect to this host."""
         address = unwrap_mapped(address)
+        anywhere_here = _unspecified(address)
         if (address, port) in self.self_endpoints or (
-                ("*", port) in self.self_endpoints and is_local_address(address)):
+                ("*", port) in self.self_endpoints and is_local_address(address)) or (
+                anywhere_here and any(p == port for _, p in self.self_endpoints)):
             return "egresswall's own listener"
-        if (address, port) in self.store_endpoints:
+        if (address, port) in self.store_endpoints or (
+                anywhere_here and any(p == port for _, p in self.store_endpoints)):
             return "egresswall's session store"
         return None
 
@@ -293,10 +299,13 @@ class Gate:
         if tunnel.first_byte_at is None and chunk:
             tunnel.first_byte_at = time.monotonic()
         judged = first.feed(chunk, ech_allowed(self.policy))
-        if judged.kind == "tls" and not tunnel.intercept and tunnel.session is not None:
-            # TLS in a tunnel to a plain-HTTP port, passed through: the CONNECT was admitted for HTTP inside,
-            # whose requests are each held to the grants; TLS would reach any https path there.
-            refusal = self.sessions.check_passthrough(tunnel.session, tunnel.target, tunnel.verdict.role)
+        if judged.kind == "tls" and not tunnel.intercept:
+            if tunnel.session is not None:
+                # TLS in a tunnel to a plain-HTTP port, passed through: the CONNECT was admitted for HTTP inside,
+                # whose requests are each held to the grants; TLS would reach any https path there.
+                refusal = self.sessions.check_passthrough(tunnel.session, tunnel.target, tunnel.verdict.role)
+            else:  # opened without a session, passed through unread: as for a request inside (decide_request)
+                refusal = self.sessions.required_in_tunnel(self.policy, tunnel.client)
             if refusal is not None:
                 judged = FirstBytes.refuse(refusal.rule, refusal.reason)
         if judged.refused:
@@ -402,17 +411,24 @@ class Gate:
         opened)."""
         session = helds[0].session
         assert session is not None
+        started = time.monotonic()
         try:
-            current, over = await self.sessions.over(session)
-            over = over or await self._charge_open(session, helds)
+            # A store already silent at the last look may hang this one until its timeout: the expiry last
+            # seen is judged first, so the session still ends on time.
+            over = self._expired(helds) if helds[0].store_silent_since is not None else None
+            if over is None:
+                current, over = await self.sessions.over(session)
+                for held in helds:  # as the store holds it now: its expiry is known should the store fall silent
+                    held.session = current
+                over = over or await self._charge_open(current, helds)
         except StoreUnavailable as err:
-            over = self._store_silent(session, helds, err)
+            over = self._store_silent(session, helds, err, started)
         except Exception:  # noqa: BLE001 - see the docstring; CancelledError (shutdown) is no Exception
             log.exception("session %s: its open tunnels and WebSockets could not be looked at", session.id)
             return
         else:
-            for held in helds:  # as the store holds it now: its expiry is known should the store fall silent
-                held.session, held.store_silent_since = current, None
+            for held in helds:
+                held.store_silent_since = None
         if over is None:
             return
         for held in helds:
@@ -420,22 +436,27 @@ class Gate:
                 held.cut_by = over
                 held.cut()
 
-    def _store_silent(self, session: Session, helds: list[UnderSession], err: StoreUnavailable) -> Verdict | None:
-        """The store did not answer this look. A hiccup cuts nothing (new requests under the session are refused
-        503 meanwhile) unless the session has expired as last seen; once it has not answered for ``store_grace``
-        seconds, the refusal that ends them."""
-        expired = self.sessions.expired(session)
+    def _expired(self, helds: list[UnderSession]) -> Verdict | None:
+        """The refusal once the session has expired as last seen (the earliest expiry any of them saw)."""
+        soonest = min((held.session for held in helds if held.session is not None), key=lambda s: s.expires)
+        return self.sessions.expired(soonest)
+
+    def _store_silent(self, session: Session, helds: list[UnderSession], err: StoreUnavailable,
+                      asked: float) -> Verdict | None:
+        """The store did not answer the look that began at ``asked``. A hiccup cuts nothing (new requests under
+        the session are refused 503 meanwhile) unless the session has expired as last seen; once it has not
+        answered for ``store_grace`` seconds, the refusal that ends them."""
+        expired = self._expired(helds)
         if expired is not None:
             return expired
-        now = time.monotonic()
         for held in helds:
             if held.store_silent_since is None:
-                held.store_silent_since = now
-        silent = now - min(held.store_silent_since or now for held in helds)
+                held.store_silent_since = asked
+        silent = time.monotonic() - min(held.store_silent_since or asked for held in helds)
         log.warning("session %s: the session store did not answer for %.0fs: %s", session.id, silent, err)
         if silent < self.store_grace:
             return None
-        return self.sessions.store_lost(session, self.store_grace, err)
+        return self.sessions.store_lost(session, silent, err)
 
     async def _charge_open(self, session: Session, helds: list[UnderSession]) -> Verdict | None:
         """Charge the session what its open tunnels and WebSockets moved since the last look, and say whether
@@ -550,7 +571,7 @@ class Gate:
                 if session is not None:
                     verdict, status = self.sessions.check(session, target, True, tunnel.verdict.role), 403
             else:  # opened without one: the policy in force now may require one (a reload since the CONNECT)
-                verdict = await self.sessions.required_in_tunnel(policy, ask.client)
+                verdict = self.sessions.required_in_tunnel(policy, ask.client)
         else:
             session, verdict, status = await self._session_first(policy, ask.client, ask.credentials, target, True)
         if verdict is None:
@@ -711,6 +732,14 @@ def refusal_for(status: int, verdict: Verdict, target: Target | None, accept: It
 def self_refusal(pinned: str, port: int, own: str, verdict: Verdict) -> Verdict:
     return Verdict(False, "address", "self", f"{pinned}:{port} is {own}; a request to the proxy itself is refused",
                    role=verdict.role, addresses=verdict.addresses)
+
+
+def _unspecified(address: str) -> bool:
+    """0.0.0.0 or :: in any spelling: a connect to it goes to this host itself."""
+    try:
+        return ipaddress.ip_address(address).is_unspecified
+    except ValueError:
+        return False
 
 
 def safe_text(text: str, limit: int = 300) -> str:

@@ -4,15 +4,17 @@
   the opened descriptor judges what was opened (a directory, FIFO, socket or device is refused), not what
   the name pointed to a moment before. Reading the proxy's policy happens on its event loop.
 * It is read once; every check (UTF-8, complete) is made on those same bytes, and those bytes are parsed.
-* **Complete.** A file caught half-written almost always ends mid-line, and its first half can be valid YAML
+* **Complete.** A file caught half-written usually ends mid-line, and its first half can be valid YAML
   that says less (a deny list cut short, a host name cut to another name). A file that ends with a newline
-  is used as read. One that does not (VS Code saves files that way) is used once it has been left
-  unchanged for ``SETTLE_SECONDS``: its modification time is that old, or this reader has seen the same
-  file (inode, size, modification time) for that long. Until then it is *unsettled*: the first load and
-  ``lint`` wait for it (``wait=True``, at most a few settle periods while it keeps changing), and a reload
-  (``wait=False``) keeps the last good policy and tries again on the watcher's next beat. So the first load,
-  a reload and ``lint`` decide alike on the same file. Writing policy files atomically (to another name,
-  then renamed over) is safe at every byte.
+  is used as read by the first load, ``lint`` and SIGHUP. One that does not (VS Code saves files that way),
+  and every file the watcher reloads (``settled_only``: a writer pausing at a line's end leaves a newline
+  at the end), is used once it has been left unchanged for ``SETTLE_SECONDS``: its modification time is
+  that old, or this reader has seen the same file (inode, size, modification time) for that long. Until
+  then it is *unsettled*: the first load and ``lint`` wait for it (``wait=True``, at most a few settle
+  periods while it keeps changing), and a reload (``wait=False``) keeps the last good policy and tries
+  again on the watcher's next beat. So the first load, a reload and ``lint`` decide alike on the same
+  bytes; the watcher only waits longer before it reads them. Writing policy files atomically (to another
+  name, then renamed over) is safe at every byte.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ class PolicyText:
 
 
 class Unsettled(PolicyError):
-    """The file does not end with a newline and changed too recently to tell it from a half-written one."""
+    """The file changed too recently to tell it from a half-written one (it does not end with a newline, or
+    the watcher holds every file to that)."""
 
     def __init__(self, source: str, identity: FileIdentity, since: float, why: str) -> None:
         self.identity, self.since = identity, since  # since: time.monotonic() from which it was unchanged

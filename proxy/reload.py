@@ -115,6 +115,8 @@ class PolicyHolder:
             return  # a SIGHUP's reload is reading the file already; the next beat looks again
         self._reloading = asyncio.get_running_loop().create_task(self._reload_off_loop(settled_only=True))
         await self._reloading
+        if self._again:  # a SIGHUP came meanwhile: it asked for the file at once, not once it has settled
+            self.request_reload()
 
     def changed(self) -> bool:
         return self._unsettled is not None or identity(str(self.policy.source)) != self._seen

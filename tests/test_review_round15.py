@@ -8,6 +8,7 @@ import time
 
 import pytest
 from dnslab import Behaviour, Record
+from labnet import StandIn
 from proxyproc import both_transports, parse_response
 from session_client import token_file
 
@@ -126,3 +127,72 @@ def test_a_name_answering_the_mapped_form_of_egresswall_s_own_address_is_refused
     refusals = [r for r in proxy.audit() if r["event"] == "decision" and r.get("host") == name]
     assert [r["rule"] for r in refusals] == ["self", "self"], refusals
     assert "egresswall's own listener" in refusals[0]["reason"], refusals
+
+
+@both_transports
+def test_a_tunnel_connects_where_its_connect_was_pinned_after_a_plain_request_on_its_connection(lab, start_proxy,
+                                                                                                transport):
+    """mitmproxy's path kept the pin of the last plain request of a client connection and preferred it for every
+    connect of that connection to the same host and port: a CONNECT after it had its tunnel connected to the
+    plain request's address, while its record named the address it was decided on (and the requests inside,
+    judged on the CONNECT's answer, went elsewhere)."""
+    name = f"pin-after-plain-{transport}.lab.example".lower()
+    other = StandIn("127.0.0.4", lab.public.port)  # the CONNECT's answer; it only counts connections
+    try:
+        lab.dns.set(name, Behaviour(sequence=[[Record("A", "127.0.0.2", ttl=0)], [Record("A", other.host, ttl=0)]]))
+        proxy = start_proxy(lab.policy_text().replace("connect: [", f"connect: [{lab.public.port}, ").replace(
+            "allow: [127.0.0.2/32]", f"allow: [127.0.0.2/32, {other.host}/32]"))
+        authority = f"{name}:{lab.public.port}"
+        with socket.create_connection((proxy.host, proxy.port), timeout=10) as sock:
+            sock.sendall(f"GET http://{authority}/plain HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
+            assert _read_response(sock)[0] == 200
+            sock.sendall(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
+            sock.settimeout(5)
+            sock.recv(65536)  # 200 then the stand-in's close, or 502: where it connected is what is checked
+        _wait_for(lambda: any(r["event"] == "tunnel" and r.get("host") == name for r in proxy.audit()))
+    finally:
+        other.close()
+    tunnel = next(r for r in proxy.audit() if r["event"] == "decision" and r.get("method") == "CONNECT"
+                  and r.get("host") == name)
+    assert tunnel["pinned"] == other.host, tunnel
+    assert other.connections, "the tunnel did not connect to the address its CONNECT was pinned to"
+
+
+@both_transports
+def test_a_name_answering_the_unspecified_address_is_refused_as_egresswall_itself(lab, start_proxy, transport):
+    """A connect to 0.0.0.0 reaches this host: a listener bound to 127.0.0.1 takes it. With a policy that admits
+    every address, a name answering 0.0.0.0 reached egresswall's own admin listener."""
+    name = f"unspecified-{transport}.lab.example".lower()
+    lab.dns.set(name, [Record("A", "0.0.0.0")])
+    proxy = start_proxy(lab.policy_text().replace("http: [", "http: ['1-65535', ").replace(
+        "allow: [127.0.0.2/32]", "allow: [0.0.0.0/0]"))
+    status, _, body = proxy.get(f"http://{name}:{proxy.admin_port}/metrics")
+    assert status == 403 and b"egresswall_" not in body, (status, body[:200])
+    refusal = next(r for r in proxy.audit() if r["event"] == "decision" and r.get("host") == name)
+    assert refusal["rule"] == "self" and "egresswall's own listener" in refusal["reason"], refusal
+
+
+@both_transports
+def test_tls_in_a_tunnel_opened_without_a_session_is_refused_once_a_reload_requires_one(lab, start_proxy, tmp_path):
+    """A CONNECT to a plain-HTTP port may carry TLS, passed through unread. Opened before a reload that requires
+    a session, its requests were refused but its ClientHello went through: now the first message is held to
+    the policy in force as a request inside is."""
+    from tls_build import real_client_hello
+
+    text = lab.policy_text().replace("connect: [", f"connect: [{lab.public.port}, ")
+    proxy = start_proxy(text, "--admin-token-file", str(token_file(tmp_path)))
+    authority = f"public.lab.example:{lab.public.port}"
+    sock, status, _ = proxy.connect(authority)
+    assert status == 200
+    with sock:
+        proxy.policy_path.write_text(text + "session: required\n")
+        proxy.signal(signal.SIGHUP)
+        _wait_for(lambda: proxy.get(f"http://{authority}/probe")[0] == 407)
+        before = lab.public.connections
+        sock.sendall(real_client_hello("public.lab.example"))
+        sock.settimeout(5)
+        assert sock.recv(65536) == b""  # closed, nothing relayed
+    refusal = next(r for r in proxy.audit() if r["event"] == "decision" and r.get("rule") == "session:required"
+                   and r.get("method") == "CONNECT")
+    assert "this tunnel was opened without one" in refusal["reason"], refusal
+    assert lab.public.connections == before  # the tunnel's upstream was not connected anew (nor used)

@@ -423,7 +423,7 @@ def test_the_sweep_cuts_what_is_open_under_a_session_once_the_store_is_silent_pa
     assert second_outage == []
     assert past_the_grace == ["cut"]
     assert tunnel.cut_by is not None and tunnel.cut_by.rule == STORE_UNAVAILABLE and tunnel.cut_by.session == "s1"
-    assert "has not answered for 0.3s" in tunnel.cut_by.reason and "cannot be reached" in tunnel.cut_by.reason
+    assert "has not answered for" in tunnel.cut_by.reason and "cannot be reached" in tunnel.cut_by.reason
     gate.audit.close()
 
 

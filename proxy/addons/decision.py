@@ -56,6 +56,9 @@ class DecisionAddon:
         assert tunnel is not None and tunnel.verdict.pinned is not None
         flow.metadata[CONNECT_ANSWER] = (tunnel.target, tunnel.verdict.role, accept_of(flow))
         tunnel.client_conn_id = flow.client_conn.id
+        # From here the client connection is the tunnel: a plain request's pin on it (pin_for prefers those)
+        # must not steer the tunnel's connects away from the address its CONNECT was decided on.
+        self.table.request_pins.pop(flow.client_conn.id, None)
         self.table.pins[(flow.client_conn.id, tunnel.target.host, tunnel.target.port)] = tunnel.verdict.pinned
         self.table.tunnels[flow.server_conn.id] = tunnel
 

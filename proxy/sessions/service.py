@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from policy.credentials import CredentialsError, parse_proxy_authorization
 from policy.decision import Verdict, role_of
 from policy.hosts import Target
-from policy.model import Policy
+from policy.model import Policy, Role
 from policy.sessions import (
     CREDENTIALS,
     ENDED,
@@ -78,12 +78,8 @@ class SessionService:
         except CredentialsError as err:
             return self._refused(Identity(None, refused(CREDENTIALS, err.reason, None, role_name), 407))
         if credentials is None:
-            if policy.session_required(role):
-                whose = f"role {role.name}" if role is not None and role.session else "the policy"
-                return self._refused(Identity(None, refused(
-                    REQUIRED, f"{whose} requires a session (session: required): send Proxy-Authorization: Basic "
-                              "with the session's id and secret", None, role_name), 407))
-            return NO_SESSION
+            required = self._required(policy, role)
+            return NO_SESSION if required is None else self._refused(Identity(None, required, 407))
         try:
             session = await self.store.get(credentials.session_id)
         except StoreUnavailable as err:
@@ -101,15 +97,27 @@ class SessionService:
                              "secret)", None, role_name), 407))
         return Identity(session)
 
-    async def required_in_tunnel(self, policy: Policy, client: str | None) -> Verdict | None:
-        """For a request inside a tunnel opened without a session: the refusal when the policy in force now
-        requires one of this client (a reload since the CONNECT). A header inside a tunnel names no session,
-        so this is answered from the policy alone."""
-        identity = await self.identify(policy, client, ())
-        if identity.refusal is None:
+    def required_in_tunnel(self, policy: Policy, client: str | None) -> Verdict | None:
+        """For a tunnel opened without a session, at its first message and at each request inside: the refusal
+        when the policy in force now requires one of this client (a reload since the CONNECT). A header inside a
+        tunnel names no session, so this is answered from the policy alone."""
+        if not self.enabled(policy):
             return None
-        return replace(identity.refusal, reason=f"{identity.refusal.reason}; this tunnel was opened without one, "
-                                                "before the policy required it: open a new one with the session")
+        refusal = self._required(policy, role_of(policy, client))
+        if refusal is None:
+            return None
+        return self._counted(replace(refusal, reason=f"{refusal.reason}; this tunnel was opened without one, before "
+                                                     "the policy required it: open a new one with the session"))
+
+    @staticmethod
+    def _required(policy: Policy, role: Role | None) -> Verdict | None:
+        """The refusal of a request that presents no session where the policy (or the client's role) requires
+        one; None where none is required."""
+        if not policy.session_required(role):
+            return None
+        whose = f"role {role.name}" if role is not None and role.session else "the policy"
+        return refused(REQUIRED, f"{whose} requires a session (session: required): send Proxy-Authorization: Basic "
+                                 "with the session's id and secret", None, role.name if role else None)
 
     async def current(self, session: Session, role: str | None) -> tuple[Session | None, Verdict | None, int]:
         """The session as the store holds it now, for a request inside a tunnel opened under it: an extension
@@ -143,7 +151,7 @@ class SessionService:
         """The refusal that ends what is open under ``session`` once the store has not answered for ``seconds``:
         its bytes can be neither charged nor held to the session's end, and egresswall fails closed."""
         return self._counted(refused(
-            STORE_UNAVAILABLE, f"the session store has not answered for {seconds:g}s ({err}), so session "
+            STORE_UNAVAILABLE, f"the session store has not answered for {seconds:.0f}s ({err}), so session "
                                f"{session.id} can be neither checked nor charged", session))
 
     # ---- the checks ---------------------------------------------------------------------------
