@@ -15,7 +15,12 @@ message through ``ProtocolFilter.from_client`` and refuses:
   ``DebugController``, ``CDPSession``, ``JsonPipe``;
 * raw CDP (``newCDPSession``, ``newBrowserCDPSession``: CDP can create a context with its own proxy),
   ``Playwright.newRequest`` (an HTTP client in the driver process that no browser flag governs),
-  ``Browser.startServer``/``stopServer`` and ``killForTests``.
+  ``Browser.startServer``/``stopServer`` and ``killForTests``;
+* what writes the server's files or watches other clients: ``Artifact.saveAs`` (the driver copies a download,
+  whose bytes the page chose, to any path the client names; a remote client uses ``saveAsStream``),
+  ``Browser.startTracing``/``stopTracing`` (one trace of the whole browser, every client's pages in it), the
+  recorder (``BrowserContext.showRecorder``: a browser of its own, launched without the server's flags), and
+  a trace ``name`` that is not a plain file name (the driver joins it to its traces folder: ``../..``).
 
 Everything else passes unchanged. Object types come from the server's own ``__create__`` messages (the
 connection's ``ObjectTree``, shared with the context accounting), so a message for an object the filter
@@ -58,7 +63,16 @@ REFUSED_METHODS = {
     ("Browser", "stopServer"): "the browser cannot start servers for clients",
     ("Browser", "killForTests"): "killing the shared browser is not offered",
     ("Browser", "newContextForReuse"): "the test runner's context reuse is not offered; use newContext",
+    # Files on the server, and what other clients do.
+    ("Artifact", "saveAs"): "the driver would write the file to a path on the server; a remote client saves "
+                            "downloads, videos and traces with saveAsStream, which sends it the bytes",
+    ("Browser", "startTracing"): "a browser-wide trace records every client's pages",
+    ("Browser", "stopTracing"): "a browser-wide trace records every client's pages",
+    ("BrowserContext", "showRecorder"): "the recorder launches a browser of its own, outside the server's flags",
+    ("BrowserContext", "enableRecorder"): "the recorder launches a browser of its own, outside the server's flags",
 }
+# Tracing's ``name`` becomes a file name in the driver's traces folder: a plain name only, no way out of it.
+NAMED_FILES = {("Tracing", "tracingStart"), ("Tracing", "tracingStartChunk")}
 # Anywhere in a message's parameters.
 REFUSED_PARAMS = {
     "proxy": "a proxy option would override egresswall for this context",
@@ -151,6 +165,9 @@ class ProtocolFilter:
             return None
         if not isinstance(params, dict):
             return Refusal(message_id, f"{interface}.{method} with parameters that are not an object")
+        if (interface, method) in NAMED_FILES and not _plain_file_name(params.get("name")):
+            return Refusal(message_id, f"{interface}.{method} with the name {str(params.get('name'))[:80]!r}: it names "
+                                       "a file in the driver's traces folder, and may not lead out of it")
         for name in REFUSED_LAUNCH_PARAMS:
             if name in params:
                 return Refusal(message_id, f"{interface}.{method} with {name!r}: launch options are fixed by "
@@ -168,6 +185,12 @@ class ProtocolFilter:
             return Refusal(message_id, f"{interface}.{method} with {switch!r}: Chromium's sandbox is the server's "
                                        "setting")
         return None
+
+
+def _plain_file_name(name: Any) -> bool:
+    """None (the driver picks the name), or a name with no separator and no leading dot ('..' included)."""
+    return name is None or (isinstance(name, str) and name != "" and not name.startswith(".")
+                            and "/" not in name and "\\" not in name and "\0" not in name)
 
 
 def _sandbox_switch(value: Any, depth: int = 0) -> str | None:

@@ -38,7 +38,8 @@ def protocol() -> ProtocolFilter:
     protocol = ProtocolFilter()
     for kind, guid in (("Playwright", "playwright"), ("BrowserType", "browser-type@1"), ("Browser", "browser@1"),
                        ("BrowserContext", "browser-context@1"), ("Page", "page@1"), ("Frame", "frame@1"),
-                       ("LocalUtils", "utils@1"), ("Android", "android@1"), ("WebSocketRoute", "ws-route@1")):
+                       ("LocalUtils", "utils@1"), ("Android", "android@1"), ("WebSocketRoute", "ws-route@1"),
+                       ("Artifact", "artifact@1"), ("Tracing", "tracing@1")):
         created(protocol, kind, guid)
     return protocol
 
@@ -58,6 +59,16 @@ def protocol() -> ProtocolFilter:
     ("browser@1", "startServer", {}, "startServer"),
     ("frame@1", "setInputFiles", {"selector": "input", "localPaths": ["/etc/shadow"]}, "server's files"),
     ("page@nobody", "goto", {"url": "http://x/"}, "never given"),
+    # Review round 15: the server's files and other clients' pages.
+    ("artifact@1", "saveAs", {"path": "/root/.venv/lib/python3.12/site-packages/x.pth"}, "saveAsStream"),
+    ("browser@1", "startTracing", {"categories": ["disabled-by-default-netlog"]}, "every client's pages"),
+    ("browser@1", "stopTracing", {}, "every client's pages"),
+    ("browser-context@1", "showRecorder", {"outputFile": "/tmp/out.py"}, "browser of its own"),
+    ("tracing@1", "tracingStart", {"name": "../../../../tmp/x", "snapshots": True}, "may not lead out of it"),
+    ("tracing@1", "tracingStartChunk", {"name": "a/b"}, "may not lead out of it"),
+    ("tracing@1", "tracingStart", {"name": ".."}, "may not lead out of it"),
+    ("tracing@1", "tracingStart", {"name": "x\\..\\y"}, "may not lead out of it"),
+    ("tracing@1", "tracingStart", {"name": 7}, "may not lead out of it"),
 ])
 def test_filter_refuses_network_options_launches_and_raw_channels(protocol, guid, method, params, why):
     refusal = protocol.from_client(call(guid, method, params))
@@ -75,6 +86,9 @@ def test_filter_passes_ordinary_calls(protocol):
     arg = {"value": {"o": [{"k": "proxy", "v": {"s": "x"}}]}, "handles": []}
     assert protocol.from_client(call("frame@1", "evaluateExpression", {"expression": "x => x", "arg": arg})) is None
     assert protocol.from_client(call("ws-route@1", "connect")) is None  # the page's own WebSocket, in Chromium
+    assert protocol.from_client(call("artifact@1", "saveAsStream")) is None  # a remote client's download
+    assert protocol.from_client(call("tracing@1", "tracingStart", {"name": "trace-1", "snapshots": True})) is None
+    assert protocol.from_client(call("tracing@1", "tracingStart", {"snapshots": True})) is None
 
 
 def test_filter_closes_on_garbage(protocol):
