@@ -20,7 +20,10 @@ message through ``ProtocolFilter.from_client`` and refuses:
   whose bytes the page chose, to any path the client names; a remote client uses ``saveAsStream``),
   ``Browser.startTracing``/``stopTracing`` (one trace of the whole browser, every client's pages in it), the
   recorder (``BrowserContext.showRecorder``: a browser of its own, launched without the server's flags), and
-  a trace ``name`` that is not a plain file name (the driver joins it to its traces folder: ``../..``).
+  a trace ``name`` that is not a plain file name (the driver joins it to its traces folder: ``../..``);
+* a navigation (``Frame.goto``) anywhere but an http, https or data: URL or ``about:blank`` (``file:`` reads the
+  server's files, ``chrome:`` and ``about:`` reach the browser's own pages, one of which crashes it), and a
+  context's ``baseURL`` that is not http or https (relative navigations resolve against it).
 
 Everything else passes unchanged. Object types come from the server's own ``__create__`` messages (the
 connection's ``ObjectTree``, shared with the context accounting), so a message for an object the filter
@@ -37,6 +40,7 @@ and so is a sandbox-disabling switch in any ``args`` list.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +77,11 @@ REFUSED_METHODS = {
 }
 # Tracing's ``name`` becomes a file name in the driver's traces folder: a plain name only, no way out of it.
 NAMED_FILES = {("Tracing", "tracingStart"), ("Tracing", "tracingStartChunk")}
+# Where a client may send a page: the web (through egresswall), data: and the blank page. A file: URL reads the
+# server's files (its temporary folder holds the driver's launch settings and other clients' downloads), and a
+# chrome: URL (or an about: one, which Chromium maps to chrome:) reaches the browser's own pages (one crashes it).
+NAVIGABLE_SCHEMES = ("http", "https", "data")
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
 # Anywhere in a message's parameters.
 REFUSED_PARAMS = {
     "proxy": "a proxy option would override egresswall for this context",
@@ -165,6 +174,13 @@ class ProtocolFilter:
             return None
         if not isinstance(params, dict):
             return Refusal(message_id, f"{interface}.{method} with parameters that are not an object")
+        if (interface, method) == ("Frame", "goto") and not _navigable(params.get("url"), relative=True):
+            return Refusal(message_id, f"{interface}.{method} to {str(params.get('url'))[:80]!r}: pages go to http, "
+                                       "https or data: URLs (file: reads the server's files, chrome: reaches the "
+                                       "browser's own pages)")
+        if "baseURL" in params and not _navigable(params["baseURL"], relative=False, blank=False):
+            return Refusal(message_id, f"{interface}.{method} with the baseURL {str(params['baseURL'])[:80]!r}: "
+                                       "relative URLs resolve against http or https only")
         if (interface, method) in NAMED_FILES and not _plain_file_name(params.get("name")):
             return Refusal(message_id, f"{interface}.{method} with the name {str(params.get('name'))[:80]!r}: it names "
                                        "a file in the driver's traces folder, and may not lead out of it")
@@ -185,6 +201,25 @@ class ProtocolFilter:
             return Refusal(message_id, f"{interface}.{method} with {switch!r}: Chromium's sandbox is the server's "
                                        "setting")
         return None
+
+
+def _navigable(url: Any, *, relative: bool, blank: bool = True) -> bool:
+    """Whether ``url`` (as a URL parser reads it: C0 controls and spaces around it dropped, tabs and line breaks
+    inside it removed) names an http, https or data: URL, or ``about:blank`` (``blank``); one with no scheme
+    only when ``relative`` (it is resolved against the context's baseURL, itself held to http or https)."""
+    if not isinstance(url, str):
+        return False
+    text = url.translate(_TABS_AND_BREAKS).strip("".join(map(chr, range(33))))
+    match = _SCHEME.match(text)
+    if match is None:
+        return relative
+    scheme = match.group(1).lower()
+    if scheme == "about":
+        return blank and text.lower().split("#", 1)[0].split("?", 1)[0] == "about:blank"
+    return scheme in NAVIGABLE_SCHEMES
+
+
+_TABS_AND_BREAKS = {ord("\t"): None, ord("\n"): None, ord("\r"): None}
 
 
 def _plain_file_name(name: Any) -> bool:

@@ -69,6 +69,16 @@ def protocol() -> ProtocolFilter:
     ("tracing@1", "tracingStart", {"name": ".."}, "may not lead out of it"),
     ("tracing@1", "tracingStart", {"name": "x\\..\\y"}, "may not lead out of it"),
     ("tracing@1", "tracingStart", {"name": 7}, "may not lead out of it"),
+    ("frame@1", "goto", {"url": "file:///tmp/"}, "file: reads the server's files"),
+    ("frame@1", "goto", {"url": " \tFi\nLE:///proc/self/environ"}, "file: reads"),
+    ("frame@1", "goto", {"url": "view-source:file:///etc/passwd"}, "file: reads"),
+    ("frame@1", "goto", {"url": "chrome://inducebrowsercrashforrealz"}, "browser's own pages"),
+    ("frame@1", "goto", {"url": "about:version"}, "browser's own pages"),
+    ("frame@1", "goto", {"url": "javascript:location='file:///etc/passwd'"}, "http"),
+    ("frame@1", "goto", {"url": None}, "http"),
+    ("browser@1", "newContext", {"baseURL": "file:///tmp/"}, "relative URLs resolve against http or https"),
+    ("browser@1", "newContext", {"baseURL": "about:blank"}, "relative URLs resolve against http or https"),
+    ("browser@1", "newContext", {"baseURL": "tmp/"}, "relative URLs resolve against http or https"),
 ])
 def test_filter_refuses_network_options_launches_and_raw_channels(protocol, guid, method, params, why):
     refusal = protocol.from_client(call(guid, method, params))
@@ -87,6 +97,10 @@ def test_filter_passes_ordinary_calls(protocol):
     assert protocol.from_client(call("frame@1", "evaluateExpression", {"expression": "x => x", "arg": arg})) is None
     assert protocol.from_client(call("ws-route@1", "connect")) is None  # the page's own WebSocket, in Chromium
     assert protocol.from_client(call("artifact@1", "saveAsStream")) is None  # a remote client's download
+    for url in ("https://example.org/", "HTTP://example.org", "about:blank", "data:text/html,<p>hi</p>", "/path",
+                "page.html"):
+        assert protocol.from_client(call("frame@1", "goto", {"url": url})) is None, url
+    assert protocol.from_client(call("browser@1", "newContext", {"baseURL": "https://example.org/a/"})) is None
     assert protocol.from_client(call("tracing@1", "tracingStart", {"name": "trace-1", "snapshots": True})) is None
     assert protocol.from_client(call("tracing@1", "tracingStart", {"snapshots": True})) is None
 
