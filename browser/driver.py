@@ -23,8 +23,9 @@ log = logging.getLogger("egresswall.browser")
 
 class BrowserProcess:
     def __init__(self, plan: LaunchPlan, workdir: Path, cgroup: BrowserCgroup | None = None,
-                 start_timeout: float = 60.0) -> None:
+                 start_timeout: float = 60.0, port: int = 0) -> None:
         self.plan = plan
+        self.port = port  # the driver's loopback port; 0: any free one
         self.workdir = workdir
         self.cgroup = cgroup
         self.start_timeout = start_timeout
@@ -41,7 +42,7 @@ class BrowserProcess:
         from playwright._impl._driver import compute_driver_executable, get_driver_env
 
         config = self.plan.server_config()
-        config.update(host="127.0.0.1", port=0, wsPath="/" + secrets.token_urlsafe(24))
+        config.update(host="127.0.0.1", port=self.port, wsPath="/" + secrets.token_urlsafe(24))
         config_file = self.workdir / "launch-server.json"
         config_file.touch(mode=0o600)
         config_file.write_text(json.dumps(config))

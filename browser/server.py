@@ -135,8 +135,11 @@ def is_loopback(host: str) -> bool:
 class BrowserServer:
     def __init__(self, plan: LaunchPlan, host: str = "127.0.0.1", port: int = 3000, start_timeout: float = 60.0,
                  limits: ServerLimits | None = None, key_of: Callable[[Any], str] = client_key,
-                 sessions_refused: str | None = None) -> None:
+                 sessions_refused: str | None = None, driver_port: int = 0) -> None:
         self.plan = plan
+        # The Playwright driver's loopback port (0: any free one). A fixed one lets a pod's packet filter admit
+        # it for the browser's own user only (compose/k8s/egress-lock.nft's driver_port).
+        self.driver_port = driver_port
         # Why session connections are refused at the handshake (None: their credentials go to the proxy).
         self.sessions_refused = sessions_refused
         self.host, self.port = host, port
@@ -236,7 +239,7 @@ class BrowserServer:
             group = self.ceiling.group() if self.ceiling is not None else None
         except CgroupError as err:  # it worked at start: fail closed rather than run without the ceiling
             raise ContainmentError(f"the browser's memory cgroup: {err}") from None
-        browser = BrowserProcess(self.plan, workdir, group, self.start_timeout)
+        browser = BrowserProcess(self.plan, workdir, group, self.start_timeout, self.driver_port)
         self.browser = browser
         self.metrics.browser_starts += 1
         self._oom_kills_seen = group.oom_kills() if group is not None else 0

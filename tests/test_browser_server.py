@@ -188,6 +188,41 @@ def server(lab, start_proxy, tmp_path):
     assert server.stop() == 0, server.stderr
 
 
+@pytest.mark.parametrize("options", [["--driver-port", "70000"], ["--port", "3999", "--driver-port", "3999"]])
+def test_a_driver_port_that_cannot_be_is_a_usage_error(options):
+    done = subprocess.run([sys.executable, "-m", "proxy.cli", "browser-server", "--proxy", "127.0.0.1:9", *options],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--driver-port" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.integration
+def test_the_driver_listens_at_the_driver_port_a_pod_s_filter_admits(lab, start_proxy, tmp_path):
+    """compose/k8s/egress-lock.nft admits the driver's loopback port for the browser's user only, so the sidecar
+    passes a fixed --driver-port (a random one was refused to the relay, and the server had no browser)."""
+    import socket
+
+    from playwright.sync_api import sync_playwright
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proxy = start_proxy(lab.policy_text())
+    server = ServerProcess(f"{proxy.host}:{proxy.port}", tmp_path / "server.stderr", "--driver-port", str(port))
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()  # the driver, at that port
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.connect(server.endpoint, timeout=30_000)
+            try:
+                page = browser.new_context().new_page()
+                lab.public.serve("/driver-port", "<title>through the relay</title>")
+                page.goto(f"http://public.lab.example:{lab.public.port}/driver-port")
+                assert page.title() == "through the relay"
+            finally:
+                browser.close()
+    finally:
+        assert server.stop() == 0, server.stderr
+
+
 @pytest.mark.integration
 def test_client_cannot_get_around_the_proxy_and_the_stand_in_sees_nothing(lab, server):
     from playwright.sync_api import Error, sync_playwright

@@ -814,6 +814,16 @@ def lock_problems(pod: dict, defines: dict[str, str], cm_keys: dict[str, set[str
                 problems.append(f"{c['name']}: --port is not in egress-lock.nft's pod_local_ports")
             if not is_loopback(option(argv, "--host") or "127.0.0.1"):
                 problems.append(f"{c['name']}: listens beyond the pod's loopback without authentication")
+            # Its relay reaches the Playwright driver on loopback: at a port the filter admits, for its own user
+            # only (a random port is refused, and the browser server cannot start its browser).
+            if option(argv, "--driver-port") != defines.get("driver_port"):
+                problems.append(f"{c['name']}: --driver-port {option(argv, '--driver-port')} is not egress-lock.nft's "
+                                f"driver_port {defines.get('driver_port')}")
+            if str((c.get("securityContext") or {}).get("runAsUser")) != defines.get("browser_uid"):
+                problems.append(f"{c['name']}: runAsUser is not egress-lock.nft's browser_uid "
+                                f"{defines.get('browser_uid')}, the one user that reaches the driver's port")
+            if int(option(argv, "--driver-port") or 0) in local_ports:
+                problems.append(f"{c['name']}: the driver's port is in pod_local_ports, open to every container")
     return problems
 
 

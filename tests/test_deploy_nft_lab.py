@@ -8,8 +8,9 @@ route anywhere else. Listeners record every connection and datagram with the mar
 Shown: before the ruleset, another user's probes do leave (the lab can see a leak); after it, another
 user (nobody, and root too) cannot connect out by TCP nor send UDP — refused at once, and the outside
 listeners saw nothing — can reach the proxy's port and the pod-local browser-server port on loopback,
-and cannot reach the admin port (on loopback or the pod's address) nor any other loopback port; the
-proxy's uid can still connect out by TCP and UDP, over IPv4 and IPv6.
+and cannot reach the admin port (on loopback or the pod's address), the Playwright driver's port nor any
+other loopback port; the browser's uid reaches the driver's port too, and nothing outside; the proxy's uid
+can still connect out by TCP and UDP, over IPv4 and IPv6.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ PROXY_UID = int(DEFINES["proxy_uid"])
 PROXY_PORT = int(DEFINES["proxy_port"])
 ADMIN_PORT = int(DEFINES["admin_port"])
 POD_LOCAL_PORTS = [int(p) for p in re.findall(r"\d+", DEFINES["pod_local_ports"])]
+BROWSER_UID = int(DEFINES["browser_uid"])
+DRIVER_PORT = int(DEFINES["driver_port"])
 
 # Runs as root in a namespace: binds every (proto, host, port) it is given, writes "ready", then appends
 # one JSON line per connection or datagram (with what the peer sent) to a log file.
@@ -184,6 +187,7 @@ LOOPBACK_PROBES = [
     {"name": "other-loopback-port", "proto": "tcp", "host": "127.0.0.1", "port": OTHER_LOOPBACK_PORT},
     {"name": "udp-loopback", "proto": "udp", "host": "127.0.0.1", "port": OUT_UDP_PORT},
     *[{"name": f"pod-local-{port}", "proto": "tcp", "host": "127.0.0.1", "port": port} for port in POD_LOCAL_PORTS],
+    {"name": "driver-port", "proto": "tcp", "host": "127.0.0.1", "port": DRIVER_PORT},
 ]
 
 
@@ -196,9 +200,9 @@ def lab(tmp_path_factory):
     reason = lab_skip_reason("nft", "setpriv")
     if reason:
         pytest.skip(reason)
-    python = _interpreter_for([OTHER_UID, PROXY_UID])
+    python = _interpreter_for([OTHER_UID, PROXY_UID, BROWSER_UID])
     if python is None:
-        pytest.skip(f"no Python interpreter that uids {OTHER_UID} and {PROXY_UID} may execute")
+        pytest.skip(f"no Python interpreter that uids {OTHER_UID}, {PROXY_UID} and {BROWSER_UID} may execute")
     logs = tmp_path_factory.mktemp("nft-lab")
     os.chmod(logs, 0o755)
     with NetnsLab() as netns:
@@ -223,6 +227,7 @@ def lab(tmp_path_factory):
                 {"label": "udp-lo", "proto": "udp", "host": "127.0.0.1", "port": OUT_UDP_PORT},
                 *[{"label": f"pod-local-{p}", "proto": "tcp", "host": "127.0.0.1", "port": p}
                   for p in POD_LOCAL_PORTS],
+                {"label": "driver", "proto": "tcp", "host": "127.0.0.1", "port": DRIVER_PORT},
             ],
         }
         for i, (ns, specs) in enumerate(listeners.items()):
@@ -284,7 +289,7 @@ def test_another_user_reaches_the_proxy_port_and_pod_local_ports_on_loopback(lab
 
 def test_another_user_cannot_reach_the_admin_port_nor_other_loopback_ports(lab):
     results = lab.probe(OTHER_UID, _copy(LOOPBACK_PROBES))
-    for name in ("admin-loopback", "admin-pod-ip", "other-loopback-port"):
+    for name in ("admin-loopback", "admin-pod-ip", "other-loopback-port", "driver-port"):
         assert results[name]["outcome"] == "ECONNREFUSED", results[name]
         assert results[name]["seconds"] < FAST, results[name]
         assert lab.seen(results[name]) == [], f"{name} reached its listener"
@@ -300,3 +305,16 @@ def test_the_proxy_uid_can_connect_out_and_reach_its_admin_port(lab):
     for name in ("udp4-out", "udp6-out"):
         assert results[name]["outcome"] == "sent", results[name]
         assert lab.seen(results[name]), f"{name}: the listener saw nothing from the proxy's uid"
+
+
+def test_the_browser_uid_reaches_its_driver_port_and_nothing_more(lab):
+    """The browser server's relay reaches the Playwright driver on loopback at --driver-port, as the browser
+    container's user (a random port, or another user's connect, is refused: the app cannot drive the browser
+    past the relay's filter, test above)."""
+    results = lab.probe(BROWSER_UID, _copy(OUT_PROBES) + _copy(LOOPBACK_PROBES))
+    for name in ("driver-port", "proxy-port", *[f"pod-local-{port}" for port in POD_LOCAL_PORTS]):
+        assert results[name]["outcome"] == "connected", results[name]
+        assert lab.seen(results[name]), f"{name}: the loopback listener saw nothing from the browser's uid"
+    for name in ("tcp4-out", "tcp6-out", "admin-loopback", "other-loopback-port"):
+        assert results[name]["outcome"] == "ECONNREFUSED", results[name]
+        assert lab.seen(results[name]) == [], f"{name} reached its listener from the browser's uid"

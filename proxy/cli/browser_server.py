@@ -28,6 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                    "(no authentication: never publish it)")
     server.add_argument("--port", type=int, default=3000)
     server.add_argument("--host", default="127.0.0.1")
+    server.add_argument("--driver-port", type=int, default=0, metavar="PORT",
+                        help="the Playwright driver's port on 127.0.0.1, behind the relay (default 0: any free port; "
+                             "a fixed one lets a pod's packet filter admit it for the browser's user only)")
     server.add_argument("--allow-non-loopback", action="store_true",
                         help="allow binding a non-loopback address (the server has NO authentication)")
     add_proxy_choice(server)
@@ -71,6 +74,9 @@ def _add_limits(server: argparse.ArgumentParser) -> None:
 def cmd_browser_server(args: argparse.Namespace) -> int:
     logs.configure(quiet_libraries=("websockets",))
     check_bind_address(args.host, args.allow_non_loopback)
+    if not 0 <= args.driver_port <= 65535 or (args.driver_port and args.driver_port == args.port):
+        raise UsageError(f"--driver-port {args.driver_port}: a port from 1 to 65535 other than --port, or 0 (any "
+                         "free port)")
     try:
         limits = ServerLimits.from_options(vars(args))
     except ValueError as err:
@@ -79,7 +85,8 @@ def cmd_browser_server(args: argparse.Namespace) -> int:
     check_free(BROWSER_SERVER, args.host, args.port)
     with browser_proxy(args) as proxy:
         server = BrowserServer(proxy.plan, args.host, args.port, limits=limits,
-                               sessions_refused=EMBEDDED_NO_SESSIONS if proxy.embedded else None)
+                               sessions_refused=EMBEDDED_NO_SESSIONS if proxy.embedded else None,
+                               driver_port=args.driver_port)
         try:
             asyncio.run(server.run())
         except OSError as err:
