@@ -38,6 +38,17 @@ def _read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
     return status, headers, body
 
 
+def _tunnel_to_a_plain_http_port_without_a_session(lab, start_proxy, tmp_path):
+    """(proxy, its policy text, the authority, the socket): a CONNECT to the lab's plain-HTTP port, answered 200,
+    on a proxy with the session API whose policy requires no session yet."""
+    text = lab.policy_text().replace("connect: [", f"connect: [{lab.public.port}, ")
+    proxy = start_proxy(text, "--admin-token-file", str(token_file(tmp_path)))
+    authority = f"public.lab.example:{lab.public.port}"
+    sock, status, _ = proxy.connect(authority)
+    assert status == 200
+    return proxy, text, authority, sock
+
+
 @both_transports
 @pytest.mark.parametrize("required", ["policy", "role"])
 def test_a_reload_that_requires_a_session_holds_inside_a_tunnel_opened_without_one(lab, start_proxy, tmp_path,
@@ -45,11 +56,7 @@ def test_a_reload_that_requires_a_session_holds_inside_a_tunnel_opened_without_o
     """A CONNECT to a plain-HTTP port carries requests egresswall decides one by one. Opened when no session
     was required, its next request after a reload that requires one (the whole policy, or the client's role)
     went to the origin as before: the tunnel had no session, so none was looked for."""
-    text = lab.policy_text().replace("connect: [", f"connect: [{lab.public.port}, ")
-    proxy = start_proxy(text, "--admin-token-file", str(token_file(tmp_path)))
-    authority = f"public.lab.example:{lab.public.port}"
-    sock, status, _ = proxy.connect(authority)
-    assert status == 200
+    proxy, text, authority, sock = _tunnel_to_a_plain_http_port_without_a_session(lab, start_proxy, tmp_path)
     with sock:
         sock.sendall(f"GET /before HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
         assert _read_response(sock)[0] == 200
@@ -179,11 +186,7 @@ def test_tls_in_a_tunnel_opened_without_a_session_is_refused_once_a_reload_requi
     the policy in force as a request inside is."""
     from tls_build import real_client_hello
 
-    text = lab.policy_text().replace("connect: [", f"connect: [{lab.public.port}, ")
-    proxy = start_proxy(text, "--admin-token-file", str(token_file(tmp_path)))
-    authority = f"public.lab.example:{lab.public.port}"
-    sock, status, _ = proxy.connect(authority)
-    assert status == 200
+    proxy, text, authority, sock = _tunnel_to_a_plain_http_port_without_a_session(lab, start_proxy, tmp_path)
     with sock:
         proxy.policy_path.write_text(text + "session: required\n")
         proxy.signal(signal.SIGHUP)
