@@ -38,16 +38,37 @@ MIX = [("http-allowed", 40), ("tunnel-allowed", 20), ("http-denied", 10), ("http
        ("http-literal", 5), ("http-mixed", 5), ("tunnel-internal", 10)]
 
 
+@dataclass(frozen=True)
+class Held:
+    """A request an upstream held: from reading its head to starting its answer (time.monotonic)."""
+    start: float
+    end: float
+    client: str
+
+
+def most_held_at_once(upstreams: list[LoadUpstream], client: str | None = None) -> int:
+    """The most requests (of ``client``, or of anyone) that the upstreams held at the same moment,
+    together: a sweep over every span, so two upstreams' peaks at different times are not added."""
+    edges = sorted((moment, step) for upstream in upstreams for held in upstream.held
+                   if client is None or held.client == client
+                   for moment, step in ((held.start, 1), (held.end, -1)))  # at a tie, an end comes first
+    most = now = 0
+    for _, step in edges:
+        now += step
+        most = max(most, now)
+    return most
+
+
 class LoadUpstream:
     """An asyncio HTTP(S) server on 127.0.0.2 in its own thread. It answers each request after
-    ``delay`` seconds and records the most requests it held at once, in total and per X-Load-Client."""
+    ``delay`` seconds and records, per request, when it held it: from reading its head to starting its
+    answer, with its X-Load-Client. Both moments fall inside the proxy's connection for that request,
+    so ``most_held_at_once`` over these spans is at most what the proxy held open."""
 
     def __init__(self, tls: ssl.SSLContext | None = None, delay: float = 0.02) -> None:
         self.delay = delay
-        self.in_flight: collections.Counter[str] = collections.Counter()
-        self.max_per_client: collections.Counter[str] = collections.Counter()
-        self.total = self.max_total = self.requests = self.connections = 0
-        self._lock = threading.Lock()
+        self.held: list[Held] = []
+        self.requests = self.connections = 0
         self.loop = asyncio.new_event_loop()
         started = threading.Event()
 
@@ -74,21 +95,15 @@ class LoadUpstream:
                 for line in head.split(b"\r\n"):
                     if line.lower().startswith(b"x-load-client:"):
                         client = line.split(b":", 1)[1].strip().decode()
-                with self._lock:
-                    self.requests += 1
-                    self.total += 1
-                    self.in_flight[client] += 1
-                    self.max_total = max(self.max_total, self.total)
-                    self.max_per_client[client] = max(self.max_per_client[client], self.in_flight[client])
+                self.requests += 1
+                started = time.monotonic()
                 try:
                     await asyncio.sleep(self.delay)
-                    body = b"ok " + head.split(b" ", 2)[1]
-                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-                    await writer.drain()
                 finally:
-                    with self._lock:
-                        self.total -= 1
-                        self.in_flight[client] -= 1
+                    self.held.append(Held(started, time.monotonic(), client))
+                body = b"ok " + head.split(b" ", 2)[1]
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+                await writer.drain()
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError, ssl.SSLError):
             pass
         finally:

@@ -32,7 +32,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent.parent))
 
 from audit_watch import open_fds, rss_kib  # noqa: E402
-from loadgen import GREEDY, LoadLab, audit_matches, read_audit, run_load, wrong_answers  # noqa: E402
+from loadgen import GREEDY, LoadLab, audit_matches, most_held_at_once, read_audit, run_load, wrong_answers  # noqa: E402
 from proxyproc import ProxyProcess  # noqa: E402
 
 
@@ -122,8 +122,8 @@ def main() -> int:
         check(not wrong, f"{len(wrong)} answers that are neither the policy's nor a cap's, e.g. {wrong[:3]}")
         check(unanswered <= len(result.sent) // 100, f"{unanswered} requests without an answer")
         check(statuses[429] > 0 and statuses[503] > 0, "the caps were not reached: no 429 or no 503")
-        held_total = lab.http.max_total + lab.tls.max_total
-        held_greedy = lab.http.max_per_client[GREEDY] + lab.tls.max_per_client[GREEDY]
+        held_total = most_held_at_once([lab.http, lab.tls])
+        held_greedy = most_held_at_once([lab.http, lab.tls], GREEDY)
         check(held_total <= args.total_cap, f"the upstreams held {held_total} requests at once")
         check(held_greedy <= args.client_cap, f"the upstreams held {held_greedy} of {GREEDY}'s requests at once")
         check(lab.internal_connections() == 0, f"{lab.internal_connections()} connections reached an internal stand-in")
