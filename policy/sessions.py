@@ -91,7 +91,8 @@ class Grants:
 @dataclass(frozen=True)
 class Budgets:
     """None: no bound. Bytes are counted when a response or tunnel ends (an open passed-through tunnel's
-    every second too), and checked before each request and, for open tunnels, as they are counted."""
+    every second too), and checked before each request and, for open tunnels and WebSockets, chunk by chunk
+    before each is relayed (proxy/byte_allowance.py)."""
 
     requests: int | None = None
     hosts: int | None = None
@@ -299,6 +300,20 @@ def bytes_over_budget(session: Session, usage: Usage, role: str | None = None) -
         return refused(BUDGET_RESPONSE_BYTES, f"session {session.id} has received {usage.response_bytes} bytes; "
                                               f"its budget is {budgets.response_bytes} bytes", session, role)
     return None
+
+
+def has_byte_budget(session: Session) -> bool:
+    return session.budgets.request_bytes is not None or session.budgets.response_bytes is not None
+
+
+def bytes_would_cross(session: Session, sending: bool, reached: int) -> Verdict:
+    """The refusal when the next chunk of an open tunnel or WebSocket would carry the session's bytes to
+    ``reached``, past its budget that way (``sending``: from the client): the chunk is not relayed."""
+    if sending:
+        return refused(BUDGET_REQUEST_BYTES, f"session {session.id} would have sent {reached} bytes; its budget is "
+                                             f"{session.budgets.request_bytes} bytes", session)
+    return refused(BUDGET_RESPONSE_BYTES, f"session {session.id} would have received {reached} bytes; its budget is "
+                                          f"{session.budgets.response_bytes} bytes", session)
 
 
 def _grants_text(grants: Grants, limit: int = 5) -> str:

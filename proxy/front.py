@@ -277,7 +277,7 @@ class Front:
         counts = {UP: 0, DOWN: 0}
         tunnel.cut, tunnel.moved = cut, lambda: (counts[UP], counts[DOWN])
         result = await relay(conn, upstream, limits.idle_timeout, HALF_CLOSED_IDLE, sent, retry, limits.header_timeout,
-                             refused, counts)
+                             refused, counts, tunnel.allowance)
         self.gate.tunnel_closed(tunnel, result.up, result.down, result.error)
 
 

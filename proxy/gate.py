@@ -41,12 +41,13 @@ from policy.hosts import (
 from policy.model import Policy, ech_allowed
 from policy.resolver import DnsResolver, Resolver, resolve_and_decide
 from policy.sessions import STAGE as SESSION_STAGE
-from policy.sessions import Session
+from policy.sessions import Session, has_byte_budget
 
 from .accept import prefers_json
 from .admission import Admission, CapRefusal
 from .audit import AuditLog
 from .body_budget import BodyBudget
+from .byte_allowance import UP, ByteAllowance
 from .first_bytes import FirstBytes, FirstMessage
 from .http_hygiene import UNEXPECTED_BODY, unexpected_body
 from .metrics import Metrics
@@ -81,6 +82,9 @@ class UnderSession:
     moved: Callable[[], tuple[int, int]] | None = None
     charged: tuple[int, int] = (0, 0)
     store_silent_since: float | None = None  # when the sweep first found the session store not answering
+    # What its session may still move (shared by everything open under it in this worker; None: no byte
+    # budget). The transport takes each chunk from it before relaying it (proxy/byte_allowance.py).
+    allowance: ByteAllowance | None = None
 
 
 @dataclass(eq=False)
@@ -163,7 +167,9 @@ class Gate:
         self._resolver_for: Policy | None = None
         self._audit_probe: asyncio.Task | None = None
         self.under_sessions: dict[str, UnderSession] = {}  # open tunnels and WebSockets under a session, by id
+        self.allowances: dict[str, ByteAllowance] = {}  # by session id, while something is open under it
         self._session_sweep: asyncio.Task | None = None
+        self._first_looks: set[asyncio.Task] = set()
         self.store_grace = SESSION_STORE_GRACE
         self.metrics.policy_in_force()
         self.metrics.count_audit_failures(lambda: self.audit.failures)
@@ -346,7 +352,7 @@ class Gate:
         if tunnel.closed:
             return
         tunnel.closed = True
-        self.under_sessions.pop(tunnel.id, None)
+        self._unwatch_session(tunnel.id, tunnel)
         if tunnel.cut_by is not None:
             error = f"{tunnel.cut_by.reason} ({tunnel.cut_by.rule}): egresswall closed the tunnel"
         self.metrics.tunnel_closed()
@@ -370,7 +376,7 @@ class Gate:
         if websocket.closed:
             return
         websocket.closed = True
-        self.under_sessions.pop(websocket.id, None)
+        self._unwatch_session(websocket.id, websocket)
         if websocket.cut_by is not None:
             self.refuse(websocket.client, "GET", websocket.target, 0, SESSION_STAGE, websocket.cut_by.rule,
                         f"{websocket.cut_by.reason}: egresswall closed the WebSocket", flow_id=f"{websocket.id}-ws",
@@ -384,8 +390,49 @@ class Gate:
 
     def _watch_session(self, key: str, held: UnderSession) -> None:
         self.under_sessions[key] = held
+        loop = asyncio.get_running_loop()
+        session = held.session
+        assert session is not None
+        if has_byte_budget(session):
+            allowance = self.allowances.get(session.id)
+            if allowance is None:
+                # The whole budget until the store is read: asked at once, not at the sweep's next beat.
+                allowance = self.allowances[session.id] = ByteAllowance(
+                    session.budgets.request_bytes, session.budgets.response_bytes,
+                    lambda way, reached: self._bytes_would_cross(session.id, way, reached))
+                self._first_looks.add(task := loop.create_task(self._look_at_session([held])))
+                task.add_done_callback(self._first_looks.discard)
+            allowance.holders += 1
+            held.allowance = allowance
         if self._session_sweep is None or self._session_sweep.done():
-            self._session_sweep = asyncio.get_running_loop().create_task(self._sweep_sessions())
+            self._session_sweep = loop.create_task(self._sweep_sessions())
+
+    def _unwatch_session(self, key: str, held: UnderSession) -> None:
+        """It has closed: no longer looked at, and its allowance dropped with the last one under its session."""
+        self.under_sessions.pop(key, None)
+        allowance, held.allowance = held.allowance, None
+        if allowance is not None:
+            allowance.holders -= 1
+            session_id = held.session.id if held.session is not None else None
+            if allowance.holders <= 0 and self.allowances.get(session_id or "") is allowance:
+                del self.allowances[session_id or ""]
+
+    def _bytes_would_cross(self, session_id: str, way: str, reached: int) -> None:
+        """A chunk was not relayed: it would have carried the session past a byte budget. Everything open under
+        the session in this worker ends now, with the refusal that says so (as the sweep ends them)."""
+        helds = [held for held in self.under_sessions.values()
+                 if held.session is not None and held.session.id == session_id]
+        if not helds:
+            return
+        assert helds[0].session is not None
+        self._cut(helds, self.sessions.bytes_would_cross(helds[0].session, way == UP, reached))
+
+    @staticmethod
+    def _cut(helds: list[UnderSession], over: Verdict) -> None:
+        for held in helds:
+            if held.cut is not None and not held.closed and held.cut_by is None:
+                held.cut_by = over
+                held.cut()
 
     async def _sweep_sessions(self) -> None:
         """While tunnels or WebSockets opened under a session are open: every ``SESSION_SWEEP`` seconds, each
@@ -429,12 +476,8 @@ class Gate:
         else:
             for held in helds:
                 held.store_silent_since = None
-        if over is None:
-            return
-        for held in helds:
-            if held.cut is not None and not held.closed and held.cut_by is None:
-                held.cut_by = over
-                held.cut()
+        if over is not None:
+            self._cut(helds, over)
 
     def _expired(self, helds: list[UnderSession]) -> Verdict | None:
         """The refusal once the session has expired as last seen (the earliest expiry any of them saw)."""
@@ -475,7 +518,14 @@ class Gate:
                 if not held.closed:
                     held.charged = before
             raise
-        return await self.sessions.over_byte_budget(session)
+        over, usage = await self.sessions.byte_usage(session)
+        allowance = self.allowances.get(session.id)
+        if usage is not None and allowance is not None:
+            # What moved while the store was asked is not in its usage yet: it is taken off too.
+            since = [(now[0] - held.charged[0], now[1] - held.charged[1])
+                     for held in helds if held.moved is not None and not held.closed for now in [held.moved()]]
+            allowance.refresh(usage, (sum(u for u, _ in since), sum(d for _, d in since)))
+        return over
 
     # ---- the guard at connect time -----------------------------------------------------------------
 

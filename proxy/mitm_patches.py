@@ -131,7 +131,8 @@ gate's owner builds — installing a second, different state is an error, never 
   fragment: endless empty fragments grew that list past any limit); a permessage-deflate message inflates at
   most the limit + 1 bytes a piece (``PerMessageDeflate.frame_inbound_payload_data``: 64 KiB on the wire
   became 64 MiB before); pings' and pongs' payloads are counted on their connection
-  (``WEBSOCKET_CONTROL_BYTES``) for a session's budgets. Tests: test_session_websockets.py
+  (``WEBSOCKET_CONTROL_BYTES``) for a session's budgets, and one that would pass a byte budget is not relayed
+  (``WEBSOCKET_ALLOWANCE``). Tests: test_session_websockets.py
   (test_a_compressed_message_is_bounded_as_it_inflates, test_a_message_of_endless_empty_fragments_is_bounded,
   test_pings_and_pongs_are_charged_to_the_session).
   A frame that arrives in many reads grows in place (``WebsocketConnection.frame_buf``, a list of bytearrays):
@@ -279,6 +280,9 @@ _WEBSOCKET_HELD = "_egresswall_websocket_held"  # on a WebsocketConnection: byte
 WEBSOCKET_MESSAGE_TOO_BIG = 1009  # RFC 6455 7.4.1
 # On a mitmproxy Connection in a WebSocket: the bytes of the pings and pongs it sent (relayed, as messages are).
 WEBSOCKET_CONTROL_BYTES = "egresswall_websocket_control_bytes"
+# On the same Connection under a session with a byte budget: (its ByteAllowance, the way its bytes go, UP or DOWN).
+# A ping or pong it cannot take is not relayed (proxy/byte_allowance.py).
+WEBSOCKET_ALLOWANCE = "egresswall_websocket_allowance"
 # What one fragment of a held message costs beyond its payload (mitmproxy keeps a bytes object and a list slot a
 # fragment): counted against the limit, so a message of endless empty fragments is bounded too.
 WEBSOCKET_FRAGMENT_COST = 64
@@ -1201,6 +1205,9 @@ def _websocket_events(self: WebsocketConnection) -> Generator:
     held = self.__dict__.get(_WEBSOCKET_HELD, 0)
     for event in _originals["websocket_events"](self):
         if isinstance(event, (WebSocketPing, WebSocketPong)):
+            taken = self.conn.__dict__.get(WEBSOCKET_ALLOWANCE)
+            if taken is not None and not taken[0].take(taken[1], len(event.payload)):
+                return  # past its session's byte budget: not relayed, and the gate closes the WebSocket
             self.conn.__dict__[WEBSOCKET_CONTROL_BYTES] = (self.conn.__dict__.get(WEBSOCKET_CONTROL_BYTES, 0)
                                                            + len(event.payload))
         if isinstance(event, WebSocketMessage):

@@ -23,6 +23,7 @@ server needs first), and its next handshake is held after a HelloRetryRequest un
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import socket
 import struct
@@ -31,10 +32,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .byte_allowance import BUDGET_CUT, DOWN, UP, ByteAllowance
 from .tls_hello import TLS_ALERT_UNRECOGNIZED_NAME
 from .tls_retry import AWAIT_SERVER, Released, RetryWatch
 
-UP, DOWN = "up", "down"
 CHECK_OPEN, CHECK_HALF_CLOSED = 5.0, 1.0  # how often the idle clock is read (seconds)
 Refused = Callable[[str, str, int, int], None]  # (rule, reason, bytes up, bytes down): the tunnel's refusal record
 
@@ -56,6 +57,7 @@ class _Tunnel:
     over: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     watch: _IdleWatch | None = None
     question: _Question | None = None  # the HelloRetryRequest question, while it is open
+    allowance: ByteAllowance | None = None  # its session's bytes left (proxy/byte_allowance.py)
 
     def end(self, abort: bool = False, cut: str | None = None) -> None:
         """Over both ways: closed (what is buffered is still sent), or aborted (a side failed, or the
@@ -111,6 +113,11 @@ class _Side(asyncio.Protocol):
             peer.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
+        allowance = self.tunnel.allowance
+        if allowance is not None and not allowance.take(self.key, len(data)):
+            # Past its session's byte budget: not relayed, and the tunnel ends (the gate says why).
+            self.tunnel.end(abort=True, cut=BUDGET_CUT)
+            return
         self.tunnel.counts[self.key] += len(data)
         self.tunnel.last_moved = time.monotonic()
         if self.tunnel.question is not None:
@@ -160,16 +167,24 @@ class _Side(asyncio.Protocol):
 
 async def relay(client: socket.socket, server: socket.socket, idle: float, half_closed_idle: float,
                 sent: int = 0, retry: RetryWatch | None = None, retry_timeout: float = 30.0,
-                refused: Refused | None = None, counts: dict[str, int] | None = None) -> RelayResult:
+                refused: Refused | None = None, counts: dict[str, int] | None = None,
+                allowance: ByteAllowance | None = None) -> RelayResult:
     """Relay until the tunnel is over; the sockets are closed when this returns. With ``retry``, the server's
     first answer is watched for a HelloRetryRequest (see the module's docstring): each of its waits is bounded
     by ``retry_timeout`` and a refusal is given to ``refused`` before both sides are closed. ``counts``: the
     caller's ``{UP: 0, DOWN: 0}``, counted in as the bytes move (a session's byte budgets read it while the
-    tunnel is open)."""
+    tunnel is open). ``allowance``: what the tunnel's session may still move; each chunk is taken from it
+    before it is relayed (``sent`` too, which has gone already), and the first it cannot take ends the tunnel."""
     loop = asyncio.get_running_loop()
     counts = {UP: 0, DOWN: 0} if counts is None else counts
     counts[UP] += sent
-    tunnel = _Tunnel(counts=counts)
+    tunnel = _Tunnel(counts=counts, allowance=allowance)
+    if allowance is not None and sent and not allowance.take(UP, sent):
+        tunnel.cut = BUDGET_CUT
+        with contextlib.suppress(OSError):
+            client.close()
+            server.close()
+        return RelayResult(counts[UP], counts[DOWN], tunnel.cut)
     from_client, from_server = _Side(tunnel, UP), _Side(tunnel, DOWN)
     from_client.peer, from_server.peer = from_server, from_client
     tunnel.sides = [from_client, from_server]

@@ -18,6 +18,7 @@ from mitmproxy.proxy.context import Context
 from mitmproxy.proxy.layers.tcp import TCPLayer
 from mitmproxy.proxy.utils import expect
 
+from ..byte_allowance import BUDGET_CUT, DOWN, UP, ByteAllowance
 from ..first_bytes import FirstBytes, FirstMessage
 from ..tls_hello import TLS_ALERT_UNRECOGNIZED_NAME
 from ..tls_retry import AWAIT_SERVER, Released, RetryWatch
@@ -91,10 +92,11 @@ class CountedRelay(TCPLayer):
 
     def __init__(self, context: Context, on_done: Callable[[int, int, str | None], None],
                  retry: RetryWatch | None = None, hello_size: int = 0, retry_timeout: float = 30.0,
-                 on_refused: RetryRefused | None = None) -> None:
+                 on_refused: RetryRefused | None = None, allowance: ByteAllowance | None = None) -> None:
         super().__init__(context, ignore=True)
         self.bytes_up = 0
         self.bytes_down = 0
+        self.allowance = allowance  # its session's bytes left: each chunk is taken from it before it is relayed
         self._on_done = on_done
         self._reported = False
         self.retry = retry if retry is not None and not retry.done else None
@@ -110,7 +112,14 @@ class CountedRelay(TCPLayer):
                 yield from self._apply(Released(refused=self.retry.timed_out(self.retry_timeout)))
             return  # else the TunnelStart timer, or ours after the question was answered: no longer needed
         if isinstance(event, events.DataReceived):
-            if event.connection == self.context.client:
+            from_client = event.connection == self.context.client
+            if self.allowance is not None and not self.allowance.take(UP if from_client else DOWN, len(event.data)):
+                # Past its session's byte budget: not relayed, and the tunnel ends (the gate says why).
+                self.retry = None
+                yield from self._close_both()
+                self.report(BUDGET_CUT)
+                return
+            if from_client:
                 self.bytes_up += len(event.data)
             else:
                 self.bytes_down += len(event.data)

@@ -55,7 +55,8 @@ class TunnelWatch:
                                      self.gate.retry_watch(judged, b""), judged.hello_size,
                                      self.gate.policy.limits.header_timeout,
                                      lambda rule, reason, up, down: self._retry_refused(server_id, tunnel, rule,
-                                                                                        reason, up, down))
+                                                                                        reason, up, down),
+                                     tunnel.allowance)
                 tunnel.cut = lambda: close_client(context.client.id)
                 tunnel.moved = lambda: (relay.bytes_up, relay.bytes_down)
                 return relay

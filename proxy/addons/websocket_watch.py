@@ -5,8 +5,9 @@ without this a WebSocket ran on after its session ended or expired and its bytes
 the session's byte budgets. From ``websocket_start`` on, the gate's sweep (``Gate._sweep_sessions``)
 sees it: every second its message bytes so far (and its pings' and pongs') are charged, and it is closed
 (the client connection closed, as a passed-through tunnel's is) once the session has ended, expired or
-gone past a byte budget, with a line saying why. (WebSockets are carried on mitmproxy's path on both
-transports: the fast path hands every upgrade to it.)
+gone past a byte budget, with a line saying why. A message that would carry the session past a byte budget
+is not relayed, and the WebSocket is closed then (proxy/byte_allowance.py). (WebSockets are carried on
+mitmproxy's path on both transports: the fast path hands every upgrade to it.)
 
 A message over ``limits.max_websocket_message`` ends its WebSocket (proxy/mitm_patches.py bounds it, and
 marks the connection); its refusal is recorded here, when the WebSocket ends.
@@ -20,8 +21,9 @@ from __future__ import annotations
 
 from mitmproxy import http
 
+from ..byte_allowance import DOWN, UP
 from ..gate import LIMITS, Gate, OpenWebSocket
-from ..mitm_patches import WEBSOCKET_CONTROL_BYTES, WEBSOCKET_TOO_BIG
+from ..mitm_patches import WEBSOCKET_ALLOWANCE, WEBSOCKET_CONTROL_BYTES, WEBSOCKET_TOO_BIG
 from ..peers import peer_of
 from .decision import FLOW_ID, SESSION, TARGET, VERDICT
 from .tunnel_watch import close_client
@@ -43,6 +45,9 @@ class WebSocketWatch:
                                           flow.metadata[TARGET], flow.metadata[VERDICT], session,
                                           lambda: close_client(client_id), lambda: _moved(flow, counts))
         flow.metadata[HELD] = (held, counts)
+        if held.allowance is not None:  # pings and pongs are taken from it too (proxy/mitm_patches.py)
+            flow.client_conn.__dict__[WEBSOCKET_ALLOWANCE] = (held.allowance, UP)
+            flow.server_conn.__dict__[WEBSOCKET_ALLOWANCE] = (held.allowance, DOWN)
 
     def websocket_message(self, flow: http.HTTPFlow) -> None:
         if flow.websocket is None or not flow.websocket.messages:
@@ -51,6 +56,10 @@ class WebSocketWatch:
         held: tuple[OpenWebSocket, list[int]] | None = flow.metadata.get(HELD)
         if held is not None:
             message = flow.websocket.messages[-1]
+            allowance = held[0].allowance
+            if allowance is not None and not allowance.take(UP if message.from_client else DOWN, len(message.content)):
+                message.drop()  # past its session's byte budget: not relayed; the gate closes the WebSocket
+                return
             held[1][0 if message.from_client else 1] += len(message.content)
 
     def websocket_end(self, flow: http.HTTPFlow) -> None:

@@ -28,9 +28,12 @@ from policy.sessions import (
     STORE_UNAVAILABLE,
     Session,
     SessionSpec,
+    Usage,
     bytes_over_budget,
+    bytes_would_cross,
     check_grant,
     grant_refusal,
+    has_byte_budget,
     refused,
     secret_digest,
 )
@@ -212,12 +215,18 @@ class SessionService:
         if up or down:
             await self.store.add_bytes(session.id, up, down)
 
-    async def over_byte_budget(self, session: Session) -> Verdict | None:
-        """The refusal once the session's bytes are past a byte budget (its open tunnels are closed then);
-        None while within them; StoreUnavailable when the store cannot be asked."""
-        if session.budgets.request_bytes is None and session.budgets.response_bytes is None:
-            return None
-        return bytes_over_budget(session, await self.store.usage(session.id))
+    async def byte_usage(self, session: Session) -> tuple[Verdict | None, Usage | None]:
+        """(the refusal once the session's bytes are past a byte budget — its open tunnels are closed then —,
+        the usage the store holds); (None, None) for a session without byte budgets. StoreUnavailable when
+        the store cannot be asked."""
+        if not has_byte_budget(session):
+            return None, None
+        usage = await self.store.usage(session.id)
+        return bytes_over_budget(session, usage), usage
+
+    def bytes_would_cross(self, session: Session, sending: bool, reached: int) -> Verdict:
+        """The refusal, counted, when an open tunnel's or WebSocket's next chunk would pass a byte budget."""
+        return self._counted(bytes_would_cross(session, sending, reached))
 
     def _counted(self, refusal: Verdict) -> Verdict:
         self.metrics.session_refusal(refusal.rule)

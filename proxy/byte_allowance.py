@@ -1,0 +1,71 @@
+"""What a session may still move through this worker's open tunnels and WebSockets, counted as the bytes move.
+
+A passed-through TLS tunnel or a WebSocket under a session carries bytes that are no requests, so its
+session's byte budgets were held only by the gate's sweep, which charges them to the store and reads the
+total once a second: until then, any number of bytes moved, one second of a fast link past the budget
+(review finding). The sweep now also leaves an allowance here: the budget less what the store has counted
+and less what moved since it was counted. Each relay takes every chunk from it before relaying the chunk; a
+chunk that would carry the session past a budget is not relayed, and everything open under the session in
+this worker is ended at once (``crossed``).
+
+An allowance starts at the whole budget (the most that can be left), until the first look (asked for at
+once) reads the store. Workers and replicas each hold their own allowance, read from the one store: N of
+them together can pass a budget by at most N - 1 times what was left at their last looks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from policy.sessions import Usage
+
+UP, DOWN = "up", "down"
+# A relay's own word for the cut, should the gate's refusal not reach the record (it replaces this one).
+BUDGET_CUT = "the next chunk would have passed its session's byte budget"
+
+
+class ByteAllowance:
+    """``up``/``down``: bytes the session may still send/receive (None: no budget that way). ``crossed``
+    gets the direction and the count the session would have reached, once, when a chunk would pass a
+    budget; the allowance stays spent from then on (nothing more is relayed under it)."""
+
+    def __init__(self, up: int | None, down: int | None, crossed: Callable[[str, int], None]) -> None:
+        self.budgets = {UP: up, DOWN: down}
+        self.left = dict(self.budgets)
+        self.crossed = crossed
+        self.spent = False
+        self.holders = 0  # open tunnels and WebSockets sharing it (the gate drops it at 0)
+
+    @property
+    def up(self) -> int | None:
+        return self.left[UP]
+
+    @property
+    def down(self) -> int | None:
+        return self.left[DOWN]
+
+    def take(self, key: str, size: int) -> bool:
+        """Count ``size`` bytes about to be relayed ``key`` (UP: from the client): False when they would carry
+        the session past its budget that way (they must not be relayed)."""
+        if self.spent:
+            return False
+        left = self.left[key]
+        if left is None:
+            return True
+        if size > left:
+            self.spent = True
+            budget = self.budgets[key]
+            assert budget is not None
+            self.crossed(key, budget - left + size)
+            return False
+        self.left[key] = left - size
+        return True
+
+    def refresh(self, usage: Usage, since_counted: tuple[int, int]) -> None:
+        """What is left after the store's ``usage`` and the bytes moved here since they were counted
+        (``since_counted``: up, down). A negative remainder is kept as 0: the sweep's own check ends it."""
+        for key, counted, since in ((UP, usage.request_bytes, since_counted[0]),
+                                    (DOWN, usage.response_bytes, since_counted[1])):
+            budget = self.budgets[key]
+            if budget is not None:
+                self.left[key] = max(0, budget - counted - since)

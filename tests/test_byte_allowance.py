@@ -1,0 +1,148 @@
+"""proxy/byte_allowance.py: what a session may still move through its open tunnels and WebSockets, taken chunk by
+chunk before each is relayed (in process; the proxy-level tests are test_session_tunnel_budgets.py and
+test_session_websockets.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from policy.decision import Verdict
+from policy.hosts import parse_authority
+from policy.sessions import BUDGET_REQUEST_BYTES, Session, Usage, parse_session_spec
+from proxy.audit import AuditLog
+from proxy.byte_allowance import DOWN, UP, ByteAllowance
+from proxy.gate import Gate, Tunnel
+from proxy.metrics import Metrics
+from proxy.reload import PolicyHolder
+from proxy.sessions.service import SessionService
+from proxy.sessions.store import MemoryStore
+
+
+def allowance(up: int | None, down: int | None) -> tuple[ByteAllowance, list[tuple[str, int]]]:
+    crossings: list[tuple[str, int]] = []
+    return ByteAllowance(up, down, lambda way, reached: crossings.append((way, reached))), crossings
+
+
+@given(st.integers(0, 10_000), st.lists(st.tuples(st.sampled_from([UP, DOWN]), st.integers(0, 3_000)), max_size=40))
+def test_what_is_taken_never_passes_the_budget_and_the_first_chunk_that_would_is_refused(budget, chunks):
+    bounded, crossings = allowance(budget, None)
+    taken_up = taken_down = 0
+    refused_at = None
+    for i, (way, size) in enumerate(chunks):
+        if bounded.take(way, size):
+            assert refused_at is None, "a chunk was taken after one was refused"
+            taken_up += size if way == UP else 0
+            taken_down += size if way == DOWN else 0
+        elif refused_at is None:
+            refused_at = i
+            assert way == UP and taken_up + size > budget  # only the bounded way is refused, and only past it
+            assert crossings == [(UP, taken_up + size)]
+    assert taken_up <= budget
+    assert len(crossings) == (0 if refused_at is None else 1)
+
+
+def test_a_session_at_its_budget_has_used_it_and_one_byte_more_is_refused():
+    bounded, crossings = allowance(10, 5)
+    assert bounded.take(UP, 10) and bounded.take(DOWN, 5)  # exactly the budget: allowed
+    assert not bounded.take(DOWN, 1)
+    assert crossings == [(DOWN, 6)]
+    assert not bounded.take(UP, 0) and crossings == [(DOWN, 6)]  # spent: nothing more, and said once
+
+
+def test_a_look_leaves_the_budget_less_the_stores_count_and_what_moved_since():
+    bounded, _ = allowance(1_000, 500)
+    bounded.refresh(Usage(request_bytes=300, response_bytes=100), (200, 50))
+    assert (bounded.up, bounded.down) == (500, 350)
+    bounded.refresh(Usage(request_bytes=1_200, response_bytes=0), (0, 0))  # past it already: the sweep ends it
+    assert bounded.up == 0 and not bounded.take(UP, 1)
+
+
+def test_no_budget_one_way_takes_anything_that_way():
+    bounded, crossings = allowance(None, 10)
+    assert bounded.take(UP, 10**12)
+    bounded.refresh(Usage(request_bytes=10**12), (0, 0))
+    assert bounded.up is None and not crossings
+
+
+def _gate(tmp_path, budgets: dict) -> tuple[Gate, Session]:
+    (tmp_path / "policy.yaml").write_text("version: 1\ndefault: allow\n")
+    gate = Gate(PolicyHolder(str(tmp_path / "policy.yaml")), AuditLog(str(tmp_path / "audit.jsonl")), Metrics(),
+                sessions=SessionService(MemoryStore()))
+    spec = parse_session_spec({"grants": {"hosts": ["a.example"]}, "budgets": budgets})
+    return gate, gate.sessions.new_session(spec)[0]
+
+
+def _tunnel(gate: Gate, session: Session, name: str, cut: list[str], moved: list[int] | None = None) -> Tunnel:
+    tunnel = Tunnel(name, parse_authority("a.example:443"), Verdict(True, "decide", "allow", "", session=session.id),
+                    "127.0.0.1", False, False, session=session)
+    tunnel.cut = lambda: cut.append(name)
+    tunnel.moved = lambda: (moved[0], moved[1]) if moved else (0, 0)
+    gate._watch_session(tunnel.id, tunnel)
+    return tunnel
+
+
+def test_the_gate_shares_one_allowance_per_session_ends_all_at_a_crossing_and_drops_it_at_the_last_close(tmp_path):
+    gate, session = _gate(tmp_path, {"request_bytes": 100})
+
+    async def run() -> None:
+        await gate.sessions.store.put(session)
+        cut: list[str] = []
+        first, second = _tunnel(gate, session, "t1", cut), _tunnel(gate, session, "t2", cut)
+        assert first.allowance is second.allowance is gate.allowances[session.id]
+        assert first.allowance.take(UP, 60)
+        assert not second.allowance.take(UP, 60)  # together past 100: both end, with the refusal that says so
+        assert sorted(cut) == ["t1", "t2"]
+        for tunnel in (first, second):
+            assert tunnel.cut_by is not None and tunnel.cut_by.rule == BUDGET_REQUEST_BYTES
+            assert "would have sent 120 bytes; its budget is 100 bytes" in tunnel.cut_by.reason
+        gate.tunnel_closed(first, 60, 0, None)
+        assert session.id in gate.allowances
+        gate.tunnel_closed(second, 0, 0, None)
+        assert session.id not in gate.allowances and not gate.under_sessions
+        await asyncio.sleep(0.05)  # the first look and the closes' charges
+
+    asyncio.run(run())
+    gate.audit.close()
+
+
+def test_a_look_reads_what_is_left_from_the_store(tmp_path):
+    """The first look (asked at once) and every sweep after it leave the budget less the store's count less what
+    moved since: a second worker's bytes, in the same store, are counted against this one's allowance."""
+    gate, session = _gate(tmp_path, {"request_bytes": 1000, "response_bytes": 500})
+    moved = [0, 0]
+
+    async def run() -> None:
+        await gate.sessions.store.put(session)
+        await gate.sessions.store.add_bytes(session.id, 700, 100)  # another worker's, say
+        tunnel = _tunnel(gate, session, "t1", [], moved)
+        assert tunnel.allowance is not None and (tunnel.allowance.up, tunnel.allowance.down) == (1000, 500)
+        for _ in range(20):
+            await asyncio.sleep(0.01)
+            if tunnel.allowance.up != 1000:
+                break
+        assert (tunnel.allowance.up, tunnel.allowance.down) == (300, 400)
+        assert tunnel.allowance.take(UP, 250)
+        moved[:] = [250, 0]
+        await gate._look_at_session([tunnel])
+        assert (await gate.sessions.store.usage(session.id)).request_bytes == 950
+        assert (tunnel.allowance.up, tunnel.allowance.down) == (50, 400)
+        assert not tunnel.allowance.take(UP, 51) and tunnel.cut_by is not None
+        gate.tunnel_closed(tunnel, 250, 0, None)
+
+    asyncio.run(run())
+    gate.audit.close()
+
+
+def test_a_session_without_byte_budgets_has_no_allowance(tmp_path):
+    gate, session = _gate(tmp_path, {"requests": 5})
+
+    async def run() -> None:
+        tunnel = _tunnel(gate, session, "t1", [])
+        assert tunnel.allowance is None and not gate.allowances
+        gate.tunnel_closed(tunnel, 0, 0, None)
+
+    asyncio.run(run())
+    gate.audit.close()
