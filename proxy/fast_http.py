@@ -58,6 +58,7 @@ READ = 65536
 _SWITCHING = re.compile(rb"HTTP/1\.[01] 101[ \r]")
 _UNASKED_SWITCH = "_SWITCH_UPGRADE event without a pending proposal"  # h11's words for a 101 nobody asked for
 _RESPONSE_DROPPED = ALWAYS_HOP_BY_HOP | {"transfer-encoding"}  # re-framed by h11 for the client
+_LENGTH = re.compile(rb"0|[1-9][0-9]*")  # a Content-Length as mitmproxy's path reads one (net/http/validate.py)
 
 
 class Ended(Exception):
@@ -616,6 +617,11 @@ class FastHttp:
                     # smuggler, so neither is relayed (mitmproxy's path refuses it the same way).
                     reason = ("egresswall: the upstream response has both Transfer-Encoding and Content-Length; "
                               "egresswall does not relay a response it could read two ways")
+                    raise _not_relayed(reason, target, accept)
+                raw = event.headers.raw_items()
+                if any(_LENGTH.fullmatch(v) is None for k, v in raw if k.lower() == b"content-length"):
+                    # h11 reads "005" as 5 and relays it as sent; mitmproxy's path refuses it (502): one answer.
+                    reason = "egresswall: the upstream response's Content-Length is not digits without a leading zero"
                     raise _not_relayed(reason, target, accept)
                 status = relayed.status = event.status_code
                 out += server.send(h11.Response(status_code=status, reason=event.reason,

@@ -39,6 +39,7 @@ from .fast_http import FastHttp
 from .first_bytes import FirstBytes
 from .gate import Gate, Tunnel, refusal_for
 from .head_reader import HeadProblem, answer_then_drain, read_head
+from .http_hygiene import connect_content
 from .peers import client_key
 from .refusals import refusal_bytes
 from .tls_hello import MAX_HELLO_BYTES, TLS_ALERT_UNRECOGNIZED_NAME
@@ -142,8 +143,11 @@ class Front:
             target = _target(authority) if authority else None
             policy = self.gate.policy
             if (not self.relay_tunnels or target is None or target.port in policy.http_ports
-                    or policy.intercepts(target.host)):
-                # Not ours to relay (or a malformed authority, which mitmproxy's path refuses with its reason).
+                    or policy.intercepts(target.host)
+                    or connect_content(_header_values(event, b"transfer-encoding"),
+                                       _header_values(event, b"content-length"))):
+                # Not ours to relay (or a malformed authority, which mitmproxy's path refuses with its reason; or
+                # a CONNECT that declares content, which it refuses, after its own parser's look at the framing).
                 hand_over(conn, head + rest)
                 return
             await self._tunnel(conn, client, authority, rest, _header_values(event, b"accept"),
@@ -212,7 +216,9 @@ class Front:
                 return
             gate.metrics.fast_tunnel()
             await _send(conn, b"HTTP/1.1 200 Connection established\r\n\r\n")
-            first = await self._first_message(conn, tunnel, rest)
+            # Empty lines that came with the CONNECT head are dropped, as mitmproxy's path drops them (its
+            # Http1Server.make_pipe): what follows must still be a whole ClientHello.
+            first = await self._first_message(conn, tunnel, rest.lstrip(b"\r\n"))
             if first is None:
                 return
             data, judged = first

@@ -49,7 +49,7 @@ from .audit import AuditLog
 from .body_budget import BodyBudget
 from .byte_allowance import UP, ByteAllowance
 from .first_bytes import FirstBytes, FirstMessage
-from .http_hygiene import UNEXPECTED_BODY, unexpected_body
+from .http_hygiene import CONNECT_CONTENT, UNEXPECTED_BODY, unexpected_body
 from .metrics import Metrics
 from .peers import is_local_address
 from .records import DECISION, RESPONSE, TUNNEL, Recorder
@@ -253,10 +253,12 @@ class Gate:
     # ---- CONNECT -----------------------------------------------------------------------------------
 
     async def decide_connect(self, client: str, authority: str, flow_id: str | None = None,
-                             accept: Iterable[str] = (), credentials: Iterable[str] = ()) -> ConnectOutcome:
+                             accept: Iterable[str] = (), credentials: Iterable[str] = (),
+                             content: str | None = None) -> ConnectOutcome:
         """Decide a CONNECT; an allowed one gets its Tunnel (counted open until ``tunnel_closed``).
         ``accept``: the CONNECT's Accept header values, which choose the refusal's body; ``credentials``: its
-        Proxy-Authorization values (a session)."""
+        Proxy-Authorization values (a session); ``content``: why it declares content (``connect_content``),
+        refused 400."""
         policy = self.policy
         flow_id = flow_id or uuid.uuid4().hex
         resolution = None
@@ -267,6 +269,9 @@ class Gate:
         except HostFormError as err:
             verdict, target = refuse_form(err), None
         else:
+            if content is not None:
+                verdict, status = Verdict(False, "form", CONNECT_CONTENT, content), 400
+        if target is not None and status != 400:
             # A tunnel neither intercepted nor to a plain-HTTP port carries TLS passed through unread.
             tls = not (policy.intercepts(target.host) or target.port in policy.http_ports)
             session, verdict, status = await self._session_first(policy, client, tuple(credentials), target, False,

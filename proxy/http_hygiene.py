@@ -1,4 +1,4 @@
-"""HTTP-proxy hygiene that does not depend on a transport: hop-by-hop headers and upgrades.
+"""HTTP-proxy hygiene that does not depend on a transport: hop-by-hop headers, upgrades, bodies where none belongs.
 
 RFC 9110 section 7.6.1: a proxy removes ``Connection``, every header ``Connection`` names, and the
 hop-by-hop headers (``Proxy-Connection``, ``Keep-Alive``, ``TE``, ``Trailer``, ``Transfer-Encoding`` is
@@ -25,6 +25,7 @@ ALWAYS_HOP_BY_HOP = frozenset({"connection", "proxy-connection", "keep-alive", "
 NOT_NAMED = frozenset({"transfer-encoding", "content-length", "host"})  # framing: the transport's business
 WEBSOCKET, NO_UPGRADE, OTHER_UPGRADE = "websocket", "none", "other"
 UNEXPECTED_BODY = "http:unexpected-body"
+CONNECT_CONTENT = "http:connect-content"
 # In a response head's line, its line end gone: a control byte other than HTAB (RFC 9110 5.5, RFC 9112 4), a
 # bare CR or a NUL among them. A client may end the line at one: neither transport relays a head holding one.
 CONTROL_BYTE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
@@ -75,3 +76,16 @@ def unexpected_body(method: str, content_length: int | None, chunked: bool,
     if named in allowed_on:  # the policy lists DELETE, the request says 'delete': another method to HTTP
         return why + f" (methods are case-sensitive: {SETTING} lists {named}, not {method!r})"
     return why + f", or, if every origin this policy allows reads {named} bodies, list {named} in {SETTING}"
+
+
+def connect_content(transfer_encodings: Collection[str], content_lengths: Collection[str]) -> str | None:
+    """Why a CONNECT that declares content is refused, or None (``Content-Length: 0`` declares none). A CONNECT
+    request has no content (RFC 9110 9.3.6): mitmproxy's path read declared bytes as a body and dropped them, the
+    front took them for the tunnel's first bytes, so one input got two answers (review round 16)."""
+    if transfer_encodings:
+        return ("the CONNECT request has a Transfer-Encoding header: a CONNECT request has no content "
+                "(RFC 9110 9.3.6)")
+    if any(value.strip() != "0" for value in content_lengths):
+        return ("the CONNECT request declares content (Content-Length other than 0): a CONNECT request has no content "
+                "(RFC 9110 9.3.6)")
+    return None

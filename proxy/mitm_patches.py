@@ -698,6 +698,9 @@ def _server_read_headers(self: Http1Server, event: events.Event):
 
 
 SENT_AUTHORITY = "egresswall_sent_authority"  # on an http.Request: its request target's authority as sent
+# On an http.Request whose framing mitmproxy's head reader refused: its words, which the client was answered with
+# (mitmproxy's stream then words the same fault its own way, "Received ... from client, refusing ...").
+FRAMING_REFUSED = "egresswall_framing_refused"
 
 
 def _note_sent_authority(self: Http1Server, generator: Generator) -> Generator:
@@ -743,8 +746,17 @@ def _core_answers(self: Http1Server, generator: Generator, kept: _KeptHead | Non
     answer is the core's refusal (``PatchState.on_unread_target``), as on the fast path, where mitmproxy's
     parser is never asked. Test: test_host_form_parity.py."""
     def answer(command: object) -> object:
-        if (kept is not None and kept.lines and self.request is None and isinstance(command, commands.SendData)
-                and isinstance(command.data, _ErrorAnswer)):
+        if not (isinstance(command, commands.SendData) and isinstance(command.data, _ErrorAnswer)):
+            return command
+        if self.request is not None:
+            # The head parsed and its framing did not (``Content-Length: 003``, CL beside TE): the decision
+            # hook records it as ``invalid_framing`` words it, and the answer says the same (it said
+            # http:malformed, "cannot be parsed", while the record said http:invalid-request).
+            accept = tuple(self.request.headers.get_all("accept"))
+            setattr(self.request, FRAMING_REFUSED, command.data.message)  # the record's words: the same
+            return commands.SendData(self.conn, refusal_bytes(Refusal(400, invalid_framing(command.data.message),
+                                                                      json=prefers_json(accept))))
+        if kept is not None and kept.lines:
             parts = _request_line(kept.lines)
             refusal = state().on_unread_target(self.conn, *parts) if parts is not None else None
             if refusal is not None:
@@ -932,7 +944,7 @@ def _answer_to_seen(request: http.Request, status: int, code: ErrorCode, message
     elif status == 502:
         verdict = Verdict(False, "connect", "connect", UNRELAYABLE_RESPONSE, role=role)
     else:
-        verdict = Verdict(False, "form", "http:invalid-request", f"mitmproxy refused the request: {message}"[:400])
+        verdict = invalid_framing(message)
     host, port = (target.host, target.port) if target is not None else (None, None)
     return Refusal(status, verdict, host, port, json=prefers_json(accept))
 
@@ -944,13 +956,25 @@ def connect_error_text(message: str) -> str:
 
 
 class _ErrorAnswer(bytes):
-    """The bytes of mitmproxy's answer to a head it cannot parse (``_core_answers`` knows them by their type)."""
+    """The bytes of mitmproxy's answer to a head it cannot parse (``_core_answers`` knows them by their type), and
+    mitmproxy's ``message``."""
+
+    message: str = ""
+
+
+def invalid_framing(message: str) -> Verdict:
+    """A request whose head mitmproxy read and whose framing it refused (``message``: its words): the record's
+    rule and reason (proxy/addons/decision.py) and the answer's (``_core_answers``)."""
+    return Verdict(False, "form", "http:invalid-request", f"mitmproxy refused the request: {message}"[:400])
 
 
 def _error_answer(status: int, message: str) -> bytes:
     """``_http1.make_error_response``, which mitmproxy's request-head reader calls for a head it cannot parse
     (``_server_read_headers`` records it): egresswall's refusal, with the record's rule and reason."""
-    return _ErrorAnswer(refusal_bytes(Refusal(status, Verdict(False, "form", "http:malformed", _unparseable(message)))))
+    verdict = Verdict(False, "form", "http:malformed", _unparseable(message))
+    answer = _ErrorAnswer(refusal_bytes(Refusal(status, verdict)))
+    answer.message = message
+    return answer
 
 
 def _unparseable(detail: str) -> str:

@@ -54,10 +54,21 @@ def allowed_flow(**headers: str) -> http.HTTPFlow:
 
 
 def test_hop_by_hop_headers_are_removed_and_close_is_kept():
-    flow = allowed_flow(Connection="close, X-Secret", X_Secret="s", Proxy_Authorization="Basic eA==",
-                        Proxy_Connection="keep-alive", Keep_Alive="5", TE="trailers", Trailer="X-T", Accept="*/*")
+    flow = allowed_flow(Host="upstream.example:22", Connection="close, X-Secret", X_Secret="s",
+                        Proxy_Authorization="Basic eA==", Proxy_Connection="keep-alive", Keep_Alive="5", TE="trailers",
+                        Trailer="X-T", Accept="*/*")
     HopByHop().requestheaders(flow)
-    assert dict(flow.request.headers) == {"Connection": "close", "Accept": "*/*"}
+    assert dict(flow.request.headers) == {"Host": "upstream.example:22", "Connection": "close", "Accept": "*/*"}
+
+
+def test_a_request_without_a_host_header_gets_the_one_it_was_decided_on():
+    """RFC 9112 3.2.2: mitmproxy forwarded an absolute-form request without Host as it came (review round 16)."""
+    flow = allowed_flow(Accept="*/*")
+    HopByHop().requestheaders(flow)
+    assert list(flow.request.headers.items()) == [("Host", "upstream.example:22"), ("Accept", "*/*")]
+    kept = allowed_flow(Host="upstream.example:22")  # one there already is left as it is (the gate checked it)
+    HopByHop().requestheaders(kept)
+    assert kept.request.headers.get_all("host") == ["upstream.example:22"]
 
 
 def test_a_websocket_handshake_keeps_what_it_needs():

@@ -11,8 +11,8 @@ from mitmproxy import http
 from policy.decision import Verdict
 
 from ..gate import Gate, HttpAsk, refusal_for
-from ..http_hygiene import OTHER_UPGRADE, WEBSOCKET, upgrade_kind
-from ..mitm_patches import SENT_AUTHORITY, connect_error_text, refuse_before_body
+from ..http_hygiene import OTHER_UPGRADE, WEBSOCKET, connect_content, upgrade_kind
+from ..mitm_patches import FRAMING_REFUSED, SENT_AUTHORITY, connect_error_text, invalid_framing, refuse_before_body
 from ..peers import peer_of
 from ..refusals import Refusal, refusal_parts
 from .connections import ConnectionTable
@@ -47,8 +47,11 @@ class DecisionAddon:
     async def http_connect(self, flow: http.HTTPFlow) -> None:
         authority = (flow.request.data.authority.decode("latin-1") if flow.request.data.authority
                      else f"{flow.request.host}:{flow.request.port}")
+        headers = flow.request.headers
         outcome = await self.gate.decide_connect(peer_of(flow.client_conn.peername), authority, flow.id,
-                                                 accept_of(flow), credentials_of(flow))
+                                                 accept_of(flow), credentials_of(flow),
+                                                 connect_content(headers.get_all("transfer-encoding"),
+                                                                 headers.get_all("content-length")))
         if outcome.refusal is not None:
             flow.response = to_response(outcome.refusal)
             return
@@ -145,7 +148,8 @@ def _malformed(flow: http.HTTPFlow) -> tuple[str, str] | None:
     """(rule, reason) for a request mitmproxy already refused as malformed, or whose header values
     hold CR, LF (an obs-fold) or NUL; None for a well-formed one."""
     if flow.error is not None:
-        return "http:invalid-request", f"mitmproxy refused the request: {flow.error.msg}"[:400]
+        verdict = invalid_framing(getattr(flow.request, FRAMING_REFUSED, None) or flow.error.msg)
+        return verdict.rule, verdict.reason
     for name, value in flow.request.headers.fields:
         if _BAD_VALUE_BYTES.search(value):
             kind = "a line folded onto the next (obs-fold)" if b"\n" in value else "a bare CR or NUL"

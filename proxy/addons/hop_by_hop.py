@@ -5,6 +5,11 @@ mitmproxy forwards the request object it also reads its own connection handling 
 So after the strip a ``Connection: close`` is put back when the client asked to close (it means the
 same hop-by-hop thing to the upstream: this connection ends after this exchange), and ``Connection:
 Upgrade`` for an allowed WebSocket handshake, which needs it. Nothing else the client named survives.
+
+A request without a Host header (HTTP/1.0, or a client that left it out) gets one naming the host and port
+it was decided on before it goes on (RFC 9112 3.2.2): mitmproxy forwarded it without, so the origin — a name-based
+virtual host — served its default site, not the host egresswall decided on (review round 16). The fast path
+hands such a request to this path.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from mitmproxy import http
 from mitmproxy.net.http.http1 import connection_close
 
 from ..http_hygiene import WEBSOCKET, hop_by_hop_names, upgrade_kind
-from .decision import VERDICT
+from .decision import TARGET, VERDICT
 
 
 class HopByHop:
@@ -26,6 +31,9 @@ class HopByHop:
         closing = connection_close(request.http_version, headers)
         for name in hop_by_hop_names(headers.get_all("connection"), keep_upgrade=websocket):
             headers.pop(name, None)
+        target = flow.metadata.get(TARGET)
+        if target is not None and "host" not in headers and request.http_version in ("HTTP/1.0", "HTTP/1.1"):
+            headers.insert(0, "Host", target.authority)  # the host and port decided on
         if websocket:
             headers["Connection"] = "Upgrade"
         elif closing:
