@@ -201,10 +201,12 @@ def _host_rules(policy: Policy, request: Request, role: Role | None, role_name: 
     if default == ALLOW:
         return Verdict(True, HOST, f"default allow ({origin})",
                        f"{host} matches no rule and {whose} allows by default", rule_id=rule_id, role=role_name)
-    hint = _near_miss(allow, request) if allow else ""  # the rules that name the host but did not hold
+    # An allow rule that names the host but did not hold: said in the reason, and kept as ``matched`` (an allow
+    # rule on a refusal) so that the hint and ``suggest`` point at that rule rather than at adding the host again.
+    near, hint = _near_miss(allow, request) if allow else (None, "")
     return Verdict(False, HOST, f"default deny ({origin})",
                    f"{host} is not on the allowlist ({whose} denies by default){hint}", rule_id=rule_id,
-                   role=role_name)
+                   role=role_name, matched=near)
 
 
 def _first_holding(rules: list[HostRule], request: Request) -> HostRule | None:
@@ -239,22 +241,26 @@ def _conditions_hold(rule: HostRule, request: Request) -> bool:
     return True
 
 
-def _near_miss(candidates: list[HostRule], request: Request) -> str:
-    """Say why a rule naming the host did not match (expired, port, scheme...) — operators ask."""
+def _near_miss(candidates: list[HostRule], request: Request) -> tuple[HostRule | None, str]:
+    """The first rule naming the host that did not hold, and why (expired, port, scheme...) — operators ask."""
     for rule in candidates:
-        if rule.expired(request.at):
-            return f"; rule {rule.pattern.text} ({rule.where}) expired {rule.expires:%Y-%m-%d %H:%M} UTC"
-        if rule.ports is not None and request.target.port not in rule.ports:
-            return f"; rule {rule.pattern.text} ({rule.where}) allows only ports [{ports_text(rule.ports)}]"
-        if rule.schemes is not None and request.target.scheme not in rule.schemes:
-            return f"; rule {rule.pattern.text} ({rule.where}) allows only {sorted(rule.schemes)}"
-        if request.websocket and not rule.websocket:
-            return f"; rule {rule.pattern.text} ({rule.where}) does not allow WebSocket"
-        if rule.methods is not None and not request.tunnel and request.method.upper() not in rule.methods:
-            return f"; rule {rule.pattern.text} ({rule.where}) allows only methods {sorted(rule.methods)}"
-        if rule.paths is not None:
-            return f"; rule {rule.pattern.text} ({rule.where}) allows only paths {list(rule.paths)}"
-    return ""
+        return rule, f"; rule {rule.pattern.text} ({rule.where}) {_why_not(rule, request)}"
+    return None, ""
+
+
+def _why_not(rule: HostRule, request: Request) -> str:
+    if rule.expired(request.at):
+        return f"expired {rule.expires:%Y-%m-%d %H:%M} UTC"
+    if rule.ports is not None and request.target.port not in rule.ports:
+        return f"allows only ports [{ports_text(rule.ports)}]"
+    if rule.schemes is not None and request.target.scheme not in rule.schemes:
+        return f"allows only {sorted(rule.schemes)}"
+    if request.websocket and not rule.websocket:
+        return "does not allow WebSocket"
+    hidden = ", which a tunnel passed through unread hides (such a rule opens one only with intercept: true)"
+    if rule.methods is not None and (request.tunnel or request.method.upper() not in rule.methods):
+        return f"allows only methods {sorted(rule.methods)}" + (hidden if request.tunnel else "")
+    return f"allows only paths {list(rule.paths or ())}" + (hidden if request.tunnel else "")
 
 
 def _check_cname(policy: Policy, role: Role | None, name: str, request: Request | None

@@ -13,6 +13,7 @@ names.
 from __future__ import annotations
 
 from policy.decision import Verdict
+from policy.model import ALLOW
 
 CAPS = frozenset({"limits.max_connections", "limits.max_connections_per_client", "limits.max_buffered_request_bodies",
                   "shutdown"})
@@ -24,6 +25,11 @@ def hint_for(verdict: Verdict, host: str | None = None, port: int | None = None)
     stage, rule, rule_id = verdict.stage, verdict.rule, verdict.rule_id
     name = host if host else "this host"
     if stage == "host":
+        near = verdict.matched if not verdict.allowed and verdict.matched is not None else None
+        if near is not None and near.action == ALLOW:
+            # A rule names the host and its conditions did not hold: adding the host again would change nothing.
+            return (f"rule {near.pattern.text} ({near.where}) names {name} but does not allow this request; "
+                    "change that rule's conditions to admit it")
         if rule_id.endswith(".default:deny") and rule_id.startswith("roles."):
             role = rule_id[len("roles."):-len(".default:deny")]
             return f"add {name} to hosts.allow of role {role}"

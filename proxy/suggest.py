@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -210,6 +211,12 @@ def _candidate_role(found: Findings, record: Record, policy: Policy | None) -> s
             found.set_apart(host, f"refused by deny rule {_safe(record.rule_id)}: an allow entry does not "
                                   "override a deny rule", str(record.place))
             return False
+        near = _NEAR_MISS.search(record.reason)
+        if near is not None:  # the decision's words for an allow rule that named the host (policy/decision.py)
+            found.set_apart(host, f"named by allow rule {_safe(near[1])}, whose conditions refused this request: an "
+                                  "entry for the host would widen that rule; change its conditions if this request "
+                                  "should pass", str(record.place))
+            return False
         return record.role
     try:
         verdict = precheck(policy, request_of(record))
@@ -227,7 +234,19 @@ def _candidate_role(found: Findings, record: Record, policy: Policy | None) -> s
         found.set_apart(host, f"refused by deny rule {verdict.matched.pattern.text} ({verdict.rule}): an allow "
                               "entry does not override a deny rule", str(record.place))
         return False
+    if verdict.matched is not None:
+        # An allow rule names the host and refused this request by its conditions (methods, ports, paths...):
+        # a bare entry for the host would widen what that rule was written to allow.
+        near = verdict.matched
+        found.set_apart(host, f"named by allow rule {near.pattern.text} ({near.where}), whose conditions refused "
+                              "this request: an entry for the host would widen that rule; change its conditions "
+                              "if this request should pass", str(record.place))
+        return False
     return verdict.role
+
+
+# "...denies by default); rule api.example.com (policy.yaml:7) allows only methods ['GET']" (``_near_miss``)
+_NEAR_MISS = re.compile(r"denies by default\); rule (\S+ \([^)]*\)) ")
 
 
 def _default_deny(record: Record) -> bool:

@@ -186,3 +186,24 @@ def test_size_is_the_bytes_written(reason, as_json):
     body = refusal_bytes(refusal).partition(b"\r\n\r\n")[2]
     if as_json:
         assert body.isascii() and json.loads(body)["reason"] == reason
+
+
+def test_a_refusal_by_an_allow_rule_s_conditions_points_at_that_rule_not_at_adding_the_host():
+    """``check --method post http://api.example.com/`` where api.example.com allows only GET said "add
+    api.example.com to hosts.allow": followed, lint flags the new entry as shadowed and the request is still
+    refused (review round 16). The decision keeps the rule that named the host, and the hint points at it."""
+    from policy.decision import Request, precheck
+    from policy.hosts import parse_url
+    from policy.loader import parse_policy
+
+    policy = parse_policy("version: 1\ndefault: deny\nhosts:\n  allow:\n    - host: api.example.com\n"
+                          "      methods: [GET]\n    - host: docs.example.com\n      ports: [443]\n", "live.yaml")
+    for url, method, where in (("http://api.example.com/v1", "POST", "live.yaml:5"),
+                               ("http://docs.example.com/", "GET", "live.yaml:7")):
+        verdict = precheck(policy, Request(parse_url(url), method, "10.0.0.1"))
+        assert not verdict.allowed and verdict.rule_id == "default:deny"
+        host = parse_url(url).host
+        assert hint_for(verdict, host, 80) == (f"rule {host} ({where}) names {host} but does not allow this request; "
+                                               "change that rule's conditions to admit it")
+    other = precheck(policy, Request(parse_url("http://other.example.com/"), "GET", "10.0.0.1"))
+    assert hint_for(other, "other.example.com", 80) == "add other.example.com to hosts.allow"

@@ -265,3 +265,34 @@ def test_suggest_never_proposes_a_public_suffix(names, domains):
         covered = any(rule.pattern.matches(host) for rule in loaded.allow.rules)
         assert covered != is_public_suffix(host)
         assert covered or "public suffix" in next(iter(found.listed_apart()[host]))
+
+
+RESTRICTED = """\
+version: 1
+mode: enforce
+default: deny
+hosts:
+  allow:
+    - host: api.example.com
+      methods: [GET]
+    - host: docs.example.com
+      ports: [443]
+"""
+
+
+@pytest.mark.parametrize("policy_given", [True, False], ids=["with-the-policy", "from-the-log-alone"])
+def test_a_host_an_allow_rule_names_is_never_proposed_for_what_its_conditions_refused(policy_given):
+    """A POST to a host whose rule allows only GET, and port 80 of a host whose rule allows only 443: a bare entry
+    for either host would have widened that rule to every method and port (review round 16)."""
+    policy = parse_policy(RESTRICTED, "live.yaml")
+    records = [decided(policy, request("http://api.example.com/v1", "POST", at=later(0)), flow_id="p1"),
+               decided(policy, request("http://docs.example.com/", "GET", at=later(1)), flow_id="p2"),
+               decided(policy, request("https://other.example.com/", "GET", at=later(2)), flow_id="p3")]
+    assert all(r["rule_id"] == "default:deny" for r in records)
+    text, found = suggest_text(records, policy if policy_given else None)
+    if policy_given:  # the policy's own answer for the name (without it, the built-in address rules judge)
+        assert {e["host"] for e in suggested_entries(text)} == {"other.example.com"}
+    assert "api.example.com" not in {e["host"] for e in suggested_entries(text)}
+    apart = found.listed_apart()
+    assert any("named by allow rule api.example.com (live.yaml:6)" in reason for reason in apart["api.example.com"])
+    assert any("named by allow rule docs.example.com (live.yaml:8)" in reason for reason in apart["docs.example.com"])
