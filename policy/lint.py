@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+import idna
 import netaddr
 
 from .model import ALLOW, DENY, HostRule, HostTable, Origin, Policy, ech_allowed
@@ -35,6 +36,11 @@ def lint(policy: Policy, now: datetime | None = None) -> list[LintWarning]:
             positions = {id(rule): i for i, rule in enumerate(table.rules)}
             for i, rule in enumerate(table.rules):
                 warnings += [LintWarning(rule.origin, prefix + m) for m in _never_matches(policy, rule, now)]
+                remapped = _remapped(rule)
+                if remapped is not None:
+                    warnings.append(LintWarning(rule.origin, f"{prefix}{rule.pattern.text!r} is read as {remapped!r} "
+                                                             "(IDNA's mapping, as a browser reads a host); write it "
+                                                             "so, and the rule says what it matches"))
                 shadow = _shadowed_by(table, positions, i, rule)
                 if shadow is not None:
                     warnings.append(LintWarning(rule.origin, f"{prefix}{rule.pattern.text} is shadowed by the earlier "
@@ -99,8 +105,26 @@ def _address_literals_not_readmitted(policy: Policy, scopes: list[tuple[str, Hos
     return out
 
 
+def _remapped(rule: HostRule) -> str | None:
+    """What a pattern written with characters IDNA maps to others (``ⓐ.com``, a zero-width space, full-width
+    letters or dots) is read as; None when it reads as written, but for case. The rule id and metric label keep
+    the written form, so a reader of either would not see which host the rule names (review round 16)."""
+    text = rule.pattern.text
+    if text.isascii():
+        return None
+    try:
+        remapped = idna.uts46_remap(text, std3_rules=False, transitional=False)
+    except (idna.IDNAError, UnicodeError, ValueError):
+        return None  # refused by the loader already
+    return None if remapped == text.lower() else remapped
+
+
 def _never_matches(policy: Policy, rule: HostRule, now: datetime) -> list[str]:
     out = []
+    name = rule.pattern.name
+    if rule.pattern.kind is PatternKind.EXACT and "." not in name and ":" not in name:
+        out.append(f"{rule.action} {rule.pattern.text} can never match: egresswall refuses a host name of one label "
+                   "(form:no-dot) before any host rule; name the host in full")
     if rule.expired(now):
         out.append(f"{rule.action} {rule.pattern.text} expired at {rule.expires:%Y-%m-%d %H:%M} UTC and no "
                    "longer matches")

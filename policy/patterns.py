@@ -64,6 +64,12 @@ class HostPattern(NamedTuple):
             kind, rest = PatternKind.EXACT, text
         if "*" in rest:
             raise ValueError(f"host pattern {text!r}: '*' is allowed only as a leading '*.' label")
+        if "://" in rest:  # an operator's likely slip: said as such, not as the IPv6 literal a ':' first suggests
+            raise ValueError(f"host pattern {text!r}: a host pattern is a name, not a URL; write the host alone "
+                             "(a rule's schemes:, ports: and paths: say the rest)")
+        if rest.count(":") == 1 and not rest.startswith("["):
+            raise ValueError(f"host pattern {text!r}: a host pattern has no port; write the host alone and put the "
+                             "port in the rule's ports:")
         try:
             name, ip = normalise_pattern_host(rest)
         except HostFormError as err:

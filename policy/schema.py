@@ -51,8 +51,7 @@ def schema_problems(doc: YamlDocument) -> tuple[list[PolicyProblem], list[KeyPat
 def _collect(doc: YamlDocument, errors: Iterable[jsonschema.ValidationError], prefix: KeyPath,
              problems: list[PolicyProblem], bad: list[KeyPath]) -> None:
     seen: set[tuple[KeyPath, str]] = set()
-    for found in errors:
-        err = _most_specific(found)
+    for err in (specific for found in errors for specific in _most_specific(found)):
         path = (*prefix, *err.absolute_path)
         if err.validator == "additionalProperties" and isinstance(err.instance, dict):
             known = err.schema.get("properties", {})
@@ -86,8 +85,8 @@ def definition_problems(data: Any, definition: str) -> list[tuple[KeyPath, str]]
     """(key path, message) for every error of ``data`` (parsed JSON, e.g. an admin API body) against one of
     the schema's ``$defs``, with the policy file's words ("what was found, what was expected")."""
     problems: list[tuple[KeyPath, str]] = []
-    for found in _definition_validator(definition).iter_errors(data):
-        err = _most_specific(found)
+    for err in (specific for found in _definition_validator(definition).iter_errors(data)
+                for specific in _most_specific(found)):
         path = tuple(err.absolute_path)
         if err.validator == "additionalProperties" and isinstance(err.instance, dict):
             allowed = ", ".join(sorted(err.schema.get("properties", {})))
@@ -129,15 +128,20 @@ def _without_host_entries(data: Any) -> tuple[Any, list[tuple[KeyPath, list[Any]
     return slim, lists
 
 
-def _most_specific(err: jsonschema.ValidationError) -> jsonschema.ValidationError:
-    """For a oneOf (string or mapping), report the branch the operator was evidently writing."""
-    if err.validator == "oneOf" and err.context:
-        instance_is_mapping = isinstance(err.instance, dict)
-        branch = [e for e in err.context if (e.schema.get("type") == "object") == instance_is_mapping
-                  or e.relative_schema_path[0] == (1 if instance_is_mapping else 0)]
-        deepest = max(branch or err.context, key=lambda e: len(e.absolute_path))
-        return _most_specific(deepest)
-    return err
+def _most_specific(err: jsonschema.ValidationError) -> list[jsonschema.ValidationError]:
+    """For a oneOf (a host pattern string or a mapping; a port or a range), every error of the branch the operator
+    was evidently writing: the one of the value's own type (a mapping's, a string's), all of its errors at once
+    (a rule with bad methods, ports and paths gets three, not the deepest one)."""
+    if err.validator != "oneOf" or not err.context:
+        return [err]
+    mapping = isinstance(err.instance, dict)
+    candidates = [e for e in err.context if (e.schema.get("type") == "object") == mapping
+                  or e.relative_schema_path[0] == (1 if mapping else 0)] or list(err.context)
+    # A branch whose own type the value is not ("80 - 90" against the integer branch) is not the one meant.
+    typed = [e for e in candidates if not (e.validator == "type" and not e.relative_path)]
+    candidates = typed or candidates
+    chosen = max(candidates, key=lambda e: len(e.absolute_path)).relative_schema_path[0]
+    return [found for e in candidates if e.relative_schema_path[0] == chosen for found in _most_specific(e)]
 
 
 def _explain(err: jsonschema.ValidationError) -> str:
@@ -150,11 +154,15 @@ def _explain(err: jsonschema.ValidationError) -> str:
     if kind == "enum":
         return f"got {found!r}; expected one of: {', '.join(map(str, expected))}"
     if kind == "const":
+        if type(err.instance) is not type(expected):  # version: "1" — the text "1", not the number 1
+            return f"got {_json_type(err.instance)} {found!r}; expected {_json_type(expected)} {expected!r}"
         return f"got {found!r}; expected {expected!r}"
     if kind == "type":
         return f"got {type(err.instance).__name__} {found!r}; expected {expected}"
     if kind == "oneOf":
         return f"got {found!r}; expected a host pattern string or a mapping with 'host'"
+    if kind == "pattern" and err.schema.get("$id") == "portRange":  # a port list's text: a port or a range meant
+        return f"got text {found!r}; expected a port number (no quotes) or a range such as 1025-65535 (no spaces)"
     if kind == "pattern":
         what = err.schema.get("title")
         return f"got {found!r}; expected text matching {expected}" + (f" ({what})" if what else "")
@@ -165,6 +173,11 @@ def _explain(err: jsonschema.ValidationError) -> str:
 
 _SHORT = reprlib.Repr(maxlevel=2, maxlist=4, maxdict=4, maxstring=80, maxother=80)
 _MESSAGE_MAX = 400
+
+
+def _json_type(value: object) -> str:
+    return {bool: "boolean", int: "number", float: "number", str: "text", list: "list", dict: "mapping"}.get(
+        type(value), type(value).__name__)
 
 
 class _Shown:

@@ -188,11 +188,16 @@ def server(lab, start_proxy, tmp_path):
     assert server.stop() == 0, server.stderr
 
 
-@pytest.mark.parametrize("options", [["--driver-port", "70000"], ["--port", "3999", "--driver-port", "3999"]])
-def test_a_driver_port_that_cannot_be_is_a_usage_error(options):
+@pytest.mark.parametrize("options, named", [(["--driver-port", "70000"], "--driver-port"),
+                                            (["--port", "3999", "--driver-port", "3999"], "--driver-port"),
+                                            (["--port", "99999"], "--port 99999"), (["--port", "-5"], "--port -5")])
+def test_a_port_that_cannot_be_is_a_usage_error_before_anything_starts(options, named):
+    """``--port 99999`` started the proxy and Chromium and then failed in bind() with an internal error (exit 70);
+    ``--port -5`` blamed the host name (review round 16)."""
     done = subprocess.run([sys.executable, "-m", "proxy.cli", "browser-server", "--proxy", "127.0.0.1:9", *options],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "--driver-port" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 2 and named in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert "internal error" not in done.stderr and "Chromium" not in done.stderr, done.stderr
 
 
 @pytest.mark.integration

@@ -377,3 +377,49 @@ def test_sessions_on_an_open_web_policy_that_lets_ech_through_are_warned_of(text
     assert bool(found) is warned, found
     if warned:
         assert "tls: {ech: refuse}" in found[0].message and found[0].origin.line == 2
+
+
+# --- review round 16 (a newcomer's review): rules that cannot do what they seem to ---------------------------
+
+def test_a_single_label_name_can_never_match() -> None:
+    message = only("hosts:\n  allow:\n    - intranet\n    - .intranet\n    - '*.corp'\n")
+    assert message == ("p.yaml:4:7: hosts.allow[0]: allow intranet can never match: egresswall refuses a host name "
+                       "of one label (form:no-dot) before any host rule; name the host in full"), message
+
+
+@pytest.mark.parametrize("written, words", [
+    ("http://x.example.com/", "a host pattern is a name, not a URL"),
+    ("x.example.com:443", "a host pattern has no port; write the host alone and put the port in the rule's ports:"),
+])
+def test_a_url_or_a_port_in_a_host_list_is_named_as_such(tmp_path: Path, written: str, words: str) -> None:
+    """Any ':' was read as the start of an IPv6 literal: "ipv6: not a valid IPv6 literal"."""
+    path = tmp_path / "p.yaml"
+    path.write_text(f"version: 1\ndefault: deny\nhosts:\n  allow:\n    - '{written}'\n")
+    result = run_lint(str(path))
+    assert result.returncode == 2 and words in result.stderr and "IPv6" not in result.stderr, result.stderr
+    assert result.stderr.startswith(f"egresswall: {path}:5:7: hosts.allow[0]: host pattern {written!r}")
+
+
+def test_lint_warns_of_an_allow_rule_that_takes_in_a_whole_public_suffix(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text("version: 1\ndefault: deny\nhosts:\n  allow: [.com, '*.co.uk', .github.io, github.io, "
+                    "docs.example.com]\n  deny: [.net]\n")
+    result = run_lint("--strict", str(path))
+    assert result.returncode == 1, result
+    warned = [line for line in result.stdout.splitlines() if "public suffix" in line]
+    assert [w.split(": ", 3)[2] for w in warned] == ["hosts.allow[0]", "hosts.allow[1]", "hosts.allow[2]"], warned
+    assert "allow .com takes in every name under the public suffix com" in warned[0]
+    assert "public suffix github.io" in warned[2] and "example.github.io" in warned[2]
+
+
+@pytest.mark.parametrize("written, read_as", [("ⓐ.example.com", "a.example.com"),
+                                              ("exa\u200bmple.com", "example.com"),
+                                              ("*.ｅｘａｍｐｌｅ.com", "*.example.com")])
+def test_a_pattern_that_idna_maps_to_another_host_is_said(written: str, read_as: str) -> None:
+    """``ⓐ.com`` allowed a.com with no word; its rule id and metric label kept the written form (review round 16)."""
+    message = only(f"hosts:\n  allow:\n    - '{written}'\n")
+    assert f"is read as {read_as!r}" in message and message.startswith("p.yaml:4:7: hosts.allow[0]: "), message
+
+
+def test_an_idn_written_as_a_browser_reads_it_is_no_warning() -> None:
+    assert warnings("hosts:\n  allow:\n    - bücher.example\n    - Bücher.example.org\n") == []

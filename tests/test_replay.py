@@ -257,6 +257,20 @@ def test_errors_exit_2(tmp_path, log, capsys):
     assert "--since 'yesterday'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("fail_on", [None, "any", "refuse"])
+def test_a_gate_with_nothing_replayed_fails_rather_than_pass(tmp_path, capsys, fail_on):
+    """``replay EMPTY --fail-on any`` (or the policy file given as the log) exited 0: a CI gate pointed at the wrong
+    file passed silently (review round 16). Without --fail-on it reports and exits 0, as before."""
+    empty, policy = tmp_path / "empty.jsonl", write_policy(tmp_path)
+    empty.write_text("")
+    for log_file in (empty, policy):
+        code = main(["replay", str(log_file), "--policy", str(policy)] + (["--fail-on", fail_on] if fail_on else []))
+        assert code == (0 if fail_on is None else 2)
+        captured = capsys.readouterr()
+        assert "0 decision(s) replayed" in captured.out
+        assert ("checked against nothing" in captured.err) == (fail_on is not None), captured.err
+
+
 # ---- properties ----------------------------------------------------------------------------------
 
 HOSTS = ["docs.example.com", "new.example.com", "x.ads.example.com", "www.shop.example.org", "api.example.net",

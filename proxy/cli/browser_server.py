@@ -74,6 +74,8 @@ def _add_limits(server: argparse.ArgumentParser) -> None:
 def cmd_browser_server(args: argparse.Namespace) -> int:
     logs.configure(quiet_libraries=("websockets",))
     check_bind_address(args.host, args.allow_non_loopback)
+    if not 0 <= args.port <= 65535:  # before a proxy and a browser start (bind() said it after both had)
+        raise UsageError(f"--port {args.port}: a port from 1 to 65535, or 0 (any free port)")
     if not 0 <= args.driver_port <= 65535 or (args.driver_port and args.driver_port == args.port):
         raise UsageError(f"--driver-port {args.driver_port}: a port from 1 to 65535 other than --port, or 0 (any "
                          "free port)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 from dataclasses import replace
 
 from policy.addresses import parse_client_address
@@ -27,9 +28,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     check.add_argument("url", nargs="+")
     add_policy_options(check)
     check.add_argument("--client", help="the client address (chooses a role)")
-    check.add_argument("--method", default="GET")
+    check.add_argument("--method", default="GET", type=_method,
+                       help="the request's method (default GET; a tunnel's requests are judged as their CONNECT)")
     check.add_argument("--json", action="store_true", help="one JSON object per URL")
     check.set_defaults(func=cmd_check, intermixed=True)  # URLs may follow the options too
+
+
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,32}")  # RFC 9110 5.6.2: a method is a token
+
+
+def _method(text: str) -> str:
+    if not _TOKEN.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an HTTP method (a token of letters, digits and "
+                                         "!#$%&'*+-.^_`|~)")
+    return text.upper()  # as the proxy judges it: policy methods match without regard to case
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -45,9 +57,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         if args.json:
             # Only with an upstream (the interface stays as it was without): nothing is pinned, as in the audit log.
             extra = {"pinned": None, "upstream": _upstream_json(policy)} if policy.upstream else {}
-            print(json.dumps(_verdict_json(url, verdict, resolution) | extra))
+            print(json.dumps(_verdict_json(url, args.method, verdict, resolution) | extra))
         else:
-            _print_verdict(url, verdict, resolution, policy)
+            _print_verdict(url, args.method, verdict, resolution, policy)
     return EXIT_ALLOWED if all(v.allowed for _, v, _ in results) else EXIT_REFUSED
 
 
@@ -65,7 +77,7 @@ async def _check_one(policy: Policy, resolver: DnsResolver, url: str, args: argp
         if not verdict.allowed:
             return url, verdict, resolution
     tunnel = target.scheme in ("https", "wss") and not policy.intercepts(target.host)
-    request = Request(target=target, method=args.method.upper(), client=args.client, tunnel=tunnel,
+    request = Request(target=target, method=args.method, client=args.client, tunnel=tunnel,
                       websocket=target.scheme in ("ws", "wss"))
     verdict, resolution = await resolve_and_decide(policy, request, resolver)
     return url, verdict, resolution
@@ -82,8 +94,9 @@ def _upstream_json(policy: Policy) -> dict:
     return {"proxy": policy.upstream.url, "resolution": policy.upstream.resolution}
 
 
-def _print_verdict(url: str, verdict: Verdict, resolution, policy: Policy) -> None:
-    rows = [("url", url), ("verdict", _verdict_word(verdict)), ("stage", verdict.stage), ("rule", verdict.rule),
+def _print_verdict(url: str, method: str, verdict: Verdict, resolution, policy: Policy) -> None:
+    rows = [("url", url), ("method", method), ("verdict", _verdict_word(verdict)), ("stage", verdict.stage),
+            ("rule", verdict.rule),
             ("rule_id", verdict.rule_id), ("reason", verdict.reason)]
     if verdict.role:
         rows.append(("role", verdict.role))
@@ -113,11 +126,12 @@ def _hint(url: str, verdict: Verdict) -> str:
         return hint_for(verdict)
 
 
-def _verdict_json(url: str, verdict: Verdict, resolution) -> dict:
+def _verdict_json(url: str, method: str, verdict: Verdict, resolution) -> dict:
     """The audit record's vocabulary (proxy/audit-record.schema.json): verdict allow / refuse / report; a
     refusal adds the proxy's ``hint``."""
     hint = {} if verdict.allowed else {"hint": _hint(url, verdict)}
-    return {"url": url, "verdict": verdict_word(verdict), "allowed": verdict.allowed, "stage": verdict.stage,
-            "rule": verdict.rule, "rule_id": verdict.rule_id, "reason": verdict.reason, "role": verdict.role,
+    return {"url": url, "method": method, "verdict": verdict_word(verdict), "allowed": verdict.allowed,
+            "stage": verdict.stage, "rule": verdict.rule, "rule_id": verdict.rule_id, "reason": verdict.reason,
+            "role": verdict.role,
             "cnames": list(resolution.cnames) if resolution else [], "addresses": list(verdict.addresses),
             "pinned": verdict.pinned} | hint

@@ -81,6 +81,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
                           "fail_on": args.fail_on, "fails": report.fails(args.fail_on)}))
     else:
         sys.stdout.write(replay.render_text(report, args.log, args.policy))
+    if args.fail_on is not None and report.replayed == 0:
+        # A gate pointed at the wrong file, or an empty one, vouches for nothing: it fails rather than pass.
+        print("egresswall: replay --fail-on: no decision line was replayed, so the policy was checked against "
+              "nothing", file=sys.stderr)
+        return EXIT_ERROR
     return EXIT_CHANGED if report.fails(args.fail_on) else EXIT_OK
 
 
