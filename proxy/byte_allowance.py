@@ -26,8 +26,8 @@ BUDGET_CUT = "the next chunk would have passed its session's byte budget"
 
 class ByteAllowance:
     """``up``/``down``: bytes the session may still send/receive (None: no budget that way). ``crossed``
-    gets the direction and the count the session would have reached, once, when a chunk would pass a
-    budget; the allowance stays spent from then on (nothing more is relayed under it)."""
+    gets the direction and the count the session would have reached when a chunk would pass a budget; the
+    allowance stays spent from then on (nothing more is relayed under it)."""
 
     def __init__(self, up: int | None, down: int | None, crossed: Callable[[str, int], None]) -> None:
         self.budgets = {UP: up, DOWN: down}
@@ -46,20 +46,42 @@ class ByteAllowance:
 
     def take(self, key: str, size: int) -> bool:
         """Count ``size`` bytes about to be relayed ``key`` (UP: from the client): False when they would carry
-        the session past its budget that way (they must not be relayed)."""
-        if self.spent:
-            return False
+        the session past its budget that way (they must not be relayed). Once spent, nothing more is taken, and
+        each refusal is said to ``crossed`` again: what opened or moved since the first ends too."""
         left = self.left[key]
-        if left is None:
+        if left is None and not self.spent:
             return True
-        if size > left:
+        if self.spent or size > (left or 0):
             self.spent = True
             budget = self.budgets[key]
-            assert budget is not None
-            self.crossed(key, budget - left + size)
+            if budget is None:  # spent the other way: no count to report this way
+                key, budget, left = self._spent_way()
+            self.crossed(key, budget - (left or 0) + size)
             return False
         self.left[key] = left - size
         return True
+
+    def reserve(self, key: str, size: int) -> bool:
+        """Take ``size`` bytes for a request judged now (a plain request's declared body), or say it does not fit
+        (False: that request is refused, and nothing else is ended, as ``take`` would end it)."""
+        left = self.left[key]
+        if self.spent or (left is not None and size > left):
+            return False
+        if left is not None:
+            self.left[key] = left - size
+        return True
+
+    def needed(self, key: str, size: int) -> int:
+        """The count the session would reach with ``size`` more bytes ``key`` (for the refusal's words)."""
+        budget = self.budgets[key]
+        return size if budget is None else budget - (self.left[key] or 0) + size
+
+    def _spent_way(self) -> tuple[str, int, int]:
+        """(way, budget, left) of a budget this allowance has: for a refusal said after it is spent."""
+        key = UP if self.budgets[UP] is not None else DOWN
+        budget = self.budgets[key]
+        assert budget is not None
+        return key, budget, self.left[key] or 0
 
     def refresh(self, usage: Usage, since_counted: tuple[int, int]) -> None:
         """What is left after the store's ``usage`` and the bytes moved here since they were counted

@@ -39,7 +39,6 @@ from .fast_http import FastHttp
 from .first_bytes import FirstBytes
 from .gate import Gate, Tunnel, refusal_for
 from .head_reader import HeadProblem, answer_then_drain, read_head
-from .http_hygiene import connect_content
 from .peers import client_key
 from .refusals import refusal_bytes
 from .tls_hello import MAX_HELLO_BYTES, TLS_ALERT_UNRECOGNIZED_NAME
@@ -144,10 +143,10 @@ class Front:
             policy = self.gate.policy
             if (not self.relay_tunnels or target is None or target.port in policy.http_ports
                     or policy.intercepts(target.host)
-                    or connect_content(_header_values(event, b"transfer-encoding"),
-                                       _header_values(event, b"content-length"))):
+                    or _header_values(event, b"transfer-encoding") or _header_values(event, b"content-length")):
                 # Not ours to relay (or a malformed authority, which mitmproxy's path refuses with its reason; or
-                # a CONNECT that declares content, which it refuses, after its own parser's look at the framing).
+                # a CONNECT with framing headers, which it judges with its own parser: h11 merged
+                # "Content-Length: 0" twice into one, which mitmproxy's parser refuses).
                 hand_over(conn, head + rest)
                 return
             await self._tunnel(conn, client, authority, rest, _header_values(event, b"accept"),
@@ -197,6 +196,7 @@ class Front:
             return
         tunnel = outcome.tunnel
         assert tunnel is not None and tunnel.verdict.pinned is not None
+        tunnel.cut = lambda: _shut(conn)  # until the relay's own: a session's end reaches a tunnel not yet relaying
         upstream: socket.socket | None = None
         try:
             port = tunnel.target.port
@@ -222,6 +222,8 @@ class Front:
             if first is None:
                 return
             data, judged = first
+            if tunnel.allowance is not None and not tunnel.allowance.take(UP, len(data)):
+                return  # past its session's byte budget: none of it goes upstream (the gate's refusal ends it)
             # The ClientHello goes on; what the client sent after it waits until the server's first answer
             # shows whether it asks for a second ClientHello (proxy/tls_retry.py).
             await loop.sock_sendall(upstream, data[:judged.hello_size])
@@ -331,6 +333,12 @@ def _target(authority: str) -> Target | None:
         return parse_authority(authority, "https")
     except HostFormError:
         return None
+
+
+def _shut(sock: socket.socket) -> None:
+    """End a connection both ways now (its reader sees the end; closing is its owner's)."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 def _once(action: Callable[[], None]) -> Callable[[], None]:

@@ -425,19 +425,21 @@ class Gate:
     def _bytes_would_cross(self, session_id: str, way: str, reached: int) -> None:
         """A chunk was not relayed: it would have carried the session past a byte budget. Everything open under
         the session in this worker ends now, with the refusal that says so (as the sweep ends them)."""
-        helds = [held for held in self.under_sessions.values()
-                 if held.session is not None and held.session.id == session_id]
+        helds = [held for held in self.under_sessions.values() if held.session is not None
+                 and held.session.id == session_id and held.cut_by is None and not held.closed]
         if not helds:
-            return
+            return  # all ended already by an earlier crossing (each later chunk under it asks again)
         assert helds[0].session is not None
         self._cut(helds, self.sessions.bytes_would_cross(helds[0].session, way == UP, reached))
 
     @staticmethod
     def _cut(helds: list[UnderSession], over: Verdict) -> None:
+        """End each with ``over``: its closing line says why, even one whose transport had not yet set ``cut``."""
         for held in helds:
-            if held.cut is not None and not held.closed and held.cut_by is None:
+            if not held.closed and held.cut_by is None:
                 held.cut_by = over
-                held.cut()
+                if held.cut is not None:
+                    held.cut()
 
     async def _sweep_sessions(self) -> None:
         """While tunnels or WebSockets opened under a session are open: every ``SESSION_SWEEP`` seconds, each
@@ -672,6 +674,12 @@ class Gate:
             return verdict, 403
         if not verdict.allowed:
             return replace(verdict, session=session.id), 403
+        allowance = self.allowances.get(session.id)
+        if allowance is not None and content_length and not allowance.reserve(UP, content_length):
+            # The store has not yet been charged what this session's open tunnels moved since the last look;
+            # this worker's allowance has (a tunnel's upload and this body together passed the budget).
+            return replace(self.sessions.bytes_would_cross(session, True, allowance.needed(UP, content_length)),
+                           addresses=verdict.addresses), 403
         refusal, status = await self.sessions.charge(session, target, content_length, verdict.role)
         if refusal is not None:
             return replace(refusal, addresses=verdict.addresses), status

@@ -23,7 +23,6 @@ server needs first), and its next handshake is held after a HelloRetryRequest un
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import fcntl
 import socket
 import struct
@@ -174,17 +173,12 @@ async def relay(client: socket.socket, server: socket.socket, idle: float, half_
     by ``retry_timeout`` and a refusal is given to ``refused`` before both sides are closed. ``counts``: the
     caller's ``{UP: 0, DOWN: 0}``, counted in as the bytes move (a session's byte budgets read it while the
     tunnel is open). ``allowance``: what the tunnel's session may still move; each chunk is taken from it
-    before it is relayed (``sent`` too, which has gone already), and the first it cannot take ends the tunnel."""
+    before it is relayed (``sent`` was taken by the caller before it went), and the first it cannot take ends
+    the tunnel."""
     loop = asyncio.get_running_loop()
     counts = {UP: 0, DOWN: 0} if counts is None else counts
     counts[UP] += sent
     tunnel = _Tunnel(counts=counts, allowance=allowance)
-    if allowance is not None and sent and not allowance.take(UP, sent):
-        tunnel.cut = BUDGET_CUT
-        with contextlib.suppress(OSError):
-            client.close()
-            server.close()
-        return RelayResult(counts[UP], counts[DOWN], tunnel.cut)
     from_client, from_server = _Side(tunnel, UP), _Side(tunnel, DOWN)
     from_client.peer, from_server.peer = from_server, from_client
     tunnel.sides = [from_client, from_server]

@@ -29,19 +29,19 @@ def allowance(up: int | None, down: int | None) -> tuple[ByteAllowance, list[tup
 @given(st.integers(0, 10_000), st.lists(st.tuples(st.sampled_from([UP, DOWN]), st.integers(0, 3_000)), max_size=40))
 def test_what_is_taken_never_passes_the_budget_and_the_first_chunk_that_would_is_refused(budget, chunks):
     bounded, crossings = allowance(budget, None)
-    taken_up = taken_down = 0
-    refused_at = None
-    for i, (way, size) in enumerate(chunks):
+    taken_up = taken_down = refusals = 0
+    for way, size in chunks:
         if bounded.take(way, size):
-            assert refused_at is None, "a chunk was taken after one was refused"
+            assert not refusals, "a chunk was taken after one was refused"
             taken_up += size if way == UP else 0
             taken_down += size if way == DOWN else 0
-        elif refused_at is None:
-            refused_at = i
+            continue
+        if not refusals:
             assert way == UP and taken_up + size > budget  # only the bounded way is refused, and only past it
             assert crossings == [(UP, taken_up + size)]
+        refusals += 1
     assert taken_up <= budget
-    assert len(crossings) == (0 if refused_at is None else 1)
+    assert len(crossings) == refusals  # each refusal is said: what opened since the first ends too
 
 
 def test_a_session_at_its_budget_has_used_it_and_one_byte_more_is_refused():
@@ -49,7 +49,14 @@ def test_a_session_at_its_budget_has_used_it_and_one_byte_more_is_refused():
     assert bounded.take(UP, 10) and bounded.take(DOWN, 5)  # exactly the budget: allowed
     assert not bounded.take(DOWN, 1)
     assert crossings == [(DOWN, 6)]
-    assert not bounded.take(UP, 0) and crossings == [(DOWN, 6)]  # spent: nothing more, and said once
+    assert not bounded.take(UP, 0) and crossings == [(DOWN, 6), (UP, 10)]  # spent: nothing more, said each time
+
+
+def test_a_request_reserves_what_fits_and_ends_nothing_when_it_does_not():
+    bounded, crossings = allowance(100, None)
+    assert bounded.reserve(UP, 60) and bounded.up == 40
+    assert not bounded.reserve(UP, 41) and bounded.up == 40 and not bounded.spent and not crossings
+    assert bounded.needed(UP, 41) == 101 and bounded.reserve(DOWN, 10**9)
 
 
 def test_a_look_leaves_the_budget_less_the_stores_count_and_what_moved_since():

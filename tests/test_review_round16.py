@@ -86,7 +86,8 @@ def test_a_response_content_length_with_a_leading_zero_or_a_sign_gets_502(script
 
 
 @both_transports
-@pytest.mark.parametrize("framing", ["Transfer-Encoding: chunked", "Content-Length: 5", "Content-Length: 00"])
+@pytest.mark.parametrize("framing", ["Transfer-Encoding: chunked", "Content-Length: 5", "Content-Length: 00",
+                                     "Content-Length: 0\r\nContent-Length: 0", "Content-Length: 0, 0"])
 def test_a_connect_that_declares_content_is_refused_400(lab, start_proxy, framing):
     """A CONNECT has no content (RFC 9110 9.3.6). mitmproxy's path read declared bytes as a body and dropped them
     before the tunnel; the front took them for the tunnel's first bytes (``tls:not-tls``). Both refuse it now,
@@ -97,7 +98,8 @@ def test_a_connect_that_declares_content_is_refused_400(lab, start_proxy, framin
     with socket.create_connection((running.host, running.port), timeout=10) as sock:
         sock.sendall(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n{framing}\r\n\r\n".encode() + body)
         status, headers, _ = parse_response(read_response(sock))
-    expected = "http:invalid-request" if framing.endswith("00") else "http:connect-content"
+    # mitmproxy's parser refuses a length it cannot read, or two (h11 merged those: the front hands them over)
+    expected = "http:invalid-request" if framing.endswith(("00", "0, 0", "Length: 0")) else "http:connect-content"
     assert status == 400 and headers["x-egresswall-rule"] == expected, headers
     (record,) = [r for r in running.decisions() if r["verdict"] == "refuse"]
     assert record["rule"] == expected, record

@@ -14,6 +14,7 @@ it, so no chunk that would pass a budget is relayed at all.
 from __future__ import annotations
 
 import contextlib
+import socket
 import ssl
 import time
 
@@ -174,3 +175,71 @@ def test_a_tunnel_within_its_budgets_stays_open_and_is_charged_once(lab, start_p
         time.sleep(0.1)
     assert body["usage"]["request_bytes"] == line["bytes_up"], (body, line)
     assert body["usage"]["response_bytes"] == line["bytes_down"], (body, line)
+
+
+# ---- review round 16 (a helper's review of the allowance) ------------------------------------------------------
+
+def _session_proxy(lab, start_proxy, tmp_path, budgets: dict):
+    proxy = start_proxy(lab.policy_text("session: required\n"), "--admin-token-file", str(token_file(tmp_path)))
+    return proxy, create(proxy.admin_port, {"hosts": ["public.lab.example"]}, budgets=budgets)
+
+
+def _handshake_fails(lab, sock) -> bool:
+    context = ssl.create_default_context(cafile=str(lab.cert_file))
+    try:
+        context.wrap_socket(sock, server_hostname="public.lab.example").close()
+    except (ssl.SSLError, OSError):
+        return True
+    return False
+
+
+@both_transports
+def test_a_client_hello_past_the_budget_never_reaches_the_origin(lab, start_proxy, tmp_path):
+    """The front sent the judged ClientHello upstream before taking it from the allowance: four tunnels opened at
+    once under request_bytes 100 moved 13,240 bytes to the origin (review round 16). Nothing goes now."""
+    proxy, session = _session_proxy(lab, start_proxy, tmp_path, {"request_bytes": 100})
+    sock, status, _, body = connect(proxy, f"public.lab.example:{lab.public_tls.port}", session)
+    assert status == 200, body
+    assert _handshake_fails(lab, sock)
+    line = _tunnel_line(proxy, session)
+    assert "session:budget-request-bytes" in line["error"] and line["bytes_up"] == 0, line
+    assert _usage(proxy, session, 0)["request_bytes"] == 0
+
+
+@both_transports
+def test_a_tunnel_not_yet_relaying_ends_with_the_crossing_and_says_why(lab, start_proxy, tmp_path):
+    """A tunnel still waiting for its first message had no cut yet: it stayed open after its session crossed a
+    budget, and its closing line named no rule (review round 16)."""
+    proxy, session = _session_proxy(lab, start_proxy, tmp_path, {"request_bytes": 100})
+    waiting, status, _, body = connect(proxy, f"public.lab.example:{lab.public_tls.port}", session)
+    assert status == 200, body
+    crossing, status, _, body = connect(proxy, f"public.lab.example:{lab.public_tls.port}", session)
+    assert status == 200, body
+    assert _handshake_fails(lab, crossing)
+    waiting.settimeout(5)
+    with waiting, contextlib.suppress(ConnectionResetError):
+        assert waiting.recv(1) == b""  # closed by the proxy, well before limits.header_timeout
+    lines = _tunnel_lines(proxy, session, 2)
+    assert all("session:budget-request-bytes" in line["error"] for line in lines), lines
+
+
+@both_transports
+def test_a_plain_upload_and_an_open_tunnel_together_stay_within_the_budget(lab, start_proxy, tmp_path):
+    """The plain request was judged against the store, which the tunnel's bytes reach only at the sweep's next
+    look: 80,000 bytes in a tunnel and at once 80,000 in a POST both went, under request_bytes 100,000."""
+    proxy, session, tls = _tunnel(lab, start_proxy, tmp_path, {"request_bytes": 100_000})
+    with tls:
+        _upload(tls, lab, 80_000)
+        status, headers, _ = _post(proxy, lab, session, 80_000)
+    assert status == 403 and headers["x-egresswall-rule"] == "session:budget-request-bytes", headers
+
+
+def _post(proxy, lab, session, size: int):
+    from proxyproc import parse_response, read_response
+
+    authority = f"public.lab.example:{lab.public.port}"
+    with socket.create_connection((proxy.host, proxy.port), timeout=10) as sock:
+        sock.sendall(f"POST http://{authority}/plain-upload HTTP/1.1\r\nHost: {authority}\r\n"
+                     f"Proxy-Authorization: {session['proxy_authorization']}\r\nContent-Length: {size}\r\n"
+                     "Connection: close\r\n\r\n".encode() + b"p" * size)
+        return parse_response(read_response(sock))

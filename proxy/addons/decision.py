@@ -16,6 +16,7 @@ from ..mitm_patches import FRAMING_REFUSED, SENT_AUTHORITY, connect_error_text, 
 from ..peers import peer_of
 from ..refusals import Refusal, refusal_parts
 from .connections import ConnectionTable
+from .tunnel_watch import close_client
 
 VERDICT, TARGET, STARTED, FLOW_ID = "egresswall_verdict", "egresswall_target", "egresswall_started", "egresswall_id"
 SESSION = "egresswall_session"  # the Session an allowed request was admitted under (a WebSocket is watched by it)
@@ -59,6 +60,8 @@ class DecisionAddon:
         assert tunnel is not None and tunnel.verdict.pinned is not None
         flow.metadata[CONNECT_ANSWER] = (tunnel.target, tunnel.verdict.role, accept_of(flow))
         tunnel.client_conn_id = flow.client_conn.id
+        client_id = flow.client_conn.id
+        tunnel.cut = lambda: close_client(client_id)  # until the relay's own: a session's end reaches it already
         # From here the client connection is the tunnel: a plain request's pin on it (pin_for prefers those)
         # must not steer the tunnel's connects away from the address its CONNECT was decided on.
         self.table.request_pins.pop(flow.client_conn.id, None)
