@@ -677,7 +677,7 @@ def ask_of(request: PlainRequest, client: str) -> HttpAsk:
     return HttpAsk(client=client, method=request.method, scheme="http", host=request.host, port=request.port,
                    path=request.path, host_header=request.values("host")[0], content_length=request.content_length,
                    chunked=request.chunked, accept=request.values("accept"), authority=request.authority,
-                   credentials=request.values("proxy-authorization"))
+                   credentials=request.values("proxy-authorization"), head_size=request.size)
 
 
 def _forwarded_request_headers(request: PlainRequest) -> list[tuple[str, str]]:

@@ -148,6 +148,9 @@ class HttpAsk:
     accept: tuple[str, ...] = ()  # the Accept header values, as sent: a refusal is JSON when they prefer it
     credentials: tuple[str, ...] = ()  # the Proxy-Authorization header values, as sent (a session's id:secret)
     flow_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # The head's bytes as the client sent them: its URL and headers carry data out as a body does, so a
+    # session's request_bytes counts them (they are charged when the request is admitted).
+    head_size: int = 0
 
 
 class Gate:
@@ -636,7 +639,7 @@ class Gate:
             answer = None if tunnel is None else Resolution(tunnel.target.host, tunnel.verdict.addresses, tunnel.cnames)
             verdict, resolution = await self.decide(
                 policy, Request(target, ask.method, ask.client, tunnel=False, websocket=ask.websocket), answer)
-            verdict, status = await self._session_charge(session, verdict, target, ask.content_length)
+            verdict, status = await self._session_charge(session, verdict, target, ask.content_length, ask.head_size)
         elif session is not None:
             verdict = replace(verdict, session=session.id)
         record = self.recorder.record(DECISION, ask.flow_id, ask.client, ask.method, target, verdict,
@@ -667,22 +670,25 @@ class Gate:
         return session, self.sessions.check(session, target, visible, role.name if role else None, tls), 403
 
     async def _session_charge(self, session: Session | None, verdict: Verdict, target: Target,
-                              content_length: int | None) -> tuple[Verdict, int]:
+                              content_length: int | None, head_size: int = 0) -> tuple[Verdict, int]:
         """After the policy allowed it: count the request against the session's budgets (atomically, in the
-        store). The verdict carries the session's id from here on, into every record."""
+        store). The verdict carries the session's id from here on, into every record. ``head_size``: the head's
+        bytes, judged with the declared body and charged at once (the body is charged when the exchange ends)."""
         if session is None:
             return verdict, 403
         if not verdict.allowed:
             return replace(verdict, session=session.id), 403
+        coming = (content_length or 0) + head_size
         allowance = self.allowances.get(session.id)
-        if allowance is not None and content_length and not allowance.reserve(UP, content_length):
+        if allowance is not None and coming and not allowance.reserve(UP, coming):
             # The store has not yet been charged what this session's open tunnels moved since the last look;
             # this worker's allowance has (a tunnel's upload and this body together passed the budget).
-            return replace(self.sessions.bytes_would_cross(session, True, allowance.needed(UP, content_length)),
+            return replace(self.sessions.bytes_would_cross(session, True, allowance.needed(UP, coming)),
                            addresses=verdict.addresses), 403
-        refusal, status = await self.sessions.charge(session, target, content_length, verdict.role)
+        refusal, status = await self.sessions.charge(session, target, coming or content_length, verdict.role)
         if refusal is not None:
             return replace(refusal, addresses=verdict.addresses), status
+        self.sessions.count_bytes(session.id, head_size, 0)
         return replace(verdict, session=session.id), 403
 
     def _request_target(self, ask: HttpAsk, tunnel: Tunnel | None) -> Target:

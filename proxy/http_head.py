@@ -49,6 +49,7 @@ class PlainRequest:
     headers: tuple[tuple[str, str], ...]  # (name as sent, value) in order
     content_length: int | None
     chunked: bool
+    size: int = 0  # the head's bytes as sent (a session's request_bytes counts them)
 
     def values(self, name: str) -> tuple[str, ...]:
         """Every value of one header (``name`` lower case)."""
@@ -91,11 +92,11 @@ def take_head(head: bytes) -> PlainRequest | NotTaken:
         if _VALUE.fullmatch(value) is None:
             return NotTaken("a header value with bytes outside visible ASCII")
         headers.append((name.decode("ascii"), value.decode("ascii")))
-    return _framed(method, authority, port, path, line, headers)
+    return _framed(method, authority, port, path, line, headers, len(head))
 
 
 def _framed(method: str, authority: re.Match, port: int, path: bytes, line: re.Match,
-            headers: list[tuple[str, str]]) -> PlainRequest | NotTaken:
+            headers: list[tuple[str, str]], size: int) -> PlainRequest | NotTaken:
     counts: dict[str, list[str]] = {}
     for name, value in headers:
         counts.setdefault(name.lower(), []).append(value)
@@ -116,4 +117,4 @@ def _framed(method: str, authority: re.Match, port: int, path: bytes, line: re.M
     return PlainRequest(method=method, host=host[1:-1] if host.startswith("[") else host, port=port,
                         path=path.decode("ascii"), authority=line[3].decode("ascii"), version=version,
                         headers=tuple(headers), content_length=int(lengths[0]) if lengths else None,
-                        chunked=bool(codings))
+                        chunked=bool(codings), size=size)

@@ -20,7 +20,7 @@ import time
 
 import pytest
 from proxyproc import both_transports
-from session_client import api, connect, create, token_file
+from session_client import api, connect, create, get, token_file
 from test_session_end_cuts_tunnels import _closed_within, _get, _tunnel_line
 from test_sessions_redis import redis_server  # noqa: F401 (a fixture)
 
@@ -243,3 +243,14 @@ def _post(proxy, lab, session, size: int):
                      f"Proxy-Authorization: {session['proxy_authorization']}\r\nContent-Length: {size}\r\n"
                      "Connection: close\r\n\r\n".encode() + b"p" * size)
         return parse_response(read_response(sock))
+
+
+@both_transports
+def test_request_heads_count_toward_request_bytes(lab, start_proxy, tmp_path):
+    """A URL and headers carry data out as a body does (``?q=<conversation>``): five GETs with 12 KB heads moved
+    60,385 bytes under request_bytes 100 and the session's usage stayed 0 (review round 16)."""
+    proxy, session = _session_proxy(lab, start_proxy, tmp_path, {"request_bytes": 10_000})
+    authority = f"public.lab.example:{lab.public.port}"
+    answers = [get(proxy, f"http://{authority}/q?d={'x' * 3000}&n={n}", session)[0] for n in range(4)]
+    assert answers == [200, 200, 200, 403], answers
+    assert 9_000 <= _usage(proxy, session, 9_000)["request_bytes"] <= 10_000

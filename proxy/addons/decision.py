@@ -60,8 +60,11 @@ class DecisionAddon:
         assert tunnel is not None and tunnel.verdict.pinned is not None
         flow.metadata[CONNECT_ANSWER] = (tunnel.target, tunnel.verdict.role, accept_of(flow))
         tunnel.client_conn_id = flow.client_conn.id
-        client_id = flow.client_conn.id
-        tunnel.cut = lambda: close_client(client_id)  # until the relay's own: a session's end reaches it already
+        if not (tunnel.intercept or tunnel.http_inside):
+            # TLS passed through: until the relay's own cut, a session's end (or budget) reaches it already. One
+            # that carries requests egresswall reads stays open: each of them gets a refusal it can read.
+            client_id = flow.client_conn.id
+            tunnel.cut = lambda: close_client(client_id)
         # From here the client connection is the tunnel: a plain request's pin on it (pin_for prefers those)
         # must not steer the tunnel's connects away from the address its CONNECT was decided on.
         self.table.request_pins.pop(flow.client_conn.id, None)
@@ -121,7 +124,7 @@ class DecisionAddon:
                       chunked="transfer-encoding" in request.headers,
                       accept=accept_of(flow), authority=sent_authority(request),
                       credentials=credentials_of(flow),
-                      flow_id=flow.metadata[FLOW_ID])
+                      flow_id=flow.metadata[FLOW_ID], head_size=_head_size(request))
         outcome = await self.gate.decide_request(ask, tunnel)
         if outcome.refusal is not None:
             refuse_before_body(flow, to_response(outcome.refusal))
@@ -145,6 +148,15 @@ def sent_authority(request: http.Request) -> str | None:
     """The request target's authority as the client sent it (absolute form), or None (origin form): noted by
     proxy/mitm_patches.py before mitmproxy's regular mode empties it to forward origin form."""
     return getattr(request, SENT_AUTHORITY, request.data.authority.decode("latin-1")) or None
+
+
+def _head_size(request: http.Request) -> int:
+    """The request head's bytes as the client sent them, about (mitmproxy keeps no raw head): its line with the
+    target as sent, each header as ``name: value``, the line ends."""
+    authority = sent_authority(request)
+    target = f"{request.scheme}://{authority}{request.path}" if authority else request.path
+    line = len(request.method) + len(target) + len(request.http_version) + 4
+    return line + sum(len(name) + len(value) + 4 for name, value in request.headers.fields) + 2
 
 
 def _malformed(flow: http.HTTPFlow) -> tuple[str, str] | None:
