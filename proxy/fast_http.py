@@ -42,6 +42,7 @@ import h11
 from policy.decision import Verdict
 from policy.hosts import HostFormError, Target
 from policy.model import Policy
+from policy.sessions import STAGE as SESSION_STAGE
 
 from .body_budget import BodyHold
 from .body_reasons import TRAILERS_REASON, body_line_too_long_reason, body_over_limit_reason, body_unparseable_reason
@@ -302,6 +303,10 @@ class FastHttp:
             if request.chunked:  # read whole and bounded before the upstream sees anything
                 up = await self._read_chunked(conn, client, server, request, target, accept, body, ask.flow_id,
                                               hold, verdict.session)
+                over = await gate.chunked_body_refusal(outcome.session, up)
+                if over is not None:
+                    await self._refuse_body(conn, client, request, target, accept, ask.flow_id, verdict.session,
+                                            over[1], SESSION_STAGE, over[0].rule, over[0].reason, pending=False)
             pinned = verdict.pinned
             if pinned is None:
                 raise Ended("no checked address to connect to")

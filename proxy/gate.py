@@ -691,6 +691,23 @@ class Gate:
         self.sessions.count_bytes(session.id, head_size, 0)
         return replace(verdict, session=session.id), 403
 
+    async def chunked_body_refusal(self, session: Session | None, size: int) -> tuple[Verdict, int] | None:
+        """A chunked body read whole, before any of it goes upstream: its admission could not know its size, so
+        it is judged now against the session's request_bytes (the store's count and this worker's allowance).
+        (the refusal, its status), or None when it fits (or there is no such budget)."""
+        if session is None or not size or session.budgets.request_bytes is None:
+            return None
+        allowance = self.allowances.get(session.id)
+        if allowance is not None and not allowance.reserve(UP, size):
+            return self.sessions.bytes_would_cross(session, True, allowance.needed(UP, size)), 403
+        try:
+            _, usage = await self.sessions.byte_usage(session)
+        except StoreUnavailable as err:
+            return self.sessions.store_down(session, err), 503
+        if usage is not None and usage.request_bytes + size > session.budgets.request_bytes:
+            return self.sessions.bytes_would_cross(session, True, usage.request_bytes + size), 403
+        return None
+
     def _request_target(self, ask: HttpAsk, tunnel: Tunnel | None) -> Target:
         if tunnel is not None:
             # Inside a tunnel the target is the tunnel's; the Host header must agree with it.

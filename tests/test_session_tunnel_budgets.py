@@ -254,3 +254,27 @@ def test_request_heads_count_toward_request_bytes(lab, start_proxy, tmp_path):
     answers = [get(proxy, f"http://{authority}/q?d={'x' * 3000}&n={n}", session)[0] for n in range(4)]
     assert answers == [200, 200, 200, 403], answers
     assert 9_000 <= _usage(proxy, session, 9_000)["request_bytes"] <= 10_000
+
+
+@both_transports
+def test_a_chunked_upload_past_request_bytes_is_refused_before_the_origin_sees_it(lab, start_proxy, tmp_path):
+    """A chunked body declares no length, and its admission judged it as none: 50,000 bytes went under
+    request_bytes 1,000 where the same body with Content-Length was refused (review round 16). It is read whole
+    before anything goes upstream, and judged then; one that fits still goes."""
+    from proxyproc import parse_response, read_response
+
+    proxy, session = _session_proxy(lab, start_proxy, tmp_path, {"request_bytes": 1_000})
+    authority = f"public.lab.example:{lab.public.port}"
+
+    def chunked(path: str, size: int) -> tuple[int, dict[str, str]]:
+        with socket.create_connection((proxy.host, proxy.port), timeout=10) as sock:
+            sock.sendall(f"POST http://{authority}{path} HTTP/1.1\r\nHost: {authority}\r\nProxy-Authorization: "
+                         f"{session['proxy_authorization']}\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+                         f"{size:x}\r\n".encode() + b"c" * size + b"\r\n0\r\n\r\n")
+            status, headers, _ = parse_response(read_response(sock))
+            return status, headers
+
+    status, headers = chunked("/chunked-big", 50_000)
+    assert status == 403 and headers["x-egresswall-rule"] == "session:budget-request-bytes", headers
+    assert "/chunked-big" not in [path for _, path, _ in lab.public.requests]
+    assert chunked("/chunked-small", 100)[0] == 200

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from mitmproxy import connection, http
 
+from policy.sessions import STAGE as SESSION_STAGE
+
 from ..body_budget import BodyHold
 from ..body_reasons import body_over_limit_reason
 from ..gate import Gate
@@ -22,7 +24,7 @@ from ..mitm_patches import BODY_LIMIT
 from ..peers import peer_of
 from ..refusals import Refusal
 from .byte_count import UP, counting_stream
-from .decision import FLOW_ID, TARGET, VERDICT, accept_of, to_response
+from .decision import FLOW_ID, SESSION, TARGET, VERDICT, accept_of, to_response
 
 BODY_HOLD = "egresswall_body_hold"  # flow.metadata: what the flow's buffered body holds of the budget
 
@@ -83,6 +85,16 @@ class BodyLimit:
             # Streamed, the body is never kept on the flow: its bytes are counted as they pass (AuditTrail
             # recorded 0 for every Content-Length body, and a session's budgets.request_bytes went uncharged).
             flow.request.stream = counting_stream(flow.metadata, UP)
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        """A chunked body is whole here, before any of it goes upstream: a session's request_bytes judges it now
+        (its admission could not know its size), as the fast path does (``Gate.chunked_body_refusal``)."""
+        if flow.response is not None or BODY_HOLD not in flow.metadata:
+            return
+        over = await self.gate.chunked_body_refusal(flow.metadata.get(SESSION), len(flow.request.raw_content or b""))
+        if over is not None:
+            verdict, status = over
+            _refuse_body(self.gate, flow, status, verdict.rule, verdict.reason, stage=SESSION_STAGE)
 
     def response(self, flow: http.HTTPFlow) -> None:
         self._release(flow)

@@ -224,6 +224,10 @@ class SessionService:
         usage = await self.store.usage(session.id)
         return bytes_over_budget(session, usage), usage
 
+    def store_down(self, session: Session, err: StoreUnavailable) -> Verdict:
+        """The refusal, counted, of a request whose session the store cannot answer for now (503)."""
+        return self._counted(refused(STORE_UNAVAILABLE, str(err), session))
+
     def bytes_would_cross(self, session: Session, sending: bool, reached: int) -> Verdict:
         """The refusal, counted, when an open tunnel's or WebSocket's next chunk would pass a byte budget."""
         return self._counted(bytes_would_cross(session, sending, reached))
