@@ -541,6 +541,9 @@ class FastHttp:
         # (max_incomplete_event_size), so a head that came whole in one read or two passed at up to twice
         # limits.max_header_bytes. Each head (an interim one too) is bounded as mitmproxy's path bounds it.
         unread = len(parser.trailing_data[0])
+        # The same bytes, kept while no final head has come: h11 merges "Content-Length: 5, 5" and two equal
+        # Content-Length lines into one, which mitmproxy's path refuses (502); the raw head says which it was.
+        raw = bytes(parser.trailing_data[0])
         while True:
             try:
                 event = parser.next_event()
@@ -598,6 +601,8 @@ class FastHttp:
                     raise _not_relayed(reason, target, accept)
                 parser.receive_data(chunk)
                 unread += len(chunk)
+                if relayed.status is None:
+                    raw += chunk
                 continue
             if isinstance(event, (h11.InformationalResponse, h11.Response)):
                 left = len(parser.trailing_data[0])
@@ -605,7 +610,12 @@ class FastHttp:
                     reason = (f"egresswall: the upstream response head is over {limits.max_header_bytes} bytes "
                               "(limits.max_header_bytes)")
                     raise _not_relayed(reason, target, accept)
+                head, raw = raw[:unread - left], raw[unread - left:]
                 unread = left
+                if isinstance(event, h11.Response) and _more_than_one_length(head):
+                    reason = ("egresswall: the upstream response has more than one Content-Length (or a list); "
+                              "egresswall does not relay a response it could read two ways")
+                    raise _not_relayed(reason, target, accept)
             if isinstance(event, h11.InformationalResponse):
                 continue  # a 1xx other than 101 (h11 refuses an unasked 101): not passed on, the final one follows
             if isinstance(event, h11.Response):
@@ -674,6 +684,15 @@ async def send_while_moving(sock: socket.socket, data: bytes, idle: float, stall
             raise Ended(stalled) from None
         finally:
             loop.remove_writer(sock.fileno())
+
+
+_LENGTH_LINE = re.compile(rb"\r\ncontent-length[ \t]*:([^\r\n]*)", re.IGNORECASE)
+
+
+def _more_than_one_length(head: bytes) -> bool:
+    """A response head with two Content-Length lines, or one holding a list, as sent."""
+    values = _LENGTH_LINE.findall(head)
+    return len(values) > 1 or any(b"," in value for value in values)
 
 
 def ask_of(request: PlainRequest, client: str) -> HttpAsk:

@@ -18,6 +18,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("internal_saw_not
 SCRIPTS.update({  # read by test_review_round9's module-scoped origins fixture, one origin each
     "length-leading-zero": [b"HTTP/1.1 200 OK\r\nContent-Length: 005\r\n\r\nhello"],
     "length-plus": [b"HTTP/1.1 200 OK\r\nContent-Length: +5\r\n\r\nhello"],
+    "length-list": [b"HTTP/1.1 200 OK\r\nContent-Length: 5, 5\r\n\r\nhello"],
+    "length-twice": [b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\ncontent-length: 5\r\n\r\nhello"],
+    "length-twice-after-103": [b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>\r\n\r\nHTTP/1.1 200 OK\r\n"
+                               b"Content-Length: 5\r\nContent-Length: 5\r\n\r\nhello"],
 })
 
 
@@ -73,11 +77,13 @@ def test_a_framing_mitmproxy_refuses_is_answered_with_the_records_rule_and_reaso
     assert (record["rule"], record["reason"]) == (headers["x-egresswall-rule"], headers["x-egresswall-reason"])
 
 
-@pytest.mark.parametrize("case", ["length-leading-zero", "length-plus"])
+@pytest.mark.parametrize("case", ["length-leading-zero", "length-plus", "length-list", "length-twice",
+                                  "length-twice-after-103"])
 def test_a_response_content_length_with_a_leading_zero_or_a_sign_gets_502(scripted_proxy, origins,  # noqa: F811
                                                                             case):
-    """The fast path relayed ``Content-Length: 005`` as the origin sent it; mitmproxy's path answered 502. Both
-    answer 502 now, and nothing of the origin's reaches the client."""
+    """The fast path relayed ``Content-Length: 005`` as the origin sent it, and a list or two equal lengths as one
+    (h11 merges them); mitmproxy's path answered 502. Both answer 502 now, and nothing of the origin's reaches
+    the client."""
     audit = AuditWatch(scripted_proxy.log_path).mark()
     raw = first_then_next(scripted_proxy, origins[case].port)
     assert status_lines(raw) == [b"HTTP/1.1 502 Bad Gateway"] and b"hello" not in raw, raw
