@@ -265,6 +265,7 @@ class FastHttp:
         target, verdict = outcome.target, outcome.verdict
         assert target is not None  # an allowed request has its target
         up = 0
+        charged = request.content_length or 0  # the declared body: charged to a session at admission
         relayed = Relayed()
         answered = False
         watch: ClientWatch | None = None
@@ -292,7 +293,7 @@ class FastHttp:
                     await loop.sock_sendall(conn, refusal_bytes(answer))
             if error:
                 gate.response_closed(ask.flow_id, client, request.method, target, verdict, started, sent,
-                                     relayed.down, relayed.status, error)
+                                     relayed.down, relayed.status, error, charged)
             if told and server.their_state is h11.SEND_BODY:
                 await answer_then_drain(conn, b"")
 
@@ -307,6 +308,7 @@ class FastHttp:
                 if over is not None:
                     await self._refuse_body(conn, client, request, target, accept, ask.flow_id, verdict.session,
                                             over[1], SESSION_STAGE, over[0].rule, over[0].reason, pending=False)
+                charged = up  # charged to its session just now (Gate.chunked_body_refusal)
             pinned = verdict.pinned
             if pinned is None:
                 raise Ended("no checked address to connect to")
@@ -336,7 +338,7 @@ class FastHttp:
                         await asyncio.gather(early, return_exceptions=True)  # its failure is the body's, unsent
                     up = relayed.up
                     gate.response_closed(ask.flow_id, client, request.method, target, verdict, started, up,
-                                         relayed.down, relayed.status, None)
+                                         relayed.down, relayed.status, None, charged)
                     upstream.close()  # neither connection is at a message's end: both end, the client answered
                     await answer_then_drain(conn, tail)
                     return False, b"", None
@@ -371,7 +373,7 @@ class FastHttp:
         finally:  # every way out: sent, refused, reset, timed out, cancelled
             hold.release()
         gate.response_closed(ask.flow_id, client, request.method, target, verdict, started, up, relayed.down,
-                             relayed.status, None)
+                             relayed.status, None, charged)
         assert watch is not None
         try:
             await send_while_moving(conn, tail, gate.policy.limits.idle_timeout, "")

@@ -297,8 +297,10 @@ class Gate:
         tunnel = Tunnel(flow_id, target, verdict, client, intercept=policy.intercepts(target.host),
                         http_inside=target.port in policy.http_ports,
                         cnames=resolution.cnames if resolution else (), session=session)
-        if session is not None:
-            self._watch_session(tunnel.id, tunnel)
+        if session is not None and self._watch_session(tunnel.id, tunnel, first_look=False):
+            # Read before the tunnel is answered: a first message sent with the CONNECT was taken against the
+            # whole budget while a remote store's answer was on its way (review round 16).
+            await self._look_at_session([tunnel])
         self.metrics.tunnel_opened()
         return ConnectOutcome(tunnel, None)
 
@@ -396,24 +398,30 @@ class Gate:
         charged_up, charged_down = held.charged
         self.sessions.count_bytes(session_id, max(0, up - charged_up), max(0, down - charged_down))
 
-    def _watch_session(self, key: str, held: UnderSession) -> None:
+    def _watch_session(self, key: str, held: UnderSession, first_look: bool = True) -> bool:
+        """Watch it by its session; True when it made the session's allowance in this worker, whose first look
+        at the store is then the caller's to await (``first_look`` False), or a task of its own."""
         self.under_sessions[key] = held
         loop = asyncio.get_running_loop()
         session = held.session
         assert session is not None
+        made = False
         if has_byte_budget(session):
             allowance = self.allowances.get(session.id)
             if allowance is None:
-                # The whole budget until the store is read: asked at once, not at the sweep's next beat.
+                # The whole budget (the most that can be left) until the store is read, at once.
                 allowance = self.allowances[session.id] = ByteAllowance(
                     session.budgets.request_bytes, session.budgets.response_bytes,
                     lambda way, reached: self._bytes_would_cross(session.id, way, reached))
-                self._first_looks.add(task := loop.create_task(self._look_at_session([held])))
-                task.add_done_callback(self._first_looks.discard)
+                made = True
+                if first_look:
+                    self._first_looks.add(task := loop.create_task(self._look_at_session([held])))
+                    task.add_done_callback(self._first_looks.discard)
             allowance.holders += 1
             held.allowance = allowance
         if self._session_sweep is None or self._session_sweep.done():
             self._session_sweep = loop.create_task(self._sweep_sessions())
+        return made
 
     def _unwatch_session(self, key: str, held: UnderSession) -> None:
         """It has closed: no longer looked at, and its allowance dropped with the last one under its session."""
@@ -673,7 +681,8 @@ class Gate:
                               content_length: int | None, head_size: int = 0) -> tuple[Verdict, int]:
         """After the policy allowed it: count the request against the session's budgets (atomically, in the
         store). The verdict carries the session's id from here on, into every record. ``head_size``: the head's
-        bytes, judged with the declared body and charged at once (the body is charged when the exchange ends)."""
+        bytes; with the declared body they are judged and charged at once, so requests admitted together are
+        judged on each other's bytes (``response_closed`` charges only what went beyond the declared body)."""
         if session is None:
             return verdict, 403
         if not verdict.allowed:
@@ -685,27 +694,29 @@ class Gate:
             # this worker's allowance has (a tunnel's upload and this body together passed the budget).
             return replace(self.sessions.bytes_would_cross(session, True, allowance.needed(UP, coming)),
                            addresses=verdict.addresses), 403
-        refusal, status = await self.sessions.charge(session, target, coming or content_length, verdict.role)
+        refusal, status = await self.sessions.charge(session, target, coming, verdict.role)
         if refusal is not None:
             return replace(refusal, addresses=verdict.addresses), status
-        self.sessions.count_bytes(session.id, head_size, 0)
         return replace(verdict, session=session.id), 403
 
     async def chunked_body_refusal(self, session: Session | None, size: int) -> tuple[Verdict, int] | None:
         """A chunked body read whole, before any of it goes upstream: its admission could not know its size, so
         it is judged now against the session's request_bytes (the store's count and this worker's allowance).
         (the refusal, its status), or None when it fits (or there is no such budget)."""
-        if session is None or not size or session.budgets.request_bytes is None:
+        if session is None or not size:
+            return None
+        if session.budgets.request_bytes is None:
+            self.sessions.count_bytes(session.id, size, 0)  # counted now, as a budget would charge it
             return None
         allowance = self.allowances.get(session.id)
         if allowance is not None and not allowance.reserve(UP, size):
             return self.sessions.bytes_would_cross(session, True, allowance.needed(UP, size)), 403
-        try:
-            _, usage = await self.sessions.byte_usage(session)
+        try:  # charged now, atomically, as a declared body is at admission (``response_closed`` counts the rest)
+            reached = await self.sessions.store.charge_bytes(session.id, size, session.budgets.request_bytes)
         except StoreUnavailable as err:
             return self.sessions.store_down(session, err), 503
-        if usage is not None and usage.request_bytes + size > session.budgets.request_bytes:
-            return self.sessions.bytes_would_cross(session, True, usage.request_bytes + size), 403
+        if reached is not None:
+            return self.sessions.bytes_would_cross(session, True, reached), 403
         return None
 
     def _request_target(self, ask: HttpAsk, tunnel: Tunnel | None) -> Target:
@@ -752,10 +763,13 @@ class Gate:
         self.refuse(client, None, None, status, LIMITS if rule.startswith("limits.") else "form", rule, reason)
 
     def response_closed(self, flow_id: str, client: str, method: str, target: Target | None, verdict: Verdict,
-                        started: float, up: int, down: int, status: int | None, error: str | None) -> None:
+                        started: float, up: int, down: int, status: int | None, error: str | None,
+                        charged: int = 0) -> None:
+        """The exchange's closing record; its session is charged its bytes but the ``charged`` ones (a declared or
+        chunked body, charged when it was admitted or read)."""
         record = self.recorder.record(RESPONSE, flow_id, client, method, target, verdict)
         self.recorder.ended(record, started, up, down, error, status)
-        self.sessions.count_bytes(verdict.session, up, down)
+        self.sessions.count_bytes(verdict.session, max(0, up - charged), down)
 
     # ---- the audit log failing closed ----------------------------------------------------------------
 

@@ -153,3 +153,28 @@ def test_a_session_without_byte_budgets_has_no_allowance(tmp_path):
 
     asyncio.run(run())
     gate.audit.close()
+
+
+def test_a_tunnel_is_answered_only_once_its_allowance_was_read_from_the_store(tmp_path):
+    """A new allowance started at the whole budget and read the store in a task of its own: with a remote store,
+    a first message sent with the CONNECT was taken against the whole budget before the answer came (review
+    round 16). decide_connect reads it before it answers. (An IP literal: nothing is looked up or connected.)"""
+    from policy.credentials import basic_value
+
+    (tmp_path / "policy.yaml").write_text("version: 1\ndefault: allow\n")
+    gate = Gate(PolicyHolder(str(tmp_path / "policy.yaml")), AuditLog(str(tmp_path / "audit.jsonl")), Metrics(),
+                sessions=SessionService(MemoryStore(), configured=True))
+    spec = parse_session_spec({"grants": {"hosts": ["93.184.216.34"]}, "budgets": {"request_bytes": 1000}})
+    session, secret = gate.sessions.new_session(spec)
+
+    async def run() -> None:
+        await gate.sessions.store.put(session)
+        await gate.sessions.store.add_bytes(session.id, 900, 0)  # another worker's, say
+        outcome = await gate.decide_connect("127.0.0.1", "93.184.216.34:443",
+                                            credentials=[basic_value(session.id, secret)])
+        assert outcome.tunnel is not None, outcome.refusal
+        assert outcome.tunnel.allowance is not None and outcome.tunnel.allowance.up == 100
+        gate.tunnel_closed(outcome.tunnel, 0, 0, None)
+
+    asyncio.run(run())
+    gate.audit.close()

@@ -19,6 +19,7 @@ import ssl
 import time
 
 import pytest
+from hostile import _Server
 from proxyproc import both_transports
 from session_client import api, connect, create, get, token_file
 from test_session_end_cuts_tunnels import _closed_within, _get, _tunnel_line
@@ -234,12 +235,12 @@ def test_a_plain_upload_and_an_open_tunnel_together_stay_within_the_budget(lab, 
     assert status == 403 and headers["x-egresswall-rule"] == "session:budget-request-bytes", headers
 
 
-def _post(proxy, lab, session, size: int):
+def _post(proxy, lab, session, size: int, path: str = "/plain-upload", port: int | None = None):
     from proxyproc import parse_response, read_response
 
-    authority = f"public.lab.example:{lab.public.port}"
+    authority = f"public.lab.example:{port or lab.public.port}"
     with socket.create_connection((proxy.host, proxy.port), timeout=10) as sock:
-        sock.sendall(f"POST http://{authority}/plain-upload HTTP/1.1\r\nHost: {authority}\r\n"
+        sock.sendall(f"POST http://{authority}{path} HTTP/1.1\r\nHost: {authority}\r\n"
                      f"Proxy-Authorization: {session['proxy_authorization']}\r\nContent-Length: {size}\r\n"
                      "Connection: close\r\n\r\n".encode() + b"p" * size)
         return parse_response(read_response(sock))
@@ -278,3 +279,56 @@ def test_a_chunked_upload_past_request_bytes_is_refused_before_the_origin_sees_i
     assert status == 403 and headers["x-egresswall-rule"] == "session:budget-request-bytes", headers
     assert "/chunked-big" not in [path for _, path, _ in lab.public.requests]
     assert chunked("/chunked-small", 100)[0] == 200
+
+
+@both_transports
+@pytest.mark.parametrize("store", ["memory", "redis"])
+def test_uploads_admitted_at_once_are_judged_on_each_other_s_bytes(lab, start_proxy, tmp_path, store, request):
+    """Each request was judged against what the store had counted, and a body was counted only when its exchange
+    ended: 20 POSTs of 5,000 bytes sent together under request_bytes 10,000 all went, 101,570 bytes to the origin
+    (review round 16). A request's head and declared body are charged with it at admission now, atomically."""
+    import threading
+
+    more = ("--session-store", request.getfixturevalue("redis_server").url) if store == "redis" else ()
+    proxy = start_proxy(lab.policy_text("session: required\n"), "--admin-token-file", str(token_file(tmp_path)),
+                        *more)
+    session = create(proxy.admin_port, {"hosts": ["public.lab.example"]}, budgets={"request_bytes": 10_000})
+    tag = f"together-{store}-{proxy.port}"
+    start, answers = threading.Barrier(20), []
+
+    def upload(n: int) -> None:
+        start.wait(10)
+        answers.append(_post(proxy, lab, session, 5_000, f"/{tag}/{n}")[0])
+
+    threads = [threading.Thread(target=upload, args=(n,)) for n in range(20)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    reached = [path for method, path, _ in lab.public.requests if path.startswith(f"/{tag}/")]
+    assert sorted(answers) == [200] + [403] * 19 and len(reached) == 1, (answers, reached)
+    assert _usage(proxy, session, 5_000)["request_bytes"] <= 10_000
+
+
+class _Answers101(_Server):
+    """Answers every request 101 (an upgrade nobody asked for), and closes."""
+
+    def handle(self, conn: socket.socket, head: bytes) -> None:
+        conn.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n")
+
+
+@both_transports
+def test_a_body_answered_101_is_charged_all_the_same(lab, start_proxy, tmp_path):
+    """An origin that read a POST's body and answered 101 got its client a 502 and its session no charge: ten
+    8,000-byte bodies went under request_bytes 10,000 (review round 16). The declared body is charged at
+    admission, whatever the answer."""
+    origin = _Answers101()
+    try:
+        text = lab.policy_text("session: required\n").replace("  http: [", f"  http: [{origin.port}, ")
+        proxy = start_proxy(text, "--admin-token-file", str(token_file(tmp_path)))
+        session = create(proxy.admin_port, {"hosts": ["public.lab.example"]}, budgets={"request_bytes": 10_000})
+        answers = [_post(proxy, lab, session, 8_000, f"/up-{n}", port=origin.port)[0] for n in range(4)]
+        assert answers[0] in (0, 502) and answers[1:] == [403, 403, 403], answers  # 0: closed (the 101 refused)
+        assert 8_000 <= _usage(proxy, session, 8_000)["request_bytes"] <= 10_000
+    finally:
+        origin.close()

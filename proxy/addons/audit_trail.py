@@ -16,7 +16,7 @@ from ..mitm_patches import ANSWERED, state
 from ..peers import peer_of
 from ..refusals import OWN_HEADER_PREFIX
 from .byte_count import DOWN, UP, counting_stream
-from .decision import FLOW_ID, STARTED, TARGET, VERDICT, accept_of, to_response
+from .decision import CHARGED, FLOW_ID, STARTED, TARGET, VERDICT, accept_of, to_response
 
 REFUSED = "egresswall_refused_response"  # a refusal that replaced an upstream's response (sent as it is)
 
@@ -78,7 +78,7 @@ class AuditTrail:
             status = flow.metadata.get(ANSWERED)
         self.gate.response_closed(flow.metadata[FLOW_ID], peer_of(flow.client_conn.peername), flow.request.method,
                                   flow.metadata.get(TARGET), verdict, flow.metadata.get(STARTED, time.monotonic()),
-                                  up, down, status, error)
+                                  up, down, status, error, flow.metadata.get(CHARGED, 0))
 
 
 def _allowed_websocket(flow: http.HTTPFlow) -> bool:

@@ -24,7 +24,7 @@ from ..mitm_patches import BODY_LIMIT
 from ..peers import peer_of
 from ..refusals import Refusal
 from .byte_count import UP, counting_stream
-from .decision import FLOW_ID, SESSION, TARGET, VERDICT, accept_of, to_response
+from .decision import CHARGED, FLOW_ID, SESSION, TARGET, VERDICT, accept_of, to_response
 
 BODY_HOLD = "egresswall_body_hold"  # flow.metadata: what the flow's buffered body holds of the budget
 
@@ -91,10 +91,13 @@ class BodyLimit:
         (its admission could not know its size), as the fast path does (``Gate.chunked_body_refusal``)."""
         if flow.response is not None or BODY_HOLD not in flow.metadata:
             return
-        over = await self.gate.chunked_body_refusal(flow.metadata.get(SESSION), len(flow.request.raw_content or b""))
+        size = len(flow.request.raw_content or b"")
+        over = await self.gate.chunked_body_refusal(flow.metadata.get(SESSION), size)
         if over is not None:
             verdict, status = over
             _refuse_body(self.gate, flow, status, verdict.rule, verdict.reason, stage=SESSION_STAGE)
+            return
+        flow.metadata[CHARGED] = size  # charged to its session just now: not again when the exchange ends
 
     def response(self, flow: http.HTTPFlow) -> None:
         self._release(flow)

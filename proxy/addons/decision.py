@@ -19,6 +19,9 @@ from .connections import ConnectionTable
 from .tunnel_watch import close_client
 
 VERDICT, TARGET, STARTED, FLOW_ID = "egresswall_verdict", "egresswall_target", "egresswall_started", "egresswall_id"
+# The request body's bytes charged to its session before the exchange ended (declared at admission, or a chunked
+# body once read): the closing record charges only what went beyond them (Gate.response_closed).
+CHARGED = "egresswall_charged"
 SESSION = "egresswall_session"  # the Session an allowed request was admitted under (a WebSocket is watched by it)
 CONNECT_ANSWER = "egresswall_connect_answer"  # an allowed CONNECT's (target, role, Accept), should its connect fail
 # Bytes a header value may not carry (RFC 9110, 5.5): mitmproxy keeps an obs-fold as "\r\n " inside the
@@ -139,6 +142,7 @@ class DecisionAddon:
         flow.metadata[TARGET] = target
         if outcome.session is not None:
             flow.metadata[SESSION] = outcome.session
+            flow.metadata[CHARGED] = ask.content_length or 0  # with the head, at admission (Gate._session_charge)
         # Should mitmproxy answer it itself (a failed connect: proxy/mitm_patches.py ``_server_send``), the
         # answer names the target and takes the client's Accept, as every other refusal does.
         request.egresswall_answer_context = (target, outcome.verdict.role, accept_of(flow))

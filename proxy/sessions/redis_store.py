@@ -105,39 +105,67 @@ class RedisStore:
             (requests, up, down), hosts = await self._call(pipe.execute())
         return Usage(int(requests or 0), int(hosts or 0), int(up or 0), int(down or 0))
 
-    async def charge(self, session: Session, host: str, content_length: int | None,
+    async def charge(self, session: Session, host: str, sent: int | None,
                      role: str | None = None) -> Verdict | None:
         usage_key, hosts_key, record_key = (self._key(session.id, "usage"), self._key(session.id, "hosts"),
                                             self._key(session.id))
+
+        async def attempt(pipe) -> tuple[bool, Verdict | None]:
+            # The record's own expiry, not the one ``session`` was read with: an extension since (PATCH) moved
+            # it, and counters expiring at the old one would let the budgets start again from nothing while the
+            # session lives on.
+            remaining = await self._call(pipe.pttl(record_key))
+            if remaining == -2:  # no such key
+                return False, refused(ENDED, f"session {session.id} has ended", session, role)
+            at = max(_expire_at(session.expires), math.ceil(time.time() * 1000) + max(remaining, 0))
+            requests, up, down = await self._call(pipe.hmget(usage_key, "requests", "request_bytes",
+                                                             "response_bytes"))
+            seen = await self._call(pipe.sismember(hosts_key, host))
+            hosts = await self._call(pipe.scard(hosts_key))
+            usage = Usage(int(requests or 0), int(hosts or 0), int(up or 0), int(down or 0))
+            refusal = judge_budgets(session, usage, bool(seen), sent, role)
+            if refusal is not None:
+                return False, refusal
+            pipe.multi()
+            pipe.hincrby(usage_key, "requests", 1)
+            if sent:
+                pipe.hincrby(usage_key, "request_bytes", sent)
+            pipe.sadd(hosts_key, host)
+            pipe.pexpireat(usage_key, at)
+            pipe.pexpireat(hosts_key, at)
+            return True, None
+
+        return await self._watched((usage_key, hosts_key, record_key), attempt)
+
+    async def charge_bytes(self, session_id: str, up: int, budget: int) -> int | None:
+        key = self._key(session_id, "usage")
+
+        async def attempt(pipe) -> tuple[bool, int | None]:
+            total = int(await self._call(pipe.hget(key, "request_bytes")) or 0) + up
+            if total > budget:
+                return False, total
+            pipe.multi()
+            pipe.hincrby(key, "request_bytes", up)
+            pipe.pexpire(key, int(RETAIN * 1000), nx=True)
+            return True, None
+
+        return await self._watched((key,), attempt)
+
+    async def _watched(self, keys: tuple[str, ...], attempt):
+        """An optimistic transaction: ``attempt`` reads the watched ``keys`` and either queues its writes
+        ((True, result): they are executed) or decides without writing ((False, result)). Another process's
+        write to the keys in between runs it again on the new values (WATCH), up to MAX_RETRIES times."""
         for _ in range(MAX_RETRIES):
             async with self.client.pipeline(transaction=True) as pipe:
                 try:
-                    await self._call(pipe.watch(usage_key, hosts_key, record_key))
-                    # The record's own expiry, not the one ``session`` was read with: an extension since
-                    # (PATCH) moved it, and counters expiring at the old one would let the budgets start
-                    # again from nothing while the session lives on.
-                    remaining = await self._call(pipe.pttl(record_key))
-                    if remaining == -2:  # no such key
+                    await self._call(pipe.watch(*keys))
+                    write, result = await attempt(pipe)
+                    if not write:
                         await pipe.reset()
-                        return refused(ENDED, f"session {session.id} has ended", session, role)
-                    at = max(_expire_at(session.expires), math.ceil(time.time() * 1000) + max(remaining, 0))
-                    requests, up, down = await self._call(pipe.hmget(usage_key, "requests", "request_bytes",
-                                                                     "response_bytes"))
-                    seen = await self._call(pipe.sismember(hosts_key, host))
-                    hosts = await self._call(pipe.scard(hosts_key))
-                    usage = Usage(int(requests or 0), int(hosts or 0), int(up or 0), int(down or 0))
-                    refusal = judge_budgets(session, usage, bool(seen), content_length, role)
-                    if refusal is not None:
-                        await pipe.reset()
-                        return refusal
-                    pipe.multi()
-                    pipe.hincrby(usage_key, "requests", 1)
-                    pipe.sadd(hosts_key, host)
-                    pipe.pexpireat(usage_key, at)
-                    pipe.pexpireat(hosts_key, at)
+                        return result
                     await pipe.execute()
                     self._healthy = True
-                    return None
+                    return result
                 except WatchError:
                     continue  # another process counted first: judge again on the new counts
                 except (TimeoutError, RedisError, OSError) as err:

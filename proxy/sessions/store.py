@@ -37,8 +37,13 @@ class SessionStore(Protocol):
     async def delete(self, session_id: str) -> bool: ...
     async def set_expiry(self, session_id: str, expires: float) -> Session | None: ...
     async def usage(self, session_id: str) -> Usage: ...
-    async def charge(self, session: Session, host: str, content_length: int | None,
+    # ``sent``: the request's bytes known at admission (its head and declared body), judged and charged with it,
+    # so requests admitted at the same moment are judged on each other's bytes.
+    async def charge(self, session: Session, host: str, sent: int | None,
                      role: str | None = None) -> Verdict | None: ...
+    # ``up`` more bytes sent, charged only if the total stays within ``budget`` (atomically): None when charged,
+    # else the total they would have made.
+    async def charge_bytes(self, session_id: str, up: int, budget: int) -> int | None: ...
     async def add_bytes(self, session_id: str, up: int, down: int) -> None: ...
     async def ids(self, now: float) -> list[str]: ...
     async def ping(self) -> bool: ...
@@ -111,17 +116,25 @@ class MemoryStore:
         entry = self._live(session_id)
         return entry.usage if entry else Usage()
 
-    async def charge(self, session: Session, host: str, content_length: int | None,
+    async def charge(self, session: Session, host: str, sent: int | None,
                      role: str | None = None) -> Verdict | None:
         entry = self._live(session.id)
         if entry is None:  # ended (DELETE) between its lookup and now
             return refused(ENDED, f"session {session.id} has ended", session, role)
-        refusal = judge_budgets(session, entry.usage, host in entry.hosts, content_length, role)
+        refusal = judge_budgets(session, entry.usage, host in entry.hosts, sent, role)
         if refusal is None:
             entry.hosts.add(host)
             u = entry.usage
-            entry.usage = Usage(u.requests + 1, len(entry.hosts), u.request_bytes, u.response_bytes)
+            entry.usage = Usage(u.requests + 1, len(entry.hosts), u.request_bytes + (sent or 0), u.response_bytes)
         return refusal
+
+    async def charge_bytes(self, session_id: str, up: int, budget: int) -> int | None:
+        entry = self._live(session_id)
+        u = entry.usage if entry is not None else Usage()
+        if entry is None or u.request_bytes + up > budget:
+            return u.request_bytes + up
+        entry.usage = Usage(u.requests, u.hosts, u.request_bytes + up, u.response_bytes)
+        return None
 
     async def add_bytes(self, session_id: str, up: int, down: int) -> None:
         entry = self._live(session_id)
