@@ -9,7 +9,8 @@
 # --browser: Debian's chromium (Playwright drives it; nothing downloads a browser build).
 # --squid:   Debian's squid (benchmarks and the differential test compare against it).
 # --redis:   Debian's redis-server (the shared session store's tests start their own on loopback).
-# --lab:     iproute2, nftables and tcpdump for the network-namespace containment lab.
+# --lab:     iproute2, nftables and tcpdump for the network-namespace containment lab, and Debian's python3
+#            (the lab's probes run as other users, who cannot execute a Python under root's home).
 # --images:  mmdebstrap and buildah, which build the images from compose/Dockerfile.* (ci/images.sh).
 # --bench:   squid, nginx-light, wrk and curl for the side-by-side benchmarks (make bench, make bench-pageload).
 # --python:  with --no-venv: still find (or install) the Python, so a Dockerfile can take that step apart.
@@ -26,10 +27,10 @@ for arg in "$@"; do
     --browser) apt_packages+=(chromium fonts-liberation) ;;
     --squid) apt_packages+=(squid) ;;
     --redis) apt_packages+=(redis-server) ;;
-    --lab) apt_packages+=(iproute2 nftables tcpdump) ;;
+    --lab) apt_packages+=(iproute2 nftables tcpdump python3) ;;
     --images) apt_packages+=(mmdebstrap buildah) ;;
     --bench) apt_packages+=(squid nginx-light wrk curl) ;;
-    --all) apt_packages+=(chromium fonts-liberation squid nginx-light iproute2 nftables tcpdump redis-server) ;;
+    --all) apt_packages+=(chromium fonts-liberation squid nginx-light iproute2 nftables tcpdump python3 redis-server) ;;
     --no-venv) want_venv=0 ;;
     --python) want_python=1 ;;
     --venv=*) venv="${arg#--venv=}" ;;

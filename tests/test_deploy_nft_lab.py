@@ -201,7 +201,7 @@ def lab(tmp_path_factory):
     if reason:
         pytest.skip(reason)
     python = _interpreter_for([OTHER_UID, PROXY_UID, BROWSER_UID])
-    if python is None:
+    if python is None:  # ci/install.sh --lab installs Debian's python3, which any uid may execute
         pytest.skip(f"no Python interpreter that uids {OTHER_UID}, {PROXY_UID} and {BROWSER_UID} may execute")
     logs = tmp_path_factory.mktemp("nft-lab")
     os.chmod(logs, 0o755)
