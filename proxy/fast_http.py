@@ -614,10 +614,9 @@ class FastHttp:
                     raise _not_relayed(reason, target, accept)
                 head, raw = raw[:unread - left], raw[unread - left:]
                 unread = left
-                if isinstance(event, h11.Response) and _more_than_one_length(head):
-                    reason = ("egresswall: the upstream response has more than one Content-Length (or a list); "
-                              "egresswall does not relay a response it could read two ways")
-                    raise _not_relayed(reason, target, accept)
+                problem = _length_problem(head) if isinstance(event, h11.Response) else None
+                if problem is not None:
+                    raise _not_relayed(f"egresswall: the upstream response's {problem}", target, accept)
             if isinstance(event, h11.InformationalResponse):
                 continue  # a 1xx other than 101 (h11 refuses an unasked 101): not passed on, the final one follows
             if isinstance(event, h11.Response):
@@ -634,11 +633,6 @@ class FastHttp:
                     # smuggler, so neither is relayed (mitmproxy's path refuses it the same way).
                     reason = ("egresswall: the upstream response has both Transfer-Encoding and Content-Length; "
                               "egresswall does not relay a response it could read two ways")
-                    raise _not_relayed(reason, target, accept)
-                raw = event.headers.raw_items()
-                if any(_LENGTH.fullmatch(v) is None for k, v in raw if k.lower() == b"content-length"):
-                    # h11 reads "005" as 5 and relays it as sent; mitmproxy's path refuses it (502): one answer.
-                    reason = "egresswall: the upstream response's Content-Length is not digits without a leading zero"
                     raise _not_relayed(reason, target, accept)
                 status = relayed.status = event.status_code
                 out += server.send(h11.Response(status_code=status, reason=event.reason,
@@ -688,13 +682,19 @@ async def send_while_moving(sock: socket.socket, data: bytes, idle: float, stall
             loop.remove_writer(sock.fileno())
 
 
-_LENGTH_LINE = re.compile(rb"\r\ncontent-length[ \t]*:([^\r\n]*)", re.IGNORECASE)
+_LENGTH_LINE = re.compile(rb"\ncontent-length[ \t]*:([^\r\n]*)", re.IGNORECASE)  # after CRLF or a bare LF
 
 
-def _more_than_one_length(head: bytes) -> bool:
-    """A response head with two Content-Length lines, or one holding a list, as sent."""
-    values = _LENGTH_LINE.findall(head)
-    return len(values) > 1 or any(b"," in value for value in values)
+def _length_problem(head: bytes) -> str | None:
+    """What mitmproxy's path refuses (502) in a response head's Content-Length as sent, which h11 reads leniently:
+    two lines or a list ("5, 5": h11 merges them), a leading zero or a sign ("005" is 5 to h11, relayed as sent)."""
+    values = [value.strip(b" \t") for value in _LENGTH_LINE.findall(head)]
+    if len(values) > 1 or any(b"," in value for value in values):
+        return ("Content-Length is given more than once (or as a list); egresswall does not relay a response it "
+                "could read two ways")
+    if any(_LENGTH.fullmatch(value) is None for value in values):
+        return "Content-Length is not digits without a leading zero"
+    return None
 
 
 def ask_of(request: PlainRequest, client: str) -> HttpAsk:

@@ -688,12 +688,9 @@ class Gate:
         if not verdict.allowed:
             return replace(verdict, session=session.id), 403
         coming = (content_length or 0) + head_size
-        allowance = self.allowances.get(session.id)
-        if allowance is not None and coming and not allowance.reserve(UP, coming):
-            # The store has not yet been charged what this session's open tunnels moved since the last look;
-            # this worker's allowance has (a tunnel's upload and this body together passed the budget).
-            return replace(self.sessions.bytes_would_cross(session, True, allowance.needed(UP, coming)),
-                           addresses=verdict.addresses), 403
+        over = self._over_allowance(session, coming)
+        if over is not None:
+            return replace(over, addresses=verdict.addresses), 403
         refusal, status = await self.sessions.charge(session, target, coming, verdict.role)
         if refusal is not None:
             return replace(refusal, addresses=verdict.addresses), status
@@ -708,9 +705,9 @@ class Gate:
         if session.budgets.request_bytes is None:
             self.sessions.count_bytes(session.id, size, 0)  # counted now, as a budget would charge it
             return None
-        allowance = self.allowances.get(session.id)
-        if allowance is not None and not allowance.reserve(UP, size):
-            return self.sessions.bytes_would_cross(session, True, allowance.needed(UP, size)), 403
+        over = self._over_allowance(session, size)
+        if over is not None:
+            return over, 403
         try:  # charged now, atomically, as a declared body is at admission (``response_closed`` counts the rest)
             reached = await self.sessions.store.charge_bytes(session.id, size, session.budgets.request_bytes)
         except StoreUnavailable as err:
@@ -718,6 +715,15 @@ class Gate:
         if reached is not None:
             return self.sessions.bytes_would_cross(session, True, reached), 403
         return None
+
+    def _over_allowance(self, session: Session, size: int) -> Verdict | None:
+        """Reserve ``size`` bytes sent from the session's allowance in this worker, if it has one (a tunnel or
+        WebSocket of it is open): the store has not yet been charged what those moved since the last look, the
+        allowance has. The refusal when they do not fit (nothing else ends), else None."""
+        allowance = self.allowances.get(session.id)
+        if allowance is None or not size or allowance.reserve(UP, size):
+            return None
+        return self.sessions.bytes_would_cross(session, True, allowance.needed(UP, size))
 
     def _request_target(self, ask: HttpAsk, tunnel: Tunnel | None) -> Target:
         if tunnel is not None:

@@ -129,7 +129,7 @@ class SessionService:
         try:
             now = await self.store.get(session.id)
         except StoreUnavailable as err:
-            return None, self._counted(refused(STORE_UNAVAILABLE, str(err), session, role)), 503
+            return None, self.store_down(session, err, role), 503
         if now is None or not hmac.compare_digest(now.secret_digest, session.secret_digest):
             return None, self._counted(refused(ENDED, f"session {session.id} has ended", session, role)), 403
         return now, None, 0
@@ -182,9 +182,7 @@ class SessionService:
         try:
             refusal = await self.store.charge(session, target.host, content_length, role)
         except StoreUnavailable as err:
-            refusal = refused(STORE_UNAVAILABLE, str(err), session, role)
-            self.metrics.session_refusal(refusal.rule)
-            return refusal, 503
+            return self.store_down(session, err, role), 503
         if refusal is not None:
             self.metrics.session_refusal(refusal.rule)
             return refusal, 403
@@ -224,9 +222,9 @@ class SessionService:
         usage = await self.store.usage(session.id)
         return bytes_over_budget(session, usage), usage
 
-    def store_down(self, session: Session, err: StoreUnavailable) -> Verdict:
+    def store_down(self, session: Session, err: StoreUnavailable, role: str | None = None) -> Verdict:
         """The refusal, counted, of a request whose session the store cannot answer for now (503)."""
-        return self._counted(refused(STORE_UNAVAILABLE, str(err), session))
+        return self._counted(refused(STORE_UNAVAILABLE, str(err), session, role))
 
     def bytes_would_cross(self, session: Session, sending: bool, reached: int) -> Verdict:
         """The refusal, counted, when an open tunnel's or WebSocket's next chunk would pass a byte budget."""
