@@ -11,6 +11,9 @@
   stands for) but loses a ``Transfer-Encoding: chunked``: mitmproxy reads no body for it, but seeing
   ``chunked`` in the head it sends, it ended the body it never read with a last chunk, ``0`` CRLF CRLF,
   bytes a kept-alive client read as the start of the next response.
+- The status line carries egresswall's own HTTP version, HTTP/1.1 (RFC 9110 6.2: an intermediary sends its own
+  version in what it forwards), as the fast path's re-framing does: mitmproxy relayed ``HTTP/1.2`` or
+  ``HTTP/0.9`` as the origin wrote it. Whether the origin's connection closes is read before.
 
 A ``101 Switching Protocols`` is left alone: ``AuditTrail`` refuses one the decision did not allow, and
 an allowed WebSocket upgrade needs its ``Connection`` and ``Upgrade``.
@@ -36,6 +39,8 @@ class ResponseHygiene:
             return  # our own refusal, or an upgrade AuditTrail has judged
         headers = response.headers
         closing = connection_close(response.http_version, headers)
+        if response.http_version.startswith(("HTTP/0.", "HTTP/1.")):  # not an HTTP/2 or /3 upstream's
+            response.http_version = "HTTP/1.1"
         for name in hop_by_hop_names(headers.get_all("connection")):
             headers.pop(name, None)
         if closing:
