@@ -20,49 +20,26 @@ import threading
 import time
 
 from labnet import PUBLIC_IP
-from listening import stop_serving
+from listening import ConnectionServer
 
 
-class _Server:
-    """Accepts connections on a thread and hands each to ``handle`` on its own thread."""
+class _Server(ConnectionServer):
+    """Reads each connection's request head and hands both to ``handle`` (on the connection's own thread)."""
 
     def __init__(self, host: str = PUBLIC_IP, port: int = 0) -> None:
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
-        self.sock.listen(64)
-        self.host, self.port = host, self.sock.getsockname()[1]
-        self.connections = 0
-        self.closed = threading.Event()
-        self._conns: list[socket.socket] = []
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-        self._thread.start()
+        super().__init__(host, port)
 
-    def _accept(self) -> None:
-        while not self.closed.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.connections += 1
-            self._conns.append(conn)
-            threading.Thread(target=self._run, args=(conn,), daemon=True).start()
+    @property
+    def connections(self) -> int:
+        return len(self.accepted)
 
-    def _run(self, conn: socket.socket) -> None:
+    def serve(self, conn: socket.socket) -> None:
         with contextlib.suppress(OSError), conn:
             conn.settimeout(30)
             self.handle(conn, read_head(conn))
 
     def handle(self, conn: socket.socket, head: bytes) -> None:
         raise NotImplementedError
-
-    def close(self) -> None:
-        self.closed.set()
-        stop_serving(self.sock, self._thread)
-        for conn in self._conns:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-            conn.close()
 
 
 class SwitchesProtocols(_Server):

@@ -24,3 +24,41 @@ def stop_serving(sock: socket.socket, *threads: threading.Thread, timeout: float
         if thread.is_alive():  # a server that was never entered has threads never started
             thread.join(timeout)
     sock.close()
+
+
+class ConnectionServer:
+    """A TCP listener on ``host`` that hands each connection it accepts to ``serve`` on a thread of its own, with
+    what ``accepted_one`` made of it on the accepting thread (so per-connection records keep the order of
+    accepts). ``close`` stops accepting as above, then ends every connection it accepted."""
+
+    def __init__(self, host: str, port: int = 0) -> None:
+        self.sock = socket.create_server((host, port), backlog=64)
+        self.host, self.port = host, self.sock.getsockname()[1]
+        self.accepted: list[socket.socket] = []
+        self.closed = threading.Event()
+        self._acceptor = threading.Thread(target=self._accept, daemon=True)
+        self._acceptor.start()
+
+    def _accept(self) -> None:
+        while not self.closed.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted.append(conn)
+            threading.Thread(target=self.serve, args=(conn, *self.accepted_one(conn)), daemon=True).start()
+
+    def accepted_one(self, conn: socket.socket) -> tuple:
+        """Extra arguments for ``serve``, made before its thread starts."""
+        return ()
+
+    def serve(self, conn: socket.socket, *extra) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.closed.set()
+        stop_serving(self.sock, self._acceptor)
+        for conn in self.accepted:
+            with contextlib.suppress(OSError):  # wakes a serving thread blocked in recv on it
+                conn.shutdown(socket.SHUT_RDWR)
+            conn.close()

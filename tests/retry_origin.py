@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from labnet import PUBLIC_IP
-from listening import stop_serving
+from listening import ConnectionServer
 from tls_flights import is_hello_retry, retrying_server_context
 
 
@@ -33,33 +33,25 @@ class OriginConnection:
         return is_hello_retry(bytes(self.sent))
 
 
-class RetryOrigin:
+class RetryOrigin(ConnectionServer):
     def __init__(self, directory: str | Path | None = None) -> None:
         self.context, self.cert_file = retrying_server_context(directory)
         self.context.sni_callback = self._named
         self._by_object: dict[int, OriginConnection] = {}
         self.connections: list[OriginConnection] = []
-        self.sock = socket.create_server((PUBLIC_IP, 0))
-        self.port = self.sock.getsockname()[1]
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-        self._thread.start()
+        super().__init__(PUBLIC_IP)
 
     def _named(self, tls: ssl.SSLObject, name: str | None, _context: ssl.SSLContext) -> None:
         connection = self._by_object.get(id(tls))
         if connection is not None:
             connection.names.append(name)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            connection = OriginConnection()
-            self.connections.append(connection)
-            threading.Thread(target=self._serve, args=(conn, connection), daemon=True).start()
+    def accepted_one(self, conn: socket.socket) -> tuple[OriginConnection]:
+        connection = OriginConnection()
+        self.connections.append(connection)
+        return (connection,)
 
-    def _serve(self, conn: socket.socket, connection: OriginConnection) -> None:
+    def serve(self, conn: socket.socket, connection: OriginConnection) -> None:
         incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
         tls = self.context.wrap_bio(incoming, outgoing, server_side=True)
         self._by_object[id(tls)] = connection
@@ -100,6 +92,3 @@ class RetryOrigin:
         finally:
             self._by_object.pop(id(tls), None)
             connection.ended.set()
-
-    def close(self) -> None:
-        stop_serving(self.sock, self._thread)

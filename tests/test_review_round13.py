@@ -14,13 +14,13 @@ import selectors
 import socket
 import ssl
 import struct
-import threading
 import time
 import zlib
 
 import pytest
 from audit_watch import tree_kib
 from labnet import PUBLIC_IP
+from listening import ConnectionServer
 from proxyproc import both_transports
 from ws_echo import WsEcho
 
@@ -265,35 +265,16 @@ def test_a_passed_through_tunnel_whose_client_never_reads_is_bounded(lab, start_
     assert grown < GROWTH_MIB, f"the proxy grew by {grown:.0f} MiB ({sent >> 20} MiB sent, nothing read)"
 
 
-class _Mute:
+class _Mute(ConnectionServer):
     """An origin on the lab's public address that accepts, reads whatever comes, and never answers."""
 
     def __init__(self) -> None:
-        self.sock = socket.create_server((PUBLIC_IP, 0))
-        self.port = self.sock.getsockname()[1]
-        self.connections: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(PUBLIC_IP)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.connections.append(conn)
-            threading.Thread(target=self._drain, args=(conn,), daemon=True).start()
-
-    @staticmethod
-    def _drain(conn: socket.socket) -> None:
+    def serve(self, conn: socket.socket) -> None:
         with contextlib.suppress(OSError):
             while conn.recv(65536):
                 pass
-
-    def close(self) -> None:
-        self.sock.close()
-        for conn in self.connections:
-            with contextlib.suppress(OSError):
-                conn.close()
 
 
 @pytest.fixture
@@ -459,27 +440,15 @@ def test_a_compressed_fragmented_message_trickled_comes_back_exactly(lab, start_
     assert messages == expected
 
 
-class _ScriptedOrigin:
+class _ScriptedOrigin(ConnectionServer):
     """A WebSocket origin on the lab's public address that answers the upgrade (with permessage-deflate, if
     asked) and then sends ``wire`` (unmasked frames) trickled, and reads what comes until the end."""
 
     def __init__(self, wire: bytes, deflate: bool = False) -> None:
         self.wire, self.deflate = wire, deflate
-        self.sock = socket.create_server((PUBLIC_IP, 0))
-        self.port = self.sock.getsockname()[1]
-        self.connections: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(PUBLIC_IP)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.connections.append(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
+    def serve(self, conn: socket.socket) -> None:
         import base64
         import hashlib
 
@@ -500,12 +469,6 @@ class _ScriptedOrigin:
             _trickle(conn, self.wire)
             while conn.recv(65536):
                 pass
-
-    def close(self) -> None:
-        self.sock.close()
-        for conn in self.connections:
-            with contextlib.suppress(OSError):
-                conn.close()
 
 
 def _origin_wire(deflate: bool) -> tuple[bytes, list]:

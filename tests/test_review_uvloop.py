@@ -20,7 +20,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from labnet import PUBLIC_IP
-from listening import stop_serving
+from listening import ConnectionServer
 from proxyproc import GUARD_PRELUDE, ROOT
 from socketpairs import loopback_pair
 from tls_build import client_hello
@@ -384,32 +384,24 @@ def test_the_guard_sees_and_refuses_udp_connects_on_either_loop(tmp_path, name):
 # ---- through the real proxy -------------------------------------------------------------------------------
 
 
-class SpeakFirstUpstream:
+class SpeakFirstUpstream(ConnectionServer):
     """A loopback upstream on the lab's public address that sends a banner the moment it accepts, then
     echoes and records everything it receives, per connection."""
 
     BANNER = b"UPSTREAM-SPOKE-FIRST"
 
     def __init__(self) -> None:
-        self.sock = socket.create_server((PUBLIC_IP, 0))
-        self.port = self.sock.getsockname()[1]
         self.received: list[bytearray] = []
         self.ended: list[threading.Event] = []
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-        self._thread.start()
+        super().__init__(PUBLIC_IP)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            got, ended = bytearray(), threading.Event()
-            self.received.append(got)
-            self.ended.append(ended)
-            threading.Thread(target=self._serve, args=(conn, got, ended), daemon=True).start()
+    def accepted_one(self, conn: socket.socket) -> tuple[bytearray, threading.Event]:
+        got, ended = bytearray(), threading.Event()
+        self.received.append(got)
+        self.ended.append(ended)
+        return got, ended
 
-    def _serve(self, conn: socket.socket, got: bytearray, ended: threading.Event) -> None:
+    def serve(self, conn: socket.socket, got: bytearray, ended: threading.Event) -> None:
         with conn, contextlib.suppress(OSError):
             conn.sendall(self.BANNER)
             while chunk := conn.recv(65536):
@@ -426,9 +418,6 @@ class SpeakFirstUpstream:
                 return False
             time.sleep(0.02)
         return len(self.ended) == count
-
-    def close(self) -> None:
-        stop_serving(self.sock, self._thread)
 
 
 @pytest.fixture

@@ -14,11 +14,11 @@ import contextlib
 import selectors
 import socket
 import ssl
-import threading
 import time
 
 import pytest
 from labnet import PUBLIC_IP, self_signed
+from listening import ConnectionServer
 from proxyproc import both_transports
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("internal_saw_nothing")]
@@ -26,35 +26,17 @@ pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("internal_saw_not
 SIZE = 32 << 20
 
 
-class TlsEcho:
+class TlsEcho(ConnectionServer):
     """A TLS origin on the lab's public address that sends back each piece as it reads it."""
 
     def __init__(self, directory: str) -> None:
         self.context, self.cert_file = self_signed(["public.lab.example"], directory)
-        self.sock = socket.create_server((PUBLIC_IP, 0))
-        self.port = self.sock.getsockname()[1]
-        self.connections: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(PUBLIC_IP)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.connections.append(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
+    def serve(self, conn: socket.socket) -> None:
         with contextlib.suppress(OSError, ssl.SSLError), self.context.wrap_socket(conn, server_side=True) as tls:
             while data := tls.recv(65536):
                 tls.sendall(data)
-
-    def close(self) -> None:
-        self.sock.close()
-        for conn in self.connections:
-            with contextlib.suppress(OSError):
-                conn.close()
 
 
 @pytest.fixture

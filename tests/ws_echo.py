@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import threading
 
+from listening import ConnectionServer
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, CloseConnection, Message, Ping, Request
 from wsproto.extensions import PerMessageDeflate
@@ -18,24 +18,12 @@ def _head(data: bytes | str, size: int) -> bytes:
     return head.encode() if isinstance(head, str) else bytes(head)
 
 
-class WsEcho:
+class WsEcho(ConnectionServer):
     def __init__(self, host: str, deflate: bool = False) -> None:
         self.deflate = deflate  # accept permessage-deflate when the client offers it
-        self.sock = socket.create_server((host, 0))
-        self.port = self.sock.getsockname()[1]
-        self.connections: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(host)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.connections.append(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
+    def serve(self, conn: socket.socket) -> None:
         ws = WSConnection(ConnectionType.SERVER)
         # A client the proxy cut off mid-handshake or mid-frame ends its connection, not the thread with a trace.
         with contextlib.suppress(OSError, RemoteProtocolError), conn:
@@ -64,9 +52,3 @@ class WsEcho:
                         return
                 if not data:
                     return
-
-    def close(self) -> None:
-        self.sock.close()
-        for conn in self.connections:
-            with contextlib.suppress(OSError):
-                conn.close()
