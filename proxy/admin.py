@@ -8,6 +8,9 @@ server; the session API (``proxy/sessions/api.py``) adds its own routes when it 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import stat
 from collections.abc import Callable
 from typing import Protocol
 
@@ -54,6 +57,17 @@ class AdminServer:
         self.addresses = [sock.getsockname()[:2] for sock in self.server.sockets]
         return self.addresses[0]
 
+    async def start_unix(self, path: str) -> None:
+        """Listen on a Unix socket at ``path`` (a worker's admin listener, read by its supervisor); a socket left
+        there by this worker's previous run is replaced."""
+        self.runner = web.AppRunner(self.application(), access_log=None, handle_signals=False)
+        await self.runner.setup()
+        assert self.runner.server is not None
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(os.lstat(path).st_mode):
+                os.unlink(path)
+        self.server = await asyncio.get_running_loop().create_unix_server(self._bounded(self.runner.server), path)
+
     def _bounded(self, protocol_factory: web.Server) -> Callable[[], asyncio.Protocol]:
         """aiohttp's protocol for each connection, with a lifetime and a cap on how many are open."""
         return lambda: _Bounded(self, protocol_factory())
@@ -68,8 +82,9 @@ class AdminServer:
 
 
 class _Bounded(asyncio.Protocol):
-    """One admin connection: aiohttp's own protocol inside (every event handed on), closed when it has
-    lived CONNECTION_LIFETIME seconds, refused at once beyond MAX_CONNECTIONS open."""
+    """One admin connection: aiohttp's own protocol inside (every event handed on), ended when it has
+    lived CONNECTION_LIFETIME seconds, whatever it still has to send, and refused at once beyond MAX_CONNECTIONS
+    open."""
 
     def __init__(self, server: AdminServer, inner: asyncio.Protocol) -> None:
         self.server = server
@@ -81,7 +96,8 @@ class _Bounded(asyncio.Protocol):
         if self.server.open_connections > MAX_CONNECTIONS:
             transport.abort()
         else:
-            asyncio.get_running_loop().call_later(CONNECTION_LIFETIME, transport.close)  # no-op once closed
+            # abort, not close: close waits to send what is queued, which a client that never reads holds forever
+            asyncio.get_running_loop().call_later(CONNECTION_LIFETIME, transport.abort)  # no-op once closed
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.open_connections -= 1

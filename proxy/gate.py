@@ -226,6 +226,7 @@ class Gate:
                 anywhere_here and any(p == port for _, p in self.self_endpoints)):
             return "egresswall's own listener"
         if (address, port) in self.store_endpoints or (
+                ("*", port) in self.store_endpoints and is_local_address(address)) or (
                 anywhere_here and any(p == port for _, p in self.store_endpoints)):
             return "egresswall's session store"
         return None

@@ -17,6 +17,10 @@ class RunConfig:
     overrides: Overrides
     listen: tuple[str, int] = ("127.0.0.1", 3128)
     admin: tuple[str, int] | None = ("127.0.0.1", 3131)  # README, "Admin port"
+    # A worker's admin listener (proxy/workers.py): a Unix socket in the supervisor's private directory, so no
+    # client of the proxy can reach a worker's /metrics as it could a loopback port (one worker cannot know
+    # another's port to refuse it); None: ``admin`` as given.
+    admin_socket: str | None = None
     log_path: str | None = None
     log_format: str = "json"
     confdir: str | None = None  # where mitmproxy keeps its CA (interception only)

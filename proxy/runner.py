@@ -31,6 +31,7 @@ from .gate import Gate
 from .listeners import ADMIN, PROXY, ListenError
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
+from .peers import is_local_address
 from .reload import PolicyHolder
 from .run_config import RunConfig
 from .sessions.api import SessionApi, read_token_file
@@ -136,7 +137,9 @@ class ProxyRunner:
                 except OSError as err:
                     raise ListenError(PROXY, (host, port), err) from err
                 self.gate.self_endpoints.add((_endpoint_host(self.listen_address[0]), self.listen_address[1]))
-                if self.config.admin is not None:
+                if self.config.admin_socket is not None:
+                    await self.admin.start_unix(self.config.admin_socket)
+                elif self.config.admin is not None:
                     try:
                         self.admin_address = await self.admin.start(*self.config.admin)
                     except OSError as err:
@@ -197,7 +200,12 @@ class ProxyRunner:
             log.warning("the session store %s:%s did not resolve (%s); it is refused once it does", host, port, err)
             return
         for *_, sockaddr in found:
-            self.gate.store_endpoints.add((unwrap_mapped(str(sockaddr[0]).split("%", 1)[0]), port))
+            address = unwrap_mapped(str(sockaddr[0]).split("%", 1)[0])
+            self.gate.store_endpoints.add((address, port))
+            if is_local_address(address):
+                # A store on this host may listen on more of its addresses than the URL names (Debian binds
+                # 127.0.0.1 and ::1, a container image every address): that port is the store on any of them.
+                self.gate.store_endpoints.add(("*", port))
 
     async def _wait_listening(self, master_task: asyncio.Task) -> bool:
         """True once mitmproxy's internal listener is up; False when it stopped first (a stop asked for

@@ -8,13 +8,16 @@ No command line is rewritten and no human line is parsed:
       {"run": {<every RunConfig field>}, "ready_fd": 3}
 
   ``run`` is the ``RunConfig`` the supervisor built from the parsed options (its listen address, the
-  worker's loopback admin port, SO_REUSEPORT, the worker count, the supervisor's own admin listener as
+  worker's admin listener as a Unix socket path (``admin_socket``), SO_REUSEPORT, the worker count, the supervisor's own admin listener as
   an address the proxy must never connect to). An unknown or missing field is refused.
 
 * **Readiness.** The worker inherits the write end of a pipe as file descriptor ``ready_fd`` and writes
   exactly ONE JSON line to it, then closes it::
 
-      {"event": "ready", "pid": 1234, "listen": ["127.0.0.1", 3128], "admin": ["127.0.0.1", 40123]}
+      {"event": "ready", "pid": 1234, "listen": ["127.0.0.1", 3128], "admin": null}
+
+  (``admin`` is the TCP admin listener of a worker started with one, as the tests do; a supervisor's
+  workers listen on their ``admin_socket`` instead.)
       {"event": "failed", "error": "<one line for people>", "exit": 2}
 
   End of file without a line means the worker died before it could say anything; its standard error

@@ -20,9 +20,11 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 from collections.abc import Callable
 
 from .admin import AdminServer
@@ -47,7 +49,7 @@ class Worker:
     def __init__(self, index: int, config: RunConfig) -> None:
         self.index, self.config = index, config
         self.process: asyncio.subprocess.Process | None = None
-        self.admin: tuple[str, int] | None = None
+        self.admin: str | None = None  # its admin listener's Unix socket, once it has reported ready
         self.report: WorkerReport | None = None  # what it said at its last start (None: nothing yet)
         self.reported = asyncio.Event()
         self.last_metrics = ""  # what it reported last, carried over when it is restarted
@@ -92,8 +94,8 @@ class Worker:
             self.report = WorkerReport.from_line(line) if line else None
         except ValueError as err:
             self.report = WorkerReport(FAILED, error=f"worker {self.index} sent a malformed report ({err})", exit=1)
-        if self.report is not None:
-            self.admin = self.report.admin
+        if self.ready:
+            self.admin = self.config.admin_socket
         self.reported.set()
 
     async def _relay_stderr(self) -> None:
@@ -131,6 +133,7 @@ class Supervisor:
         self.stop_signal: signal.Signals | None = None
         self._stop_requested = asyncio.Event()
         self.carried = ""  # the counters and histograms of workers that were restarted (a metrics page)
+        self.sockets = ""  # a directory only this user may enter, for the workers' admin sockets
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -145,17 +148,21 @@ class Supervisor:
                 admin = await self.admin.start(*self.admin_address)
             except OSError as err:
                 raise ListenError(ADMIN, self.admin_address, err) from err
+        self.sockets = tempfile.mkdtemp(prefix="egresswall-workers-")  # mode 0700
         try:
-            await self._start_workers(admin)
-        except WorkerStartError as err:
-            print(f"egresswall: {err}", file=sys.stderr, flush=True)
-            await self._stop_all()
+            try:
+                await self._start_workers(admin)
+            except WorkerStartError as err:
+                print(f"egresswall: {err}", file=sys.stderr, flush=True)
+                await self._stop_all()
+                await self.admin.stop()
+                return err.exit_status
+            if self.on_ready is not None:
+                self.on_ready(self.listen, admin)
+            await self._supervise()
             await self.admin.stop()
-            return err.exit_status
-        if self.on_ready is not None:
-            self.on_ready(self.listen, admin)
-        await self._supervise()
-        await self.admin.stop()
+        finally:
+            shutil.rmtree(self.sockets, ignore_errors=True)
         print(f"egresswall: stopped at {_utc_now()}", file=sys.stderr, flush=True)
         return 0
 
@@ -163,11 +170,14 @@ class Supervisor:
         """Start every worker and wait until each has reported ready. Stops at once, with the reason,
         when one reports a failure or dies, or when a stop signal arrives."""
         # The session API is the supervisor's (on its admin listener, over the shared store); workers only judge.
-        config = dataclasses.replace(self.config, listen=self.listen, admin=("127.0.0.1", 0), reuse_port=True,
+        # Each worker's admin listener is a Unix socket: a loopback port of one worker's would be open to a
+        # client of another through the proxy (a worker knows only its own ports to refuse them).
+        config = dataclasses.replace(self.config, listen=self.listen, admin=None, reuse_port=True,
                                      worker_count=self.count,
                                      extra_self_endpoints=tuple(self.admin.addresses) if admin else (),
                                      admin_token_file=None)
-        self.workers = [Worker(i, config) for i in range(self.count)]
+        self.workers = [Worker(i, dataclasses.replace(config, admin_socket=os.path.join(self.sockets, f"worker-{i}")))
+                        for i in range(self.count)]
         for worker in self.workers:
             if self.stopping:
                 break
@@ -222,8 +232,9 @@ class Supervisor:
                 worker = waits[task]
                 worker.restarts += 1
                 delay = min(30.0, 0.5 * 2 ** min(worker.restarts - 1, 6))  # a worker that keeps failing backs off
-                print(f"egresswall: worker {worker.index} exited with {task.result()}; restarting it in {delay:g}s",
-                      file=sys.stderr, flush=True)
+                why = f" ({worker.report.error})" if worker.report is not None and worker.report.error else ""
+                print(f"egresswall: worker {worker.index} exited with {task.result()}{why}; "
+                      f"restarting it in {delay:g}s", file=sys.stderr, flush=True)
                 await asyncio.sleep(delay)
                 if self.stopping:  # SIGTERM during the pause: do not start what nobody will stop
                     break
@@ -255,7 +266,9 @@ class Supervisor:
         missing = [w.index for w in self.workers if not w.ready or w.process is None
                    or w.process.returncode is not None]
         texts = [_fetch(w.admin, "/readyz") for w in self.workers if w.admin]
-        problems = [t for t in texts if not t.startswith("ready")]
+        problems = [t.strip() for t in texts if not t.startswith("ready")]
+        problems += [f"worker {w.index}: {w.report.error}" for w in self.workers
+                     if w.index in missing and w.report is not None and w.report.error]
         if missing or problems or self.stopping:
             return 503, "text/plain", f"not ready: workers down {missing}; {'; '.join(problems)}\n"
         return 200, "text/plain", f"ready; {self.count} workers\n"
@@ -300,12 +313,14 @@ def _utc_now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def _fetch(address: tuple[str, int] | None, path: str) -> str:
-    """A blocking GET to a worker's admin listener on loopback (short, bounded)."""
-    if address is None:
+def _fetch(admin_socket: str | None, path: str) -> str:
+    """A blocking GET to a worker's admin listener, a Unix socket (short, bounded)."""
+    if admin_socket is None:
         return ""
     try:
-        with socket.create_connection(address, timeout=0.5) as sock:  # loopback: anything slower is down
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(0.5)  # this machine: anything slower is down
+            sock.connect(admin_socket)
             sock.sendall(f"GET {path} HTTP/1.0\r\n\r\n".encode())
             data = b""
             while chunk := sock.recv(65536):

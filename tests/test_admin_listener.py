@@ -4,6 +4,7 @@ many may be open, so a client that drips a request head holds neither memory nor
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 import pytest
@@ -73,3 +74,40 @@ def test_connections_past_the_cap_are_closed_at_once(monkeypatch: pytest.MonkeyP
     closed, still_open = asyncio.run(scenario())
     assert closed == [False] * 5 + [True] * 3
     assert still_open == 0  # every connection, refused or not, is counted out again
+
+
+def test_a_client_that_never_reads_its_answers_is_ended_at_the_connection_lifetime(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lifetime closed a connection politely, which waits until what is queued for it has been sent: a client
+    that pipelined many requests with a tiny receive buffer and never read held its slot for as long as it kept
+    the socket, and 64 such held the listener (review round 17). It is ended at the lifetime now."""
+    monkeypatch.setattr(admin, "CONNECTION_LIFETIME", 1.0)
+
+    async def scenario() -> tuple[int, int, bytes]:
+        server = AdminServer({"/healthz": lambda: (200, "text/plain", "ok\n" + "x" * 60_000)})
+        host, port = await server.start("127.0.0.1", 0)
+        held = []
+        try:
+            for _ in range(4):
+                sock = socket.socket()
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+                sock.connect((host, port))
+                sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" * 200)
+                held.append(sock)
+            await asyncio.sleep(0.5)
+            before = server.open_connections
+            await asyncio.sleep(2.0)
+            after = server.open_connections
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            answer = await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+            return before, after, answer
+        finally:
+            for sock in held:
+                sock.close()
+            await server.stop()
+
+    before, after, answer = asyncio.run(scenario())
+    assert (before, after) == (4, 0)
+    assert answer.startswith(b"HTTP/1.1 200")

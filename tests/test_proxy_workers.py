@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -210,3 +211,70 @@ def _get(address, path: str) -> tuple[int, str]:
             data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
     return int(head.split()[1]), body.decode()
+
+
+def _tcp_listening_ports(pid: int) -> set[int]:
+    """The TCP ports process ``pid`` listens on, from /proc (its socket inodes matched to the LISTEN rows)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            fields = row.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # state LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def test_no_worker_listens_where_a_client_of_another_worker_could_reach_it(lab, start_proxy):
+    """Each worker's admin listener was a loopback port that only that worker refused (rule ``self``): with a
+    policy that admits loopback, a client whose connection landed on another worker got the first one's
+    /metrics and /readyz through the proxy (review round 17). Workers now serve their admin listener on a Unix
+    socket in a directory only the supervisor's user may enter; every TCP port of the pool is refused."""
+    policy = lab.policy_text().replace(f"allow: [{lab.public.host}/32]", "allow: [127.0.0.0/8]")
+    policy = policy.replace(f"  http: {sorted({80, lab.public.port})}", "  http: ['1-65535']")
+    policy = policy.replace(f"  connect: {sorted({443, lab.public_tls.port})}", "  connect: ['1-65535']")
+    proxy = start_proxy(policy, "--workers", "2")
+    wait_ready(proxy)
+    workers = children(proxy.process.pid)
+    assert len(workers) == 2
+    for pid in workers:
+        assert _tcp_listening_ports(pid) == {proxy.port}, "a worker listens on a TCP port of its own"
+    ports = set().union(*(_tcp_listening_ports(pid) for pid in [proxy.process.pid, *workers]))
+    assert ports == {proxy.port, proxy.admin_port}
+    for port in sorted(ports):
+        for attempt in range(8):  # connections land on either worker
+            status, headers, _ = proxy.get(f"http://127.0.0.1:{port}/metrics")
+            assert (status, headers.get("x-egresswall-rule")) == (403, "self"), (port, attempt, status, headers)
+    assert proxy.admin("/readyz")[0] == 200  # and the supervisor still reads each worker's
+    paths = [line.split()[-1] for line in Path("/proc/net/unix").read_text().splitlines()
+             if "/egresswall-workers-" in line]
+    (folder,) = {os.path.dirname(path) for path in paths}
+    assert len(set(paths)) == 2 and os.stat(folder).st_mode & 0o777 == 0o700, paths
+    proxy.signal(signal.SIGTERM)
+    assert proxy.process.wait(20) == 0
+    assert not os.path.exists(folder)
+
+
+def test_a_worker_that_cannot_restart_says_why(lab, start_proxy):
+    """A worker that died while the policy file was broken (the reload was refused; the others keep the last
+    good policy) could not start again, and the supervisor said only 'worker 0 exited with 2', and /readyz
+    'not ready: workers down [0]; ' (review round 17). Both now carry the worker's own reason."""
+    proxy = start_proxy(lab.policy_text(), "--workers", "2")
+    wait_ready(proxy)
+    proxy.policy_path.write_text("version: 1\ndefault: [\n")
+    victim = children(proxy.process.pid)[0]
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and "exited with 2 (" not in proxy.stderr:
+        time.sleep(0.2)
+    (line,) = [line for line in proxy.stderr.splitlines() if "exited with 2 (" in line][:1]
+    assert "policy" in line and "restarting it" in line, line
+    status, body = proxy.admin("/readyz")
+    assert status == 503 and "workers down" in body and "policy" in body.split("workers down", 1)[1], body
+    # the worker that kept the last good policy still serves
+    assert proxy.get(f"http://public.lab.example:{lab.public.port}/still")[0] == 200

@@ -256,7 +256,8 @@ def test_an_ended_session_is_refused(lab, proxy):
 # ---- the admin API -----------------------------------------------------------------------------
 
 def test_the_admin_api_refuses_a_missing_or_wrong_token(proxy):
-    for token in (None, "wrong-token-0123456789", TOKEN + "x", ""):
+    # a byte that is not UTF-8 (sent as Latin-1) was a 500 with no reason (review round 17)
+    for token in (None, "wrong-token-0123456789", TOKEN + "x", "", "\xe9", TOKEN + "\xff\xfe"):
         status, headers, body = api(proxy.admin_port, "POST", "/v1/sessions", {"grants": {"hosts": ["a.example"]}},
                                     token=token)
         assert status == 401, token
@@ -274,6 +275,9 @@ def test_the_admin_api_refuses_malformed_json_and_invalid_grants_with_reason_and
         assert status == 400 and body["error"] == "malformed", raw
     status, _, body = api(port, "POST", "/v1/sessions", raw=b'{"grants": {}}', content_type="text/plain")
     assert status == 400 and body["error"] == "malformed"
+    # a body over the admin listener's bound: aiohttp's plain-text 413, now the API's JSON with a reason
+    status, _, body = api(port, "POST", "/v1/sessions", raw=b'{"grants": {"hosts": ["' + b"a" * 70_000 + b'"]}}')
+    assert status == 413 and body["error"] == "too-large" and "65536 bytes" in body["reason"], body
     cases = [
         ({"grants": {"hosts": ["*bad.example"]}}, "grants.hosts[0]", "'*' is allowed only"),
         ({"grants": {"urls": ["https://user@public.lab.example/"]}}, "grants.urls[0]", "userinfo"),

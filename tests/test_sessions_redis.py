@@ -28,11 +28,11 @@ pytestmark = [pytest.mark.integration,
 class RedisServer:
     """A redis-server of the test's own: loopback only, no persistence, its files in a temp dir."""
 
-    def __init__(self, folder: Path, port: int | None = None, host: str = "127.0.0.1") -> None:
+    def __init__(self, folder: Path, port: int | None = None, host: str = "127.0.0.1", bind: str = "") -> None:
         self.folder = folder
         self.host = host
         self.port = port or _free_port()
-        self.process = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", host,
+        self.process = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", bind or host,
                                          "--save", "", "--appendonly", "no", "--dir", str(folder)],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
@@ -215,5 +215,37 @@ def test_the_session_store_is_egresswall_s_own_endpoint_even_where_the_policy_ad
         refused = [r for r in proxy.decisions() if r["verdict"] == "refuse"]
         assert [r["rule"] for r in refused] == ["self", "self"], refused
         assert all("egresswall's session store" in r["reason"] for r in refused)
+    finally:
+        store.stop()
+
+
+@both_transports
+@pytest.mark.parametrize("authority", [PUBLIC_IP, "public.lab.example"])
+def test_a_store_on_this_host_is_refused_at_every_address_it_listens_on(lab, tmp_path, start_proxy, authority):
+    """The store was refused only at the address its URL names: a redis-server on this host that also listens
+    on another of its addresses (Debian's binds 127.0.0.1 and ::1, a container image every address) was
+    reached there through the proxy, and a client wrote itself a session (review round 17). A store on this
+    host is refused on its port at every address of this host."""
+    store = RedisServer(tmp_path, host="127.0.0.1", bind=f"127.0.0.1 {PUBLIC_IP}")
+    try:
+        text = lab.policy_text().replace("  connect: [", f"  connect: [{store.port}, ").replace(
+            "  http: [", f"  http: [{store.port}, ")
+        proxy = start_proxy(text, "--session-store", store.url)
+        target = f"{authority}:{store.port}"
+        with socket.create_connection((proxy.host, proxy.port), timeout=10) as sock:
+            sock.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+            head = sock.recv(4096)
+        assert head.startswith(b"HTTP/1.1 403"), head
+        with socket.create_connection((proxy.host, proxy.port), timeout=10) as sock:
+            sock.sendall(f"POST http://{target}/ HTTP/1.1\r\nHost: {target}\r\nContent-Length: 34\r\n\r\n"
+                         "*3\r\n$3\r\nSET\r\n$5\r\npwned\r\n$1\r\n2\r\n\r\n".encode())
+            plain = read_all(sock, timeout=5)
+        assert plain.startswith(b"HTTP/1.1 403"), plain
+        assert store.command("EXISTS", "pwned") == b":0\r\n"
+        refused = [r for r in proxy.decisions() if r["verdict"] == "refuse"]
+        assert [r["rule"] for r in refused] == ["self", "self"], refused
+        assert all("egresswall's session store" in r["reason"] for r in refused)
+        # the lab's upstream on the same address, another port, is still reached
+        assert proxy.get(f"http://{authority}:{lab.public.port}/after")[0] == 200
     finally:
         store.stop()

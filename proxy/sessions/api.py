@@ -26,6 +26,7 @@ from typing import Any
 from policy.credentials import basic_value
 from policy.sessions import SESSION_ID, Session, SessionSpecError, parse_extension, parse_session_spec
 
+from ..admin import MAX_BODY
 from ..aiohttp_web import web
 from .service import SessionService
 from .store import StoreUnavailable
@@ -81,8 +82,10 @@ class SessionApi:
             return await handler(request)
         given = request.headers.getall("Authorization", [])
         scheme, _, token = given[0].partition(" ") if len(given) == 1 else ("", "", "")
-        # Compared in constant time, and always: a missing header costs what a wrong one does.
-        ok = hmac.compare_digest(token.strip().encode(), self.token) and scheme.lower() == "bearer"
+        # Compared in constant time, and always: a missing header costs what a wrong one does. A byte that is not
+        # UTF-8 (aiohttp keeps it as a surrogate) is compared as the byte it was: a wrong token, not a 500.
+        ok = hmac.compare_digest(token.strip().encode("utf-8", "surrogateescape"), self.token) \
+            and scheme.lower() == "bearer"
         if not ok:
             reason = ("no Authorization header; send Authorization: Bearer <the token in --admin-token-file>"
                       if not given else "the bearer token is wrong (or the header is not 'Bearer <token>')")
@@ -167,8 +170,8 @@ async def _json_body(request: web.Request) -> Any:
     try:
         text = (await request.read()).decode("utf-8")
         return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
-    except web.HTTPRequestEntityTooLarge:
-        raise
+    except web.HTTPRequestEntityTooLarge:  # in the API's words, as every other refusal of it
+        return _error(413, "too-large", f"the body is over {MAX_BODY} bytes; a session's grants are smaller")
     except (UnicodeDecodeError, ValueError) as err:
         return _error(400, "malformed", f"the body is not valid JSON: {err}")
     except RecursionError:  # the decoder's own bound on nesting (a 64 KiB body can nest 32,000 levels)
