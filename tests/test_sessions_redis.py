@@ -186,6 +186,32 @@ def test_workers_with_sessions_in_memory_are_refused_at_start(lab, tmp_path):
     assert done.returncode != 0 and "--session-store redis://" in done.stderr
 
 
+def _store_is_refused_through_the_proxy(lab, start_proxy, store: RedisServer, authority: str) -> ProxyProcess:
+    """The store's port admitted by the policy; a CONNECT to ``authority`` and a plain POST carrying a Redis
+    command both get 403 ``self``, and the store never sees the command."""
+    text = lab.policy_text().replace("  connect: [", f"  connect: [{store.port}, ").replace(
+        "  http: [", f"  http: [{store.port}, ")
+    proxy = start_proxy(text, "--session-store", store.url)
+    target = f"{authority}:{store.port}"
+    with socket.create_connection((proxy.host, proxy.port), timeout=10) as sock:
+        sock.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+        head = sock.recv(4096)
+        if head.startswith(b"HTTP/1.1 200"):
+            sock.sendall(b"*3\r\n$3\r\nSET\r\n$5\r\npwned\r\n$1\r\n1\r\n")
+            read_all(sock, timeout=2)
+    assert head.startswith(b"HTTP/1.1 403"), head
+    with socket.create_connection((proxy.host, proxy.port), timeout=10) as sock:
+        sock.sendall(f"POST http://{target}/ HTTP/1.1\r\nHost: {target}\r\nContent-Length: 34\r\n\r\n"
+                     "*3\r\n$3\r\nSET\r\n$5\r\npwned\r\n$1\r\n2\r\n\r\n".encode())
+        plain = read_all(sock, timeout=5)
+    assert plain.startswith(b"HTTP/1.1 403"), plain
+    assert store.command("EXISTS", "pwned") == b":0\r\n"
+    refused = [r for r in proxy.decisions() if r["verdict"] == "refuse"]
+    assert [r["rule"] for r in refused] == ["self", "self"], refused
+    assert all("egresswall's session store" in r["reason"] for r in refused)
+    return proxy
+
+
 @both_transports
 @pytest.mark.parametrize("authority", [PUBLIC_IP, "public.lab.example"])
 def test_the_session_store_is_egresswall_s_own_endpoint_even_where_the_policy_admits_its_address(
@@ -195,26 +221,7 @@ def test_the_session_store_is_egresswall_s_own_endpoint_even_where_the_policy_ad
     ports.http), and is still refused with rule ``self``, by CONNECT and by plain HTTP."""
     store = RedisServer(tmp_path, host=PUBLIC_IP)
     try:
-        text = lab.policy_text().replace("  connect: [", f"  connect: [{store.port}, ").replace(
-            "  http: [", f"  http: [{store.port}, ")
-        proxy = start_proxy(text, "--session-store", store.url)
-        target = f"{authority}:{store.port}"
-        with socket.create_connection((proxy.host, proxy.port), timeout=10) as sock:
-            sock.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
-            head = sock.recv(4096)
-            if head.startswith(b"HTTP/1.1 200"):
-                sock.sendall(b"*3\r\n$3\r\nSET\r\n$5\r\npwned\r\n$1\r\n1\r\n")
-                read_all(sock, timeout=2)
-        assert head.startswith(b"HTTP/1.1 403"), head
-        with socket.create_connection((proxy.host, proxy.port), timeout=10) as sock:
-            sock.sendall(f"POST http://{target}/ HTTP/1.1\r\nHost: {target}\r\nContent-Length: 34\r\n\r\n"
-                         "*3\r\n$3\r\nSET\r\n$5\r\npwned\r\n$1\r\n2\r\n\r\n".encode())
-            plain = read_all(sock, timeout=5)
-        assert plain.startswith(b"HTTP/1.1 403"), plain
-        assert store.command("EXISTS", "pwned") == b":0\r\n"
-        refused = [r for r in proxy.decisions() if r["verdict"] == "refuse"]
-        assert [r["rule"] for r in refused] == ["self", "self"], refused
-        assert all("egresswall's session store" in r["reason"] for r in refused)
+        _store_is_refused_through_the_proxy(lab, start_proxy, store, authority)
     finally:
         store.stop()
 
@@ -228,23 +235,7 @@ def test_a_store_on_this_host_is_refused_at_every_address_it_listens_on(lab, tmp
     host is refused on its port at every address of this host."""
     store = RedisServer(tmp_path, host="127.0.0.1", bind=f"127.0.0.1 {PUBLIC_IP}")
     try:
-        text = lab.policy_text().replace("  connect: [", f"  connect: [{store.port}, ").replace(
-            "  http: [", f"  http: [{store.port}, ")
-        proxy = start_proxy(text, "--session-store", store.url)
-        target = f"{authority}:{store.port}"
-        with socket.create_connection((proxy.host, proxy.port), timeout=10) as sock:
-            sock.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
-            head = sock.recv(4096)
-        assert head.startswith(b"HTTP/1.1 403"), head
-        with socket.create_connection((proxy.host, proxy.port), timeout=10) as sock:
-            sock.sendall(f"POST http://{target}/ HTTP/1.1\r\nHost: {target}\r\nContent-Length: 34\r\n\r\n"
-                         "*3\r\n$3\r\nSET\r\n$5\r\npwned\r\n$1\r\n2\r\n\r\n".encode())
-            plain = read_all(sock, timeout=5)
-        assert plain.startswith(b"HTTP/1.1 403"), plain
-        assert store.command("EXISTS", "pwned") == b":0\r\n"
-        refused = [r for r in proxy.decisions() if r["verdict"] == "refuse"]
-        assert [r["rule"] for r in refused] == ["self", "self"], refused
-        assert all("egresswall's session store" in r["reason"] for r in refused)
+        proxy = _store_is_refused_through_the_proxy(lab, start_proxy, store, authority)
         # the lab's upstream on the same address, another port, is still reached
         assert proxy.get(f"http://{authority}:{lab.public.port}/after")[0] == 200
     finally:
