@@ -24,6 +24,10 @@ from .decision import Request, Resolution, Verdict, decide_addresses, precheck, 
 from .model import Policy
 
 TIMEOUT, SERVFAIL, NXDOMAIN, EMPTY, ERROR = "timeout", "servfail", "nxdomain", "empty", "error"
+# The most addresses one name may have. Every address is checked at every decision and written in its record:
+# a nameserver that answers thousands (a zone anyone can own) made each request cost 100 ms of CPU and a
+# 150 KB audit line, and each cached name 300 kB. Real names have a handful; a big round robin a few dozen.
+MAX_ADDRESSES = 64
 
 
 class ResolveError(Exception):
@@ -130,6 +134,10 @@ class DnsResolver:
             _check_cname_stands_alone(answer.response, qname)
         if not answers:
             raise ResolveError(EMPTY, f"{name} has no A or AAAA records")
+        count = sum(len(answer.rrset) for answer in answers)
+        if count > MAX_ADDRESSES:
+            raise ResolveError(ERROR, f"{name} has {count} addresses, more than the {MAX_ADDRESSES} egresswall "
+                                      "checks for one name: a broken or hostile nameserver")
         addresses = tuple(str(rr) for answer in answers for rr in answer.rrset)
         ttl = min(answer.rrset.ttl for answer in answers)
         cnames: list[str] = []
@@ -153,9 +161,10 @@ class DnsResolver:
             raise ResolveError(TIMEOUT, f"DNS lookup of {qname.to_text(True)} timed out after "
                                         f"{self.timeout:g}s") from None
         except dns.resolver.NoNameservers as err:
-            kind = SERVFAIL if "SERVFAIL" in str(err) else ERROR
+            answered = _answered(err)
+            kind = SERVFAIL if "SERVFAIL" in answered else ERROR
             raise ResolveError(kind, f"no nameserver gave a usable answer for {qname.to_text(True)} "
-                                     f"({_short(err)})") from None
+                                     f"(answered {', '.join(answered) or 'nothing'})") from None
         except dns.exception.DNSException as err:
             raise ResolveError(ERROR, f"DNS lookup of {qname.to_text(True)} failed: {_short(err)}") from None
 
@@ -170,6 +179,18 @@ def _check_cname_stands_alone(response: dns.message.Message, qname: dns.name.Nam
             raise ResolveError(ERROR, f"the answer for {qname.to_text(True)} holds both a CNAME and "
                                       f"{dns.rdatatype.to_text(rrset.rdtype)} records for {rrset.name.to_text(True)} "
                                       "(a CNAME stands alone): a broken or hostile nameserver")
+
+
+def _answered(err: dns.resolver.NoNameservers) -> list[str]:
+    """What the nameservers answered (an rcode such as SERVFAIL, or the kind of failure: ``Truncated``,
+    ``EOFError``), each once, without the nameservers' addresses: the reason reaches the client, which has no
+    business learning where the proxy's resolver is."""
+    answered: list[str] = []
+    for error in err.kwargs.get("errors") or []:
+        what = error[3] if isinstance(error[3], str) else type(error[3]).__name__
+        if what not in answered:
+            answered.append(what)
+    return answered
 
 
 def _short(err: Exception) -> str:
