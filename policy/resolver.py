@@ -8,12 +8,16 @@ dnspython — never ``getaddrinfo``, so ``/etc/hosts`` and search domains play n
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import dns.asyncbackend
+import dns.asyncquery
 import dns.asyncresolver
 import dns.exception
+import dns.inet
 import dns.message
 import dns.name
 import dns.nameserver
@@ -28,6 +32,12 @@ TIMEOUT, SERVFAIL, NXDOMAIN, EMPTY, ERROR = "timeout", "servfail", "nxdomain", "
 # a nameserver that answers thousands (a zone anyone can own) made each request cost 100 ms of CPU and a
 # 150 KB audit line, and each cached name 300 kB. Real names have a handful; a big round robin a few dozen.
 MAX_ADDRESSES = 64
+# The most records a DNS message may hold before it is parsed (checked in its 12-byte header): parsing costs
+# dnspython about 40 µs a record, so a 48 KB answer of 3,000 records was 120 ms of CPU on every lookup of
+# a fresh name, refused or not. Room for the addresses, a CNAME chain as long as dnspython follows
+# (dns.message.MAX_CHAIN), and a generous authority and additional section.
+MAX_ANSWER_RECORDS = MAX_ADDRESSES + dns.message.MAX_CHAIN
+MAX_RECORDS = 256
 
 
 class ResolveError(Exception):
@@ -60,7 +70,9 @@ class DnsResolver:
     ) -> None:
         self._resolver = dns.asyncresolver.Resolver(configure=not nameservers)
         if nameservers:
-            self._resolver.nameservers = [dns.nameserver.Do53Nameserver(ip, port) for ip, port in nameservers]
+            self._resolver.nameservers = [_BoundedNameserver(ip, port) for ip, port in nameservers]
+        else:  # the system's (egresswall check without --nameserver): the same bound
+            self._resolver.nameservers = [_bounded(ns, self._resolver) for ns in self._resolver.nameservers]
         self._resolver.search = []
         self._resolver.use_search_by_default = False
         self._resolver.lifetime = timeout
@@ -161,12 +173,95 @@ class DnsResolver:
             raise ResolveError(TIMEOUT, f"DNS lookup of {qname.to_text(True)} timed out after "
                                         f"{self.timeout:g}s") from None
         except dns.resolver.NoNameservers as err:
+            too_large = [e[3] for e in err.kwargs.get("errors") or [] if isinstance(e[3], AnswerTooLarge)]
+            if too_large:
+                raise ResolveError(ERROR, f"the answer for {qname.to_text(True)} {too_large[0]}: a broken or "
+                                          "hostile nameserver") from None
             answered = _answered(err)
             kind = SERVFAIL if "SERVFAIL" in answered else ERROR
             raise ResolveError(kind, f"no nameserver gave a usable answer for {qname.to_text(True)} "
                                      f"(answered {', '.join(answered) or 'nothing'})") from None
         except dns.exception.DNSException as err:
             raise ResolveError(ERROR, f"DNS lookup of {qname.to_text(True)} failed: {_short(err)}") from None
+
+
+class AnswerTooLarge(dns.exception.FormError):
+    """A DNS message holds more records than egresswall reads (its header says so): not parsed at all. A
+    FormError, so that dnspython asks that nameserver no more for this name (it would ask again until its
+    lifetime ran out)."""
+
+
+def _check_header(wire: bytes) -> None:
+    """Refuse a message whose header counts more records than MAX_ANSWER_RECORDS in its answer section or
+    MAX_RECORDS in all, before dnspython parses it."""
+    if len(wire) < 12:
+        return  # dnspython refuses it as it is
+    answers, authority, additional = (int.from_bytes(wire[i:i + 2]) for i in (6, 8, 10))
+    if answers > MAX_ANSWER_RECORDS or answers + authority + additional > MAX_RECORDS:
+        raise AnswerTooLarge(f"holds {answers + authority + additional} records ({answers} answers), more than "
+                             f"the {MAX_ANSWER_RECORDS} answers and {MAX_RECORDS} records egresswall reads")
+
+
+class _HeaderCheckedSocket:
+    """dnspython's socket for one query, with each answer's header checked before dnspython reads the rest:
+    a datagram carrying this query's id (others are dnspython's to ignore), or the first message on TCP."""
+
+    def __init__(self, sock, query_id: bytes) -> None:
+        self._sock, self._query_id = sock, query_id
+        self._stream_head = b""  # TCP: the two-byte length, then the header
+
+    def __getattr__(self, name: str):
+        return getattr(self._sock, name)
+
+    async def recvfrom(self, size: int, timeout: float | None):
+        wire, sender = await self._sock.recvfrom(size, timeout)
+        if wire[:2] == self._query_id:
+            _check_header(wire)
+        return wire, sender
+
+    async def recv(self, size: int, timeout: float | None) -> bytes:
+        data = await self._sock.recv(size, timeout)
+        if len(self._stream_head) < 14:
+            self._stream_head += data[:14 - len(self._stream_head)]
+            if len(self._stream_head) == 14:
+                _check_header(self._stream_head[2:])
+        return data
+
+
+def _bounded(nameserver: str | dns.nameserver.Nameserver,
+             resolver: dns.asyncresolver.Resolver) -> dns.nameserver.Nameserver:
+    """A nameserver of /etc/resolv.conf (an address, or dnspython's object for it) as a _BoundedNameserver."""
+    if isinstance(nameserver, str) and dns.inet.is_address(nameserver):
+        return _BoundedNameserver(nameserver, resolver.nameserver_ports.get(nameserver, resolver.port))
+    if isinstance(nameserver, dns.nameserver.Do53Nameserver):
+        return _BoundedNameserver(nameserver.address, nameserver.port)
+    raise ValueError(f"nameserver {nameserver} is not an address: egresswall asks nameservers over UDP and TCP")
+
+
+class _BoundedNameserver(dns.nameserver.Do53Nameserver):
+    """A nameserver over UDP and TCP as dnspython's own, whose answers' headers are checked (_check_header)
+    before they are parsed."""
+
+    async def async_query(self, request: dns.message.QueryMessage, timeout: float, source: str | None,
+                          source_port: int, max_size: bool, backend: dns.asyncbackend.Backend,
+                          one_rr_per_rrset: bool = False, ignore_trailing: bool = False) -> dns.message.Message:
+        family = dns.inet.af_for_address(self.address)
+        bound = (source or ("::" if family == socket.AF_INET6 else "0.0.0.0"), source_port) \
+            if source or source_port else None
+        query_id = request.id.to_bytes(2)
+        if max_size:
+            async with await backend.make_socket(family, socket.SOCK_STREAM, 0, bound, (self.address, self.port),
+                                                 timeout) as sock:
+                return await dns.asyncquery.tcp(request, self.address, timeout=timeout, port=self.port,
+                                                sock=_HeaderCheckedSocket(sock, query_id), backend=backend,
+                                                one_rr_per_rrset=one_rr_per_rrset, ignore_trailing=ignore_trailing)
+        destination = (self.address, self.port) if backend.datagram_connection_required() else None
+        async with await backend.make_socket(family, socket.SOCK_DGRAM, 0, bound, destination) as sock:
+            return await dns.asyncquery.udp(request, self.address, timeout=timeout, port=self.port,
+                                            sock=_HeaderCheckedSocket(sock, query_id), raise_on_truncation=True,
+                                            backend=backend, one_rr_per_rrset=one_rr_per_rrset,
+                                            ignore_trailing=ignore_trailing, ignore_errors=True,
+                                            ignore_unexpected=True)
 
 
 def _check_cname_stands_alone(response: dns.message.Message, qname: dns.name.Name) -> None:

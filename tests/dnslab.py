@@ -40,6 +40,7 @@ class Behaviour:
     silent: bool = False  # never answer: the resolver times out
     garbage: bool = False  # answer bytes that are not a DNS message
     truncated: bool = False  # set TC with no answer (and refuse TCP)
+    tcp_only: bool = False  # set TC with no answer over UDP, and answer over TCP
     beside: list[Record] = field(default_factory=list)  # added to every answer as they are, whatever was asked
     # (a hostile or broken server's: a CNAME beside the name's own A records, which a CNAME may not have)
 
@@ -152,7 +153,7 @@ class DnsLab:
             return None
         if behaviour.garbage:
             return query.id.to_bytes(2, "big") + b"\x81\x80 this is not a DNS message"
-        if behaviour.truncated:
+        if behaviour.truncated or (behaviour.tcp_only and not tcp):
             if tcp:
                 return None
             response.flags |= dns.flags.TC

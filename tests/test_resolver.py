@@ -11,6 +11,7 @@ import socket
 from pathlib import Path
 
 import pytest
+from dns import message as dns_message
 from dnslab import Behaviour, DnsLab, Record
 
 from policy.decision import ADDRESS, HOST, RESOLVE, Request
@@ -53,6 +54,11 @@ ZONE: dict[str, Behaviour | list[Record]] = {
                         + [Record("AAAA", f"2001:db8::1:{i:x}") for i in range(32)],
     "too-many.example.com": [Record("A", f"198.18.2.{i}") for i in range(33)]
                             + [Record("AAAA", f"2001:db8::2:{i:x}") for i in range(32)],
+    # thousands: refused from the message's header, before dnspython parses it (over UDP, and over TCP)
+    "thousands.example.com": [Record("A", f"198.18.{i // 256}.{i % 256}") for i in range(3000)],
+    "thousands-tcp.example.com": Behaviour(records=[Record("A", f"198.18.{i // 256}.{i % 256}")
+                                                    for i in range(3000)], tcp_only=True),
+    "many-over-tcp.example.com": Behaviour(records=[Record("A", f"198.18.3.{i}") for i in range(40)], tcp_only=True),
 }
 
 
@@ -235,6 +241,24 @@ def test_refused_rcode_is_an_error(dns: DnsLab) -> None:
     err = failure(resolver(dns), "refused.example.com")
     assert err.kind == ERROR
     assert err.reason == "no nameserver gave a usable answer for refused.example.com (answered REFUSED)"
+
+
+@pytest.mark.parametrize("name", ["thousands.example.com", "thousands-tcp.example.com"])
+def test_an_answer_of_thousands_of_records_is_refused_before_it_is_parsed(dns: DnsLab, name: str,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """dnspython spends about 40 µs parsing a record: 3,000 of them (48 KB) were 120 ms of CPU on every lookup
+    of a fresh name under a zone anyone can own (review round 17). The header's counts refuse it unparsed."""
+    parsed: list[int] = []  # the size of every message dnspython parses (its own parser, still called)
+    from_wire = dns_message.from_wire
+    monkeypatch.setattr(dns_message, "from_wire", lambda wire, *a, **k: parsed.append(len(wire)) or
+                        from_wire(wire, *a, **k))
+    err = failure(resolver(dns), name)
+    assert err.kind == ERROR
+    assert err.reason == (f"the answer for {name} holds 3000 records (3000 answers), more than the 80 answers "
+                          "and 256 records egresswall reads: a broken or hostile nameserver")
+    assert parsed and max(parsed) < 1000, parsed  # the TC answer, the AAAA answer: never the big one
+    if name.startswith("thousands-tcp"):
+        assert len(resolve(resolver(dns), "many-over-tcp.example.com").addresses) == 40  # TCP itself works
 
 
 def test_a_name_with_more_addresses_than_egresswall_checks_is_refused(dns: DnsLab) -> None:
