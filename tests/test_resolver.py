@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from dns import message as dns_message
 from dnslab import Behaviour, DnsLab, Record
+from hypothesis import given
+from hypothesis import strategies as st
 
 from policy.decision import ADDRESS, HOST, RESOLVE, Request
 from policy.hosts import parse_url
@@ -21,11 +23,15 @@ from policy.resolver import (
     EMPTY,
     ERROR,
     MAX_ADDRESSES,
+    MAX_ANSWER_RECORDS,
+    MAX_RECORDS,
     NXDOMAIN,
     SERVFAIL,
     TIMEOUT,
+    AnswerTooLarge,
     DnsResolver,
     ResolveError,
+    _check_header,
     resolve_and_decide,
 )
 
@@ -408,3 +414,17 @@ def test_an_answer_where_a_cname_does_not_stand_alone_is_refused(dns, name: str,
     (db.internal) was never checked: such an answer is refused (review round 15)."""
     err = failure(resolver(dns), name)
     assert err.kind == ERROR and says in err.reason and "a CNAME stands alone" in err.reason, err.reason
+
+
+@given(st.integers(0, 0xFFFF), st.integers(0, 0xFFFF), st.integers(0, 0xFFFF), st.binary(max_size=12))
+def test_a_message_header_is_refused_exactly_when_it_counts_too_many_records(answers, authority, additional, rest):
+    """_check_header reads the three counts of a DNS header (RFC 1035 4.1.1), big-endian, and nothing else."""
+    wire = bytes(6) + answers.to_bytes(2) + authority.to_bytes(2) + additional.to_bytes(2) + rest
+    too_many = answers > MAX_ANSWER_RECORDS or answers + authority + additional > MAX_RECORDS
+    try:
+        _check_header(wire)
+        refused = False
+    except AnswerTooLarge:
+        refused = True
+    assert refused == too_many
+    _check_header(wire[:11])  # shorter than a header: left to dnspython, which refuses it
