@@ -8,8 +8,9 @@ No command line is rewritten and no human line is parsed:
       {"run": {<every RunConfig field>}, "ready_fd": 3}
 
   ``run`` is the ``RunConfig`` the supervisor built from the parsed options (its listen address, the
-  worker's admin listener as a Unix socket path (``admin_socket``), SO_REUSEPORT, the worker count, the supervisor's own admin listener as
-  an address the proxy must never connect to). An unknown or missing field is refused.
+  worker's admin listener as a Unix socket path (``admin_socket``), SO_REUSEPORT, the worker count, the
+  supervisor's own admin listener as an address the proxy must never connect to). An unknown or missing
+  field is refused.
 
 * **Readiness.** The worker inherits the write end of a pipe as file descriptor ``ready_fd`` and writes
   exactly ONE JSON line to it, then closes it::
