@@ -102,6 +102,34 @@ class RecordError(ValueError):
     """Why one line is not a record (the reader turns it into an ``Unreadable``)."""
 
 
+class Tally:
+    """The items of a reader, passed on as they come, counted: records read, lines not read (and the first of
+    those, to say why), so a command can tell a log it could not read at all from an empty one."""
+
+    def __init__(self, items: Iterable[LogItem]) -> None:
+        self.items = items
+        self.read = self.unreadable = 0
+        self.first_unreadable: Unreadable | None = None
+
+    def __iter__(self) -> Iterator[LogItem]:
+        for item in self.items:
+            if isinstance(item, Unreadable):
+                self.unreadable += 1
+                self.first_unreadable = self.first_unreadable or item
+            else:
+                self.read += 1
+            yield item
+
+    def nothing_read(self) -> str | None:
+        """Why no line was read, when there were lines and none was a record; else None."""
+        if self.read or self.first_unreadable is None:
+            return None
+        first = self.first_unreadable
+        return (f"no line is an egresswall audit record ({self.unreadable} line(s) not read; the first, "
+                f"{first.place}: {first.reason}); egresswall reads its own JSON audit log, not a --log-format "
+                "squid log")
+
+
 def read_logs(paths: Iterable[str | Path]) -> Iterator[LogItem]:
     """Every line of every file, in order. Opening a file that is not there raises OSError."""
     for path in paths:
@@ -145,6 +173,8 @@ def _json_object(line: bytes) -> dict[str, Any]:
         end = "" if text.endswith("\n") else ", and the line has no newline"
         raise RecordError(f"not JSON ({err.msg.removesuffix(' at')} at column {err.colno}{end}): a truncated or "
                           "corrupted line") from None
+    except ValueError as err:  # Python's bound on an integer's digits (4,300): no record holds such a number
+        raise RecordError(f"not an audit record ({err})") from None
     if not isinstance(value, dict):
         raise RecordError(f"not a JSON object but a {type(value).__name__}")
     return value
@@ -261,7 +291,10 @@ def parse_since(text: str, now: datetime | None = None, option: str = "--since")
     now = now or datetime.now(UTC)
     duration = _DURATION.fullmatch(text)
     if duration:
-        return now - timedelta(**{_UNITS[duration.group(2)]: int(duration.group(1))})
+        try:
+            return now - timedelta(**{_UNITS[duration.group(2)]: int(duration.group(1))})
+        except OverflowError:
+            raise ValueError(f"{option} {text!r}: reaches back before the year 1") from None
     if not _RFC3339.fullmatch(text):
         raise ValueError(f"{option} {text!r}: expected an RFC 3339 time with its zone (2026-12-01T07:00:00Z), "
                          "a date (2026-12-01), or a duration (90s, 30m, 2h, 7d, 2w)")

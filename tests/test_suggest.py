@@ -224,6 +224,22 @@ def test_lines_not_read_are_named(tmp_path, capsys):
     assert "1 name(s) suggested, 0 listed apart, 1 line(s) not read" in capsys.readouterr().err
 
 
+def test_a_log_of_which_no_line_could_be_read_fails(tmp_path, capsys):
+    """Pointed at a --log-format squid log, every line was unreadable and suggest still exited 0 with an empty
+    block (review round 17): a block suggested from nothing is no answer. An empty log is not an error."""
+    squid_log = tmp_path / "access.log"
+    squid_log.write_text("1765000000.000      1 10.0.0.3 TCP_DENIED/403 0 CONNECT a.example:443 - HIER_NONE/- -\n")
+    policy_path = tmp_path / "lab.yaml"
+    policy_path.write_text(LAB.format(mode="report", extra=""))
+    assert main(["suggest", str(squid_log), "--policy", str(policy_path), "-o", str(tmp_path / "s.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "no line is an egresswall audit record (1 line(s) not read; the first, " in err
+    assert f"{squid_log}:1: not JSON" in err and "not a --log-format squid log" in err, err
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main(["suggest", str(empty), "--policy", str(policy_path), "-o", str(tmp_path / "e.yaml")]) == 0
+
+
 def test_expiry_dates():
     today = date(2026, 12, 1)
     assert expiry_date("90d", today) == "2027-03-01"

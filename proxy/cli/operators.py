@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from proxy import replay, suggest
-from proxy.audit_reader import parse_since, read_logs
+from proxy.audit_reader import Tally, parse_since, read_logs
 
 from .errors import UsageError
 from .options import load_policy_file
@@ -72,8 +72,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     policy = load_policy_file(args.policy)
     since = _moment(args.since, "--since")
     at = _moment(args.at, "--at")
+    items = Tally(read_logs(args.log))
     try:
-        report = replay.replay(policy, read_logs(args.log), since=since, at=at, examples=max(args.examples, 0))
+        report = replay.replay(policy, items, since=since, at=at, examples=max(args.examples, 0))
     except OSError as err:
         raise UsageError(f"cannot read the log: {err}") from None
     if args.json:
@@ -81,6 +82,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
                           "fail_on": args.fail_on, "fails": report.fails(args.fail_on)}))
     else:
         sys.stdout.write(replay.render_text(report, args.log, args.policy))
+    if items.nothing_read():
+        print(f"egresswall replay: {items.nothing_read()}", file=sys.stderr)
+        return EXIT_ERROR
     if args.fail_on is not None and report.replayed == 0:
         # A gate pointed at the wrong file, or an empty one, vouches for nothing: it fails rather than pass.
         print("egresswall: replay --fail-on: no decision line was replayed, so the policy was checked against "
@@ -98,8 +102,9 @@ def cmd_suggest(args: argparse.Namespace) -> int:
         raise UsageError(f"--expires {args.expires}: {err}") from None
     options = suggest.Options(owner=args.owner, expires=expires, domains=args.domains)
     since = _moment(args.since, "--since")
+    items = Tally(read_logs(args.log))
     try:
-        found = suggest.collect(read_logs(args.log), policy=policy, since=since)
+        found = suggest.collect(items, policy=policy, since=since)
     except OSError as err:
         raise UsageError(f"cannot read the log: {err}") from None
     source = f"the address rules of {args.policy}" if policy else "the built-in rules (global unicast only)"
@@ -115,4 +120,7 @@ def cmd_suggest(args: argparse.Namespace) -> int:
     unread = sum(s.count for s in found.not_read.values())
     print(f"egresswall suggest: {names} name(s) suggested, {len(found.listed_apart())} listed apart, "
           f"{unread} line(s) not read (see the comments)", file=sys.stderr)
+    if items.nothing_read():  # a block suggested from nothing is no answer: say so, and fail
+        print(f"egresswall suggest: {items.nothing_read()}", file=sys.stderr)
+        return EXIT_ERROR
     return EXIT_OK
