@@ -42,6 +42,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from policy.addresses import cap_group
 from policy.credentials import Credentials
@@ -135,8 +136,12 @@ def is_loopback(host: str) -> bool:
 class BrowserServer:
     def __init__(self, plan: LaunchPlan, host: str = "127.0.0.1", port: int = 3000, start_timeout: float = 60.0,
                  limits: ServerLimits | None = None, key_of: Callable[[Any], str] = client_key,
-                 sessions_refused: str | None = None, driver_port: int = 0) -> None:
+                 sessions_refused: str | None = None, driver_port: int = 0,
+                 own_endpoint: Callable[[str, int], None] | None = None) -> None:
         self.plan = plan
+        # Told each (host, port) this server and its drivers listen on, as they start: an in-process proxy
+        # refuses them (rule self), so a page whose policy admits loopback cannot drive its own browser.
+        self.own_endpoint = own_endpoint
         # The Playwright driver's loopback port (0: any free one). A fixed one lets a pod's packet filter admit
         # it for the browser's own user only (compose/k8s/egress-lock.nft's driver_port).
         self.driver_port = driver_port
@@ -184,6 +189,9 @@ class BrowserServer:
                              max_queue=MAX_QUEUE, ping_interval=None, process_request=self._process_request,
                              server_header=None) as server:
                 bound = server.sockets[0].getsockname()
+                if self.own_endpoint is not None:
+                    for sock in server.sockets:
+                        self.own_endpoint(*sock.getsockname()[:2])
                 host = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
                 self.endpoint = f"ws://{host}:{bound[1]}/"
                 print(f"egresswall: browser server listening on {self.endpoint} (Chromium behind the proxy "
@@ -244,6 +252,10 @@ class BrowserServer:
         self.metrics.browser_starts += 1
         self._oom_kills_seen = group.oom_kills() if group is not None else 0
         await browser.start()
+        if self.own_endpoint is not None and browser.upstream is not None:
+            driver = urlsplit(browser.upstream)
+            assert driver.hostname is not None and driver.port is not None
+            self.own_endpoint(driver.hostname, driver.port)
         self.ready.set()
 
     async def _supervise(self, workdir: Path) -> None:

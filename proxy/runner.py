@@ -52,7 +52,7 @@ class ProxyRunner:
                                        configured=bool(config.admin_token_file or config.session_store))
         self.gate = Gate(self.holder, self.audit, self.metrics, share=config.worker_count, sessions=self.sessions)
         for host, port in config.extra_self_endpoints:
-            self.gate.self_endpoints.add((_endpoint_host(host), port))
+            self.gate.self_endpoints.add((endpoint_host(host), port))
         self.patch_state = patch_state_for(self.gate, first_byte_timer=False)  # the front bounds first bytes
         upstream = self.holder.policy.upstream
         # Read now, so a missing or world-readable file fails before anything listens (and in the caller).
@@ -136,7 +136,7 @@ class ProxyRunner:
                     self.listen_address = await self.front.start(host, port, reuse_port=self.config.reuse_port)
                 except OSError as err:
                     raise ListenError(PROXY, (host, port), err) from err
-                self.gate.self_endpoints.add((_endpoint_host(self.listen_address[0]), self.listen_address[1]))
+                self.gate.self_endpoints.add((endpoint_host(self.listen_address[0]), self.listen_address[1]))
                 if self.config.admin_socket is not None:
                     await self.admin.start_unix(self.config.admin_socket)
                 elif self.config.admin is not None:
@@ -145,7 +145,7 @@ class ProxyRunner:
                     except OSError as err:
                         raise ListenError(ADMIN, self.config.admin, err) from err
                     for address in self.admin.addresses:  # a name may have bound more than one
-                        self.gate.self_endpoints.add((_endpoint_host(address[0]), address[1]))
+                        self.gate.self_endpoints.add((endpoint_host(address[0]), address[1]))
                 self._close_internal_listener()
                 self.holder.start_watching(self.config.watch_interval)
                 self._session_watch = asyncio.get_running_loop().create_task(self._watch_sessions())
@@ -217,7 +217,7 @@ class ProxyRunner:
             addresses = server.listen_addrs()
             if addresses:
                 for address in addresses:
-                    self.gate.self_endpoints.add((_endpoint_host(address[0]), address[1]))
+                    self.gate.self_endpoints.add((endpoint_host(address[0]), address[1]))
                 return True
             failure = next((i.last_exception for i in server.servers if i.last_exception is not None), None)
             if failure is not None:
@@ -330,7 +330,8 @@ def _listen_with_reuse_port() -> None:
     asyncio.start_server = start_server
 
 
-def _endpoint_host(host: str) -> str:
+def endpoint_host(host: str) -> str:
+    """A listener's address as the gate's self endpoints hold it: "*" for a wildcard (every address here)."""
     return "*" if host in ("0.0.0.0", "::", "") else host
 
 

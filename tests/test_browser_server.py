@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -307,3 +308,41 @@ def _playwright_version() -> str:
     from importlib.metadata import version
 
     return version("playwright")
+
+
+def test_an_in_process_proxy_refuses_the_browser_server_and_its_driver(lab, tmp_path):
+    """With --policy the browser server runs its proxy in-process, and neither the server's own port nor the
+    Playwright driver's was one of that proxy's endpoints: a policy admitting loopback let a page connect to the
+    server that drives its own browser (review round 17). Both are refused now, rule ``self``."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        driver_port = probe.getsockname()[1]
+    policy = tmp_path / "loopback.yaml"
+    policy.write_text(lab.policy_text().replace(f"allow: [{lab.public.host}/32]", "allow: [127.0.0.0/8]")
+                      .replace(f"  http: {sorted({80, lab.public.port})}", "  http: ['1-65535']")
+                      .replace(f"  connect: {sorted({443, lab.public_tls.port})}", "  connect: ['1-65535']"))
+    log = tmp_path / "server.stderr"
+    with open(log, "wb") as err:
+        process = subprocess.Popen([sys.executable, "-m", "proxy.cli", "browser-server", "--port", "0", "--policy",
+                                    str(policy), "--driver-port", str(driver_port), *NO_SANDBOX_ARGS], cwd=ROOT,
+                                   stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        deadline, match = time.monotonic() + 90, None
+        while time.monotonic() < deadline and match is None and process.poll() is None:
+            match = re.search(r"listening on ws://127\.0\.0\.1:(\d+)/ \(Chromium behind the proxy http://127\.0\.0\.1:(\d+)",
+                              log.read_text(errors="replace"))
+            time.sleep(0.1)
+        assert match, log.read_text(errors="replace")
+        server_port, proxy_port = int(match.group(1)), int(match.group(2))
+        for port in (server_port, driver_port):
+            with socket.create_connection(("127.0.0.1", proxy_port), timeout=10) as sock:
+                sock.sendall(f"GET http://127.0.0.1:{port}/ HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
+                answer = sock.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 403") and b"X-Egresswall-Rule: self" in answer, (port, answer)
+            with socket.create_connection(("127.0.0.1", proxy_port), timeout=10) as sock:
+                sock.sendall(f"CONNECT 127.0.0.1:{port} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
+                answer = sock.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 403") and b"X-Egresswall-Rule: self" in answer, (port, answer)
+    finally:
+        process.terminate()
+        assert process.wait(30) == 0, log.read_text(errors="replace")

@@ -88,7 +88,8 @@ def cmd_browser_server(args: argparse.Namespace) -> int:
     with browser_proxy(args) as proxy:
         server = BrowserServer(proxy.plan, args.host, args.port, limits=limits,
                                sessions_refused=EMBEDDED_NO_SESSIONS if proxy.embedded else None,
-                               driver_port=args.driver_port)
+                               driver_port=args.driver_port,
+                               own_endpoint=proxy.embedded.refuse_endpoint if proxy.embedded else None)
         try:
             asyncio.run(server.run())
         except OSError as err:

@@ -19,7 +19,7 @@ from policy.loader import Overrides
 from policy.model import Policy
 from policy.sessions import Session, SessionSpec
 from proxy.listeners import authority
-from proxy.runner import ProxyRunner, RunConfig
+from proxy.runner import ProxyRunner, RunConfig, endpoint_host
 
 
 class EmbeddedProxy:
@@ -100,6 +100,14 @@ class EmbeddedProxy:
             self.stop()
             raise self._error or RuntimeError("the in-process proxy stopped during start-up")
         return self
+
+    def refuse_endpoint(self, host: str, port: int) -> None:
+        """Count (host, port) as egresswall's own (rule ``self``): a listener of this process the proxy must never
+        carry a client to, such as the browser server in front of the browser this proxy contains. Safe from
+        any thread (the gate is the proxy loop's)."""
+        endpoint = (endpoint_host(host), port)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.runner.gate.self_endpoints.add, endpoint)
 
     def stop(self, timeout: float = 15.0) -> None:
         if self._thread is not None and self._thread.is_alive() and self._loop is not None:
