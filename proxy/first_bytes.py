@@ -101,9 +101,9 @@ def _tls_hello(data: bytes | bytearray, scan: HelloScan, connect_host: str, ech_
     if hello.sni is not None and hello.sni != connect_host:
         return FirstBytes.refuse("tls:sni", f"TLS SNI {hello.sni} does not match the CONNECT host {connect_host}")
     if hello.ech and not ech_allowed:
-        return FirstBytes.refuse("tls:ech", "the ClientHello carries Encrypted Client Hello (extension 0xfe0d), which "
-                                            "hides the real destination behind the outer name; set tls.ech: allow "
-                                            "to let it through")
+        return FirstBytes.refuse("tls:ech", "the ClientHello carries Encrypted Client Hello (extension 0xfe0d, a "
+                                            "draft's code point or ESNI's), which hides the real destination behind "
+                                            "the outer name; set tls.ech: allow to let it through")
     return FirstBytes(kind="tls", sni=hello.sni, hello_size=hello.size)
 
 

@@ -24,6 +24,9 @@ from policy.hosts import HostFormError, normalise_host
 MAX_HELLO_BYTES: Final = 32 * 1024  # Chromium's, with post-quantum key shares, is under 2 KiB
 MAX_HELLO_RECORDS: Final = 256  # browsers and TLS libraries send one (two past 16 KiB); DPI evaders split more
 SERVER_NAME, ENCRYPTED_CLIENT_HELLO = 0x0000, 0xFE0D
+# Every extension that carries a name the proxy cannot read: ECH (RFC 9849's code point, and drafts 08 to 12's,
+# which some servers still honour) and ESNI (draft-ietf-tls-esni-02 to -06, which Firefox sent without an SNI).
+ENCRYPTED_NAME_EXTENSIONS: Final = frozenset({ENCRYPTED_CLIENT_HELLO, *range(0xFE08, 0xFE0D), 0xFFCE})
 HANDSHAKE_CLIENT_HELLO = 0x01
 NEED_MORE: Final = None
 # The answer to a refused ClientHello, on every path: a TLS 1.2 record: alert (21), version 3.3, length 2,
@@ -40,7 +43,7 @@ class HelloError(ValueError):
 @dataclass(frozen=True)
 class ClientHelloInfo:
     sni: str | None  # normalised (A-label, lower case); None when the extension is absent
-    ech: bool  # carries an encrypted_client_hello extension (real, or Chromium's GREASE)
+    ech: bool  # carries an encrypted name: ECH (real, or Chromium's GREASE), a draft of it, or ESNI
     size: int  # bytes of records it took
 
 
@@ -89,6 +92,12 @@ class HelloScan:
             self.payload += size
             self.offset += 5 + size
             self.done = len(self.head) == 4 and self.payload >= 4 + int.from_bytes(self.head[1:4], "big")
+        if self.done and self.payload > 4 + int.from_bytes(self.head[1:4], "big"):
+            # A client sends nothing after its ClientHello until the server answers: what shares its record
+            # would reach the server unjudged (a second hello naming another host).
+            extra = self.payload - 4 - int.from_bytes(self.head[1:4], "big")
+            raise HelloError("tls:invalid-hello", f"the TLS record carrying the ClientHello holds {extra} more bytes "
+                                                  "after it (a client sends nothing more before the server answers)")
         return self.done
 
 
@@ -128,7 +137,7 @@ def read_client_hello(data: bytes | bytearray, scan: HelloScan | None = None) ->
     if len(names) > 1:
         raise HelloError("tls:sni", "the ClientHello carries the server_name extension twice")
     sni = _server_name(names[0]) if names else None
-    ech = any(kind == ENCRYPTED_CLIENT_HELLO for kind, _ in extensions)
+    ech = any(kind in ENCRYPTED_NAME_EXTENSIONS for kind, _ in extensions)
     return ClientHelloInfo(sni, ech, _records_length(data, len(handshake)))
 
 

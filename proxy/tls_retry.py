@@ -142,8 +142,9 @@ def judge_retry_hello(first_sni: str | None, second: ClientHelloInfo, ech_allowe
                                          f"{_named(second.sni)}, the first named {_named(first_sni)}")
     if second.ech and not ech_allowed:
         return HelloError("tls:ech", "the second ClientHello (after the server's HelloRetryRequest) carries "
-                                     "Encrypted Client Hello (extension 0xfe0d), which hides the real destination "
-                                     "behind the outer name; set tls.ech: allow to let it through")
+                                     "Encrypted Client Hello (extension 0xfe0d, a draft's code point or ESNI's), "
+                                     "which hides the real destination behind the outer name; set tls.ech: allow "
+                                     "to let it through")
     return None
 
 

@@ -54,6 +54,19 @@ def test_encrypted_client_hello_is_seen():
     assert read_client_hello(client_hello(b"a.example", extra=(extension(ECH, b"\x00" * 40),))).ech
 
 
+@pytest.mark.parametrize("kind", [0xFE08, 0xFE0A, 0xFE0C, 0xFFCE])
+@pytest.mark.parametrize("sni", [b"a.example", None])
+def test_a_drafts_ech_and_esni_count_as_encrypted_client_hello(kind, sni):
+    """Only 0xfe0d was read as ECH: a ClientHello carrying ESNI (0xffce; Firefox sent it without an SNI) or a
+    draft's ECH code point went through where tls.ech refuses ECH (review round 17), to a server that honours it."""
+    assert read_client_hello(client_hello(sni, extra=(extension(kind, b"\x00" * 40),))).ech
+
+
+@pytest.mark.parametrize("kind", [0xFE07, 0xFE0E, 0xFFCD, 0x0010])
+def test_other_extensions_are_not_encrypted_client_hello(kind):
+    assert not read_client_hello(client_hello(b"a.example", extra=(extension(kind, b"\x00" * 4),))).ech
+
+
 @pytest.mark.parametrize("size", [1, 7, 50])
 def test_a_hello_split_over_records_and_writes_is_read_whole_only(size):
     data = client_hello(b"split.example", record_size=size)
@@ -106,3 +119,17 @@ def test_any_valid_name_survives_any_split(name, size):
         return
     data = client_hello(name.encode(), record_size=size)
     assert read_client_hello(data).sni == name
+
+
+@pytest.mark.parametrize("extra", [b"\x01", client_hello(b"b.example")[5:]])
+def test_bytes_after_the_hello_in_its_own_record_are_refused(extra):
+    """One record held the ClientHello for a.example and a second for b.example: the transports relayed the whole
+    record, so the origin got a hello nobody judged (review round 17). A client sends nothing after its hello
+    before the server answers."""
+    hello = client_hello(b"a.example")
+    handshake = hello[5:] + extra
+    record = b"\x16\x03\x01" + len(handshake).to_bytes(2, "big") + handshake
+    with pytest.raises(HelloError) as refused:
+        read_client_hello(record)
+    assert refused.value.rule == "tls:invalid-hello" and f"holds {len(extra)} more bytes" in refused.value.reason
+    assert read_client_hello(hello + b"\x17\x03\x03\x00\x01x").size == len(hello)  # a next record stays apart

@@ -109,6 +109,17 @@ class DecisionAddon:
             if flow.error is None:
                 refuse_before_body(flow, to_response(refusal))
             return
+        if request.http_version not in ("HTTP/1.0", "HTTP/1.1"):
+            # mitmproxy reads any HTTP/d.d line: HTTP/1.2 and HTTP/2.0 requests without a Host reached the origin
+            # without one (the Host this path adds is for 1.0 and 1.1), and the fast path hands such lines here.
+            # (HTTP/2 itself is never offered to a client: LimitsOptions.)
+            refusal = self.gate.refuse(client, request.method, None, 505, "form", "http:version",
+                                       f"the request line says {request.http_version[:20]!r}; egresswall reads "
+                                       "HTTP/1.0 and HTTP/1.1 requests here",
+                                       url=request.pretty_url, flow_id=flow.metadata[FLOW_ID], accept=accept_of(flow),
+                                       session=session)
+            refuse_before_body(flow, to_response(refusal))
+            return
         upgrade = upgrade_kind(request.headers.get_all("upgrade"))
         if upgrade == OTHER_UPGRADE:
             values = ", ".join(request.headers.get_all("upgrade"))[:100]

@@ -9,6 +9,8 @@ Bodies are streamed per flow by ``BodyLimit``, never by mitmproxy's size heurist
 
 from __future__ import annotations
 
+import math
+
 from mitmproxy import ctx
 
 from ..gate import Gate
@@ -20,7 +22,10 @@ class LimitsOptions:
         self._applied: float | None = None
 
     def wanted(self) -> dict:
-        return dict(connection_strategy="eager", tcp_timeout=int(self.gate.policy.limits.idle_timeout),
+        # mitmproxy's tcp_timeout is whole seconds: rounded up (int() made 0.5 s a timeout of 0, which closed every
+        # connection at once, and 1.9 s one second)
+        idle = max(1, math.ceil(self.gate.policy.limits.idle_timeout))
+        return dict(connection_strategy="eager", tcp_timeout=idle,
                     http2=False, http3=False, stream_large_bodies=None, body_size_limit=None, websocket=True,
                     rawtcp=False)  # never a raw TCP relay by mitmproxy's guess (egresswall chooses tunnel layers)
 

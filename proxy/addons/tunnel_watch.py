@@ -9,9 +9,10 @@ is decided by ``requestheaders``. ``tls_clienthello`` checks the SNI of intercep
 
 from __future__ import annotations
 
+import asyncio
 import time
 
-from mitmproxy import ctx
+from mitmproxy import ctx, http
 from mitmproxy.proxy import layer as mlayer
 from mitmproxy.proxy.layers import HttpLayer
 from mitmproxy.proxy.layers.http import HTTPMode
@@ -30,6 +31,28 @@ DECIDED = "egresswall_tunnel_decided"
 class TunnelWatch:
     def __init__(self, gate: Gate, table: ConnectionTable) -> None:
         self.gate, self.table = gate, table
+        self.begun: set[str] = set()  # tunnels (their server ids) whose first bytes came: TunnelStart bounds them
+
+    def http_connected(self, flow: http.HTTPFlow) -> None:
+        """mitmproxy asks for a tunnel's layer only at the client's first byte, so a client that sent nothing after
+        the 200 met no ``limits.header_timeout`` (only the idle timeout, 120 s by default) and its line said it had
+        closed (review round 17). The bound is kept from here until the first byte, as the front keeps it."""
+        tunnel = self.table.tunnels.get(flow.server_conn.id)
+        if tunnel is None:
+            return
+        remaining = max(0.0, self.gate.policy.limits.header_timeout - (time.monotonic() - tunnel.started))
+        asyncio.get_running_loop().call_later(remaining, self._first_bytes_due, flow.server_conn.id,
+                                              flow.client_conn.id)
+
+    def _first_bytes_due(self, server_id: str, client_id: str) -> None:
+        if server_id in self.begun:
+            self.begun.discard(server_id)
+            return
+        tunnel = self.table.tunnels.pop(server_id, None)
+        if tunnel is None:
+            return  # it ended before
+        self.gate.tunnel_start_timed_out(tunnel, 0)
+        close_client(client_id)
 
     def next_layer(self, nextlayer: mlayer.NextLayer) -> None:
         context = nextlayer.context
@@ -45,6 +68,7 @@ class TunnelWatch:
             return
         context.server.__dict__[DECIDED] = True
         server_id = context.server.id
+        self.begun.add(server_id)
 
         def choose(judged: FirstBytes) -> mlayer.Layer:
             if judged.refused:
