@@ -37,12 +37,15 @@ import pytest
 from dnslab import DnsLab, Record
 from labnet import StandIn, Upstream
 from proxyproc import parse_response
+from squid_compat.acls import Probe as SquidProbe
 from squid_compat.addrsets import cidrs
+from squid_compat.exporter import export_policy
 from squid_compat.importer import import_conf
 from squid_files import hand_to_squid_user
 
 from policy.decision import Request, Resolution, decide
 from policy.hosts import HostFormError, parse_authority, parse_url
+from policy.loader import parse_policy
 
 pytestmark = pytest.mark.integration
 
@@ -147,9 +150,44 @@ cache_peer 127.0.0.9 parent 3999 0 no-query default
 ssl_bump peek all
 ssl_bump splice all
 """,
+    # squid's own reading (review round 17): ACL names in any case (acl blocked and acl BLOCKED are one ACL;
+    # deny ALL is all), a comment and a blank line inside a continuation (skipped, the line goes on), method
+    # names in lower case, an access line without ACLs (skipped, not an allow-all), a value file whose line has
+    # two words (one value, never matching) or a form feed (not a separator), a no-break space inline (not a
+    # separator), a non-contiguous netmask (its leading ones: 127.0.0.4/30 takes in client 127.0.0.5).
+    "squid-syntax": """\
+acl Safe_ports port 80 443 1025-65535
+acl blocked dstdomain .blocked.lab.test \\
+# a comment inside a continuation: squid skips it and keeps joining
+
+    a.regex.lab.test
+acl BLOCKED dstdomain other.lab.test
+acl writes method post put
+acl far src 127.0.0.4/255.255.255.253
+acl sites dstdomain "{dir}/syntax-sites.txt" .allowed.lab.test\u00a0.lab.test
+{guard}http_access deny !Safe_ports
+http_access deny blocked
+http_access deny writes
+http_access deny far
+http_access allow sites
+http_access allow   # TODO: the build farm
+http_access deny ALL
+""",
+    # A dstdom_regex with alternation matches either side anywhere: not confined to exact.lab.test.
+    "regex-alternation": """\
+acl Safe_ports port 80 443 1025-65535
+acl sites dstdomain regex.lab.test
+acl rx dstdom_regex ^api\\.|\\.exact\\.lab\\.test$
+{guard}http_access deny !Safe_ports
+http_access allow sites
+http_access deny rx
+http_access allow all
+""",
 }
 DOMAIN_FILES = {"build-domains.txt": ".allowed.lab.test\napi.lab.test\n",
-                "staff-domains.txt": "exact.lab.test\n.regex.lab.test\n.allowed.lab.test\n"}
+                "staff-domains.txt": "exact.lab.test\n.regex.lab.test\n.allowed.lab.test\n",
+                "syntax-sites.txt": "exact.lab.test .xregex.lab.test\nregex.lab.test   # the name itself\n"
+                                    ".deep.www.allowed.lab.test\x0c.lab.test\n"}
 INCLUDED = """\
 acl readonly method GET HEAD
 acl rx dstdom_regex -i ^(.*\\.)?regex\\.lab\\.test$
@@ -395,10 +433,23 @@ def category(result, probe: Probe, egress_headers: dict[str, str]) -> str | None
     outcome = result.squid_outcome(probe.client, probe.kind, probe.method, probe.port, name, answers)
     if not outcome.allowed:
         return "undecided" if "allow" in outcome.actions else None
+    if _undecided_for_its_class(result, probe, name):
+        return "undecided"
     for loss in result.losses:
         if _covers(result, loss, probe, name):
             return loss.category
     return None
+
+
+def _undecided_for_its_class(result, probe: Probe, name: str) -> bool:
+    """squid's answer for the request class the host falls in (not for the host itself) is undecided: a
+    regex egresswall cannot read is evaluated on one host exactly, on a class of hosts not at all."""
+    region = result.region_of(name)
+    named = result.space.methods[:-1]
+    method = probe.method if probe.method in named or probe.kind == "connect" else result.space.other_method
+    class_probe = SquidProbe(netaddr.IPAddress(probe.client), probe.kind, method, probe.port, region.host)
+    outcome = result.program.evaluate(class_probe, result.context)
+    return not outcome.allowed and "allow" in outcome.actions
 
 
 def _covers(result, loss, probe: Probe, name: str) -> bool:
@@ -504,3 +555,59 @@ def test_reverse_dns_names_are_a_documented_difference(squid_lab, start_squid) -
     assert "reverse (PTR)" in result.yaml
     for address in (PUBLIC, LITERAL):
         assert pure_decision(result.policy, Probe("ptr", "127.0.0.1", "GET", address, public.port))
+
+
+EXPORTED = """\
+version: 1
+default: allow
+ports: {connect: [443, "1025-65535"], http: [80, "1025-65535"]}
+hosts:
+  deny:
+    - host: .nx.lab.test
+      paths: ["/admin"]
+    - .bücher.lab.test
+"""
+
+
+def test_squid_enforces_the_exported_path_and_unicode_denials(squid_lab, start_squid) -> None:
+    """Real squid with `squid export`'s file (review round 17): the path deny held only until a backslash ending
+    the line before it joined it into an ACL, and a deny of .bücher.lab.test held only for the A-label spelling.
+    nx.lab.test does not resolve, so only the host and path lines decide (squid never connects)."""
+    workdir = squid_workdir("export")
+    squid_port = free_port()
+    conf = workdir / "squid.conf"
+    conf.write_text(PLUMBING.format(squid_port=squid_port, dir=workdir, dns=DNS_HOST) + _guard()
+                    + export_policy(parse_policy(EXPORTED, "p.yaml")))
+    requests = {
+        "GET http://nx.lab.test/admin": True, "GET http://www.nx.lab.test/admin/x": True,
+        "GET http://nx.lab.test/a/../admin": True, "GET http://nx.lab.test/ok": False,
+        "GET http://xn--bcher-kva.lab.test/": True, "GET http://bücher.lab.test/": True,
+        "GET http://BÜCHER.lab.test/": True, "CONNECT bücher.lab.test:443": True,
+        "GET http://nx-other.lab.test/": False,
+    }
+    squid = start_squid(conf, squid_port, workdir)
+    try:
+        answers = {line: _ask_raw(squid_port, line) for line in requests}
+    finally:
+        squid.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    wrong = [f"{line}: squid {'refused' if refused else 'did not refuse'}"
+             for line, refused in answers.items() if refused != requests[line]]
+    assert not wrong, "\n".join(wrong)
+
+
+def _ask_raw(port: int, line: str) -> bool:
+    """Send one request line (UTF-8 bytes as written) to squid; True when squid refused it by access control."""
+    method, target = line.split(" ", 1)
+    host = target.split("/")[2] if "://" in target else target
+    request = f"{method} {target} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=15) as sock:
+        sock.sendall(request)
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            head += chunk
+    status, headers, _ = parse_response(head)
+    return squid_refused(status, headers)

@@ -3,6 +3,7 @@ import(export(P)) deciding like P on a corpus."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 import netaddr
 import pytest
 from squid_compat.addrsets import MAPPED
+from squid_compat.conf import read_conf_text
 from squid_compat.exporter import export_policy
 from squid_compat.importer import import_text
 
@@ -191,3 +193,92 @@ def test_cli_export(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=60, cwd=Path(__file__).parent.parent)
     assert done.returncode == 0, done.stderr
     assert "http_access deny ew_refused_addresses" in out.read_text()
+
+
+# ---- lines squid reads as written (review round 17) --------------------------------------------------------
+
+PATH_DENY = """\
+version: 1
+default: allow
+hosts:
+  deny:
+    - host: .evil.test
+      paths: ["/admin"]
+"""
+
+
+def squid_lines(exported: str) -> list[str]:
+    """The directives squid makes of an exported file (the import reads squid.conf as squid does)."""
+    directives, _ = read_conf_text(exported, "exported.conf")
+    return [directive.text for directive in directives]
+
+
+def test_no_exported_line_ends_with_a_backslash() -> None:
+    # ew_ambiguous_path's last value was \\: squid read it as a continuation and joined the next line, the deny of
+    # /admin, into the ACL (measured: /admin was no longer refused).
+    exported = export_policy(parse_policy(PATH_DENY, "p.yaml"))
+    assert not [line for line in exported.splitlines() if line.endswith("\\") and not line.startswith("#")]
+    lines = squid_lines(exported)
+    assert "http_access deny ew_host1 ew_paths2" in lines
+    assert "http_access deny ew_host1 ew_ambiguous_path" in lines
+    ambiguous = next(line for line in lines if line.startswith("acl ew_ambiguous_path"))
+    assert ambiguous.endswith("[\\]") and "http_access" not in ambiguous
+
+
+@pytest.mark.parametrize("path, written", [("/a\\\\", "^/a[\\]"), ("/a\\\\b*", "^/a[\\]b.*$"),
+                                           ("/x.y", "^/x\\.y")])
+def test_path_regexes_are_posix_literals_that_end_in_no_backslash(path: str, written: str) -> None:
+    text = PATH_DENY.replace('["/admin"]', f'["{path}"]')
+    exported = export_policy(parse_policy(text, "p.yaml"))
+    assert f"acl ew_paths2 urlpath_regex {written}" in squid_lines(exported)
+
+
+@pytest.mark.parametrize("path", ["/a b", "/a\nhttp_access allow all", "/ü"])
+def test_a_path_squid_conf_cannot_carry_makes_the_rule_stricter(path: str) -> None:
+    deny = export_policy(parse_policy(PATH_DENY.replace('["/admin"]', json.dumps([path])), "p.yaml"))
+    lines = squid_lines(deny)
+    assert "http_access deny ew_host1" in lines  # every path of the host refused
+    assert lines[-1] == "http_access allow all" and lines.count("http_access allow all") == 1
+    allow = export_policy(parse_policy(PATH_DENY.replace("default: allow", "default: deny").replace("deny:", "allow:")
+                                       .replace('["/admin"]', json.dumps([path])), "p.yaml"))
+    assert not [line for line in squid_lines(allow) if line.startswith("http_access allow")]
+
+
+IDN_DENY = """\
+version: 1
+default: allow
+hosts:
+  deny:
+    - .bücher.example
+    - "*.ñandú.example"
+"""
+
+
+def test_idn_names_are_written_in_both_spellings_and_other_spellings_are_refused() -> None:
+    # squid compares the bytes a client wrote: a deny of only .xn--bcher-kva.example let GET http://bücher.example/
+    # through (measured). Upper case, NFD or full-width dots are spellings no list can follow: refused.
+    exported = export_policy(parse_policy(IDN_DENY, "p.yaml"))
+    lines = squid_lines(exported)
+    assert "acl ew_host1 dstdomain -n .xn--bcher-kva.example .bücher.example" in lines
+    assert "acl ew_host2 dstdom_regex -n \\.xn--and-6ma2c\\.example$ \\.ñandú\\.example$" in lines
+    assert "acl ew_non_ascii_host dstdom_regex -n [^!-~]" in lines
+    assert lines.index("http_access deny ew_non_ascii_host") < lines.index("http_access deny ew_host1")
+    back = import_text(exported, "exported.conf")
+    policy = parse_policy(IDN_DENY, "p.yaml")
+    for host in ("bücher.example", "www.xn--bcher-kva.example", "a.ñandú.example", "ñandú.example", "other.example"):
+        assert decision(back.policy, host, "GET", 80, "198.51.100.9", ("1.1.1.1",)) == \
+            decision(policy, host, "GET", 80, "198.51.100.9", ("1.1.1.1",)), host
+
+
+@pytest.mark.skipif(SQUID is None, reason="squid is not installed (make test installs it)")
+@pytest.mark.parametrize("text", [PATH_DENY, IDN_DENY])
+def test_squid_reads_the_export_line_by_line_as_written(text: str, tmp_path: Path) -> None:
+    conf = tmp_path / "squid.conf"
+    exported = export_policy(parse_policy(text, "p.yaml"))
+    conf.write_text(exported)
+    done = subprocess.run([SQUID, "-k", "parse", "-f", str(conf)], capture_output=True, text=True, timeout=60)
+    processed = [line.split("Processing: ", 1)[1] for line in (done.stdout + done.stderr).splitlines()
+                 if "Processing: " in line]
+    assert done.returncode == 0
+    written = [line for line in exported.splitlines() if line and not line.startswith("#")]
+    assert processed == written, "\n".join(processed)  # each line on its own, none joined to the next

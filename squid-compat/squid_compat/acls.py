@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import netaddr
@@ -129,31 +129,48 @@ class Acl:
 
 # ---- addresses -------------------------------------------------------------------------------------
 
-_DOTTED_MASK = re.compile(r"^(\d+)\.(\d+)\.(\d+)\.(\d+)$")
+# Values squid reads as 'all' (every IPv4 and IPv6 address), with an error asking for 'all' (acl_ip_data).
+ALL_SPELLINGS = ("all", "0/0", "0.0.0.0/0", "0.0.0.0/0.0.0.0", "0.0.0.0-255.255.255.255", "0.0.0.0-0.0.0.0/0")
+_IPV4_TEXT = re.compile(r"[0-9.]+")
+_IPV6_TEXT = re.compile(r"[0-9A-Fa-f:]+")
+_IPV6_DOTTED = re.compile(r"[0-9A-Fa-f:.]+")
 
 
 def parse_squid_address(text: str) -> netaddr.IPSet:
-    """squid's address syntax: ``all``, an address, ``addr/len``, ``addr/dotted-mask``, ``a1-a2``."""
-    if text == "all":
+    """squid 5's address syntax (``acl_ip_data::FactoryParse``): ``all`` and its old spellings, an address,
+    ``addr/len``, ``addr/dotted-mask``, ``a1-a2``. Anything squid reads in a way egresswall should not
+    guess at raises ValueError (the ACL is then undecided where the value matters)."""
+    if text in ALL_SPELLINGS:
         return netaddr.IPSet([ALL_V4, ALL_V6])
-    text = text.strip("[]") if text.startswith("[") and "]" in text and "/" not in text else text
     if "-" in text and "/" not in text:
         first, last = text.split("-", 1)
         return netaddr.IPSet(netaddr.IPRange(parse_ip(first), parse_ip(last)))
     address, slash, mask = text.partition("/")
-    ip = parse_ip(address.strip("[]"))
+    ip = parse_ip(address, dotted_ipv6=not slash)  # squid's masks do not apply to ::ffff:1.2.3.4 as written
     if not slash:
         return netaddr.IPSet([ip])
-    if _DOTTED_MASK.match(mask):
-        prefix = netaddr.IPAddress(mask).netmask_bits()
-    elif mask.isdigit():
-        prefix = int(mask)
-    else:
-        raise ValueError(f"{text!r}: the mask {mask!r} is neither a prefix length nor a dotted mask")
-    width = 32 if ip.version == 4 else 128
-    if prefix > width:
-        raise ValueError(f"{text!r}: prefix length {prefix} is longer than {width}")
+    prefix = _prefix_length(ip, mask, text)
+    if prefix == 0:
+        # squid's applyMask(0) sets the mask to all ones (measured, squid 5.7: 8.0.0.0/0 matches 8.0.0.0 only,
+        # ::/0 only ::); only the spellings in ALL_SPELLINGS mean every address.
+        return netaddr.IPSet([ip])
     return netaddr.IPSet([netaddr.IPNetwork(f"{ip}/{prefix}").cidr])
+
+
+def _prefix_length(ip: netaddr.IPAddress, mask: str, text: str) -> int:
+    """The prefix length squid uses for ``addr/mask``."""
+    width = 32 if ip.version == 4 else 128
+    if mask.isdigit() and mask.isascii():
+        if int(mask) > width:
+            raise ValueError(f"{text!r}: prefix length {mask} is longer than {width} (squid refuses to start)")
+        return int(mask)
+    if ip.version == 4 and _IPV4_TEXT.fullmatch(mask):
+        # A dotted mask: squid counts its leading one bits (Ip::Address::cidr) and ignores the rest, so
+        # 255.0.255.0 is /8 (measured, squid 5.7), not the /32 a strict parser makes of it.
+        bits = f"{int(parse_ip(mask)):032b}"
+        return len(bits) - len(bits.lstrip("1"))
+    raise ValueError(f"{text!r}: squid reads the mask {mask!r} in a way egresswall does not guess at "
+                     "(write addr/prefix-length)")
 
 
 MAPPED = netaddr.IPNetwork("::ffff:0:0/96")
@@ -175,14 +192,19 @@ def ip_text(address: netaddr.IPAddress) -> str:
         ipaddress.IPv6Address(int(address)))
 
 
-def parse_ip(text: str, unwrap: bool = False) -> netaddr.IPAddress:
+def parse_ip(text: str, unwrap: bool = False, dotted_ipv6: bool = False) -> netaddr.IPAddress:
+    """A plain IPv4 (dotted quad) or IPv6 address; ``dotted_ipv6`` also takes ``::ffff:1.2.3.4``, ``unwrap``
+    gives an IPv4-mapped address as its IPv4. squid reads other spellings too (inet_aton's ``10.1``, octal
+    ``010.0.0.1``, brackets, a dotted IPv6 with a mask) with results egresswall does not guess at: refused
+    here, so the value leaves its ACL undecided."""
+    allowed = (_IPV6_DOTTED if dotted_ipv6 else _IPV6_TEXT) if ":" in text else _IPV4_TEXT
     try:
-        if ":" in text:
-            address = netaddr.IPAddress(text, 6, flags=netaddr.INET_PTON)
+        if allowed.fullmatch(text):
+            address = netaddr.IPAddress(text, 6 if ":" in text else 4, flags=netaddr.INET_PTON)
             return address.ipv4() if unwrap and address.is_ipv4_mapped() else address
-        return netaddr.IPAddress(text, 4, flags=netaddr.INET_PTON)
     except (ValueError, netaddr.AddrFormatError):
-        raise ValueError(f"{text!r} is not an IP address") from None
+        pass
+    raise ValueError(f"{text!r} is not an IP address") from None
 
 
 class AddressAcl(Acl):
@@ -277,21 +299,55 @@ class PortAcl(Acl):
         return any(low <= probe.port <= high for low, high in self.ranges)
 
 
+# The methods squid 5.7 knows by name (Http::MethodType; the ones under NO_SPECIAL_HANDLING, PATCH among them,
+# are not compiled in). With relaxed_header_parser on (squid's default) squid reads them in any case, in ACL
+# values and in requests alike: "acl m method get connect" matches GET and CONNECT (measured). Any other
+# method is an extension method, compared as written, case included.
+SQUID_METHODS = frozenset({
+    "GET", "POST", "PUT", "HEAD", "CONNECT", "TRACE", "OPTIONS", "DELETE", "CHECKOUT", "CHECKIN", "UNCHECKOUT",
+    "MKWORKSPACE", "VERSION-CONTROL", "REPORT", "UPDATE", "LABEL", "MERGE", "BASELINE-CONTROL", "MKACTIVITY",
+    "PROPFIND", "PROPPATCH", "MKCOL", "COPY", "MOVE", "LOCK", "UNLOCK", "SEARCH", "PRI", "PURGE"})
+_NAMEABLE_METHOD = re.compile(r"[A-Z]{1,20}")  # a method egresswall's rules can name (policy/schema.json)
+
+
 class MethodAcl(Acl):
+    """``method``. egresswall compares a request's method upper-cased, so it cannot tell ``FROB`` from
+    ``frob``: where squid compares an extension method as written, the ACL is undecided for that method."""
+
+    # relaxed_header_parser off: squid compares every method as written (set by the importer).
+    case_exact = False
+
     def __init__(self, name: str, type_: str) -> None:
         super().__init__(name, type_)
-        self.methods: set[str] = set()
+        self.methods: set[str] = set()  # upper-cased methods squid matches in any case
+        self.case_sensitive: set[str] = set()  # upper-cased: squid matches one spelling of each
+        self.unnameable = False  # a method no egresswall rule can name: every other method is undecided
 
     def add(self, flags: list[str], values: list[tuple[str, Where]], notes: list[Note]) -> None:
         for value, where in values:
-            if value != value.upper():
-                notes.append(Note(where, f"acl {self.name} method {value}: squid compares methods case-sensitively; "
-                                         f"{value!r} only matches a request whose method is written that way",
-                                  "method", NOTE))
-            self.methods.add(value)
+            upper = value.upper() if value.isascii() else value
+            if upper in SQUID_METHODS and not self.case_exact:
+                self.methods.add(upper)
+            else:
+                self.case_sensitive.add(upper)
+                notes.append(Note(where, f"acl {self.name} method {value}: squid matches only a request whose method "
+                                         f"is written exactly {value!r}; egresswall compares methods upper-cased, so "
+                                         "the ACL is undecided for this method", "method", NOTE))
+            if not _NAMEABLE_METHOD.fullmatch(upper):
+                self.unnameable = True
+
+    def atoms(self) -> set[str]:
+        """The methods this ACL names, as egresswall rules can name them (request classes of their own)."""
+        return {m for m in self.methods | self.case_sensitive if _NAMEABLE_METHOD.fullmatch(m)}
 
     def _evaluate(self, probe: Probe, ctx: Context) -> Tri:
-        return probe.method in self.methods
+        if probe.method in self.methods:
+            return True
+        if probe.method in self.case_sensitive:
+            return None
+        # A probe's method stands for every method no ACL names: one this ACL names that has no class of
+        # its own (VERSION-CONTROL) may be among them.
+        return None if self.unnameable else False
 
 
 class ProtoAcl(Acl):
@@ -306,16 +362,62 @@ class ProtoAcl(Acl):
         return PROTO_OF_KIND[probe.kind] in self.protocols
 
 
+def acl_key(name: str) -> str:
+    """squid finds ACLs by name case-insensitively (``ACL::FindByName``: strcasecmp, ASCII letters only):
+    ``acl bad`` and ``acl BAD`` are one ACL, and ``http_access deny Bad`` uses it."""
+    return name.translate(_ASCII_LOWER)
+
+
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
+
+@dataclass(frozen=True)
+class Literal:
+    """One ACL named on an access line or in an any-of/all-of: its key (``acl_key``), ``!`` or not, and
+    whether it was defined when squid read the line (squid refuses to start otherwise)."""
+
+    name: str
+    negated: bool = False
+    undefined: bool = False
+    written: str = ""
+
+    @classmethod
+    def parse(cls, word: str, defined: Callable[[str], bool]) -> Literal:
+        negated = word.startswith("!")
+        name = word[1:] if negated else word
+        return cls(acl_key(name), negated, not defined(acl_key(name)), name)
+
+    def __str__(self) -> str:
+        return ("!" if self.negated else "") + (self.written or self.name)
+
+
+def literal_acl(literal: Literal, acls: dict[str, Acl]) -> Acl | None:
+    """The ACL a literal names; None when squid would not have found it (not defined, or not yet)."""
+    return None if literal.undefined else acls.get(literal.name)
+
+
+def literal_value(literal: Literal, probe: Probe, ctx: Context) -> Tri:
+    acl = literal_acl(literal, ctx.acls)
+    value = None if acl is None else acl.evaluate(probe, ctx)
+    return t_not(value) if literal.negated else value
+
+
 class GroupAcl(Acl):
-    """``any-of`` / ``all-of``: other ACLs combined."""
+    """``any-of`` / ``all-of``: other ACLs combined (each may be negated, as on an access line)."""
 
     def __init__(self, name: str, type_: str) -> None:
         super().__init__(name, type_)
-        self.groups: list[list[str]] = []  # each acl line is one group; lines are ORed
+        self.groups: list[list[Literal]] = []  # each acl line is one group; lines are ORed
+        self.defined: Callable[[str], bool] = lambda key: True  # set by the table before add()
         self._busy = False
 
     def add(self, flags: list[str], values: list[tuple[str, Where]], notes: list[Note]) -> None:
-        self.groups.append([value for value, _ in values])
+        group = [Literal.parse(value, self.defined) for value, _ in values]
+        for literal, (_, where) in zip(group, values, strict=True):
+            if literal.undefined:
+                notes.append(Note(where, f"acl {self.name} {self.type}: acl {literal.written} is not defined before "
+                                         "this line (squid refuses to start: 'ACL not found'); undecided", "syntax"))
+        self.groups.append(group)
 
     def _evaluate(self, probe: Probe, ctx: Context) -> Tri:
         if self._busy:
@@ -323,18 +425,13 @@ class GroupAcl(Acl):
         self._busy = True
         try:
             combine = t_or if self.type == "any-of" else t_and
-            return t_or(combine(_lookup(ctx, name, probe) for name in group) for group in self.groups)
+            return t_or(combine(literal_value(literal, probe, ctx) for literal in group) for group in self.groups)
         finally:
             self._busy = False
 
     def members(self) -> Iterable[str]:
         for group in self.groups:
-            yield from group
-
-
-def _lookup(ctx: Context, name: str, probe: Probe) -> Tri:
-    acl = ctx.acls.get(name)
-    return None if acl is None else acl.evaluate(probe, ctx)
+            yield from (literal.name for literal in group if not literal.undefined)
 
 
 class ManagerAcl(Acl):

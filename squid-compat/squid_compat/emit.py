@@ -12,6 +12,8 @@ from policy.model import ALLOW, DENY, HostRule, HostTable, Origin, Policy
 from policy.patterns import HostPattern
 from policy.ports import port_runs
 
+from .report import printable
+
 HTTP_SCHEMES = ("http", "ws")
 TLS_SCHEMES = ("https", "wss")
 
@@ -96,12 +98,15 @@ def _scalar(text: str) -> str:
     return text if _PLAIN.match(text) and text not in ("true", "false", "null", "yes", "no") else json.dumps(text)
 
 
-def _comment(text: str, indent: str) -> list[str]:
-    return [f"{indent}# {line}".rstrip() for line in text.splitlines()] if text else []
+def comment_lines(text: str, indent: str = "") -> list[str]:
+    """YAML comment lines for a text: one per ``\\n`` the text means as a line break, everything else that
+    could end a comment line or break the document (a NEL or line separator YAML reads as a line break, a
+    control character, a byte that is not UTF-8, from a file name or a squid.conf value) escaped."""
+    return [f"{indent}# {printable(line)}".rstrip() for line in text.split("\n")] if text else []
 
 
 def _rule_yaml(rule: RuleSpec, indent: str) -> list[str]:
-    out = _comment(rule.comment, indent)
+    out = comment_lines(rule.comment, indent)
     if rule.unconditional:
         return [*out, f"{indent}- {_scalar(rule.pattern)}"]
     out.append(f"{indent}- host: {_scalar(rule.pattern)}")
@@ -110,7 +115,7 @@ def _rule_yaml(rule: RuleSpec, indent: str) -> list[str]:
     if rule.schemes is not None:
         out.append(f"{indent}  schemes: [{', '.join(rule.schemes)}]")
     if rule.methods is not None:
-        out.append(f"{indent}  methods: [{', '.join(rule.methods)}]")
+        out.append(f"{indent}  methods: [{', '.join(_scalar(method) for method in rule.methods)}]")
     if rule.paths is not None:
         out.append(f"{indent}  paths: [{', '.join(json.dumps(p) for p in rule.paths)}]")
     return out
@@ -129,14 +134,14 @@ def _hosts_yaml(scope: ScopeSpec, indent: str) -> list[str]:
 
 
 def to_yaml(spec: PolicySpec) -> str:
-    out = [f"# {line}".rstrip() if line else "#" for line in spec.header]
+    out = [line for text in spec.header for line in (comment_lines(text) or ["#"])]
     out += ["version: 1", "mode: enforce"]
     scopes = spec.scopes
     global_scope = next((s for s in scopes if s.name is None), ScopeSpec(None, DENY,
                                                                              "every client has a role below"))
-    out += _comment(global_scope.default_comment, "")
+    out += comment_lines(global_scope.default_comment, "")
     out.append(f"default: {global_scope.default}")
-    out += _comment(spec.ports_comment, "")
+    out += comment_lines(spec.ports_comment, "")
     out += ["ports:", f"  connect: {_ports_yaml(spec.connect_ports)}", f"  http: {_ports_yaml(spec.http_ports)}"]
     if spec.address_allow or spec.address_deny:
         out.append("addresses:")
@@ -146,21 +151,21 @@ def to_yaml(spec: PolicySpec) -> str:
                 previous = None
                 for cidr, comment in entries:
                     if comment != previous:  # one comment for a run of entries with the same origin
-                        out += _comment(comment, "    ")
+                        out += comment_lines(comment, "    ")
                     previous = comment
                     out.append(f"    - {_scalar(cidr)}")
     if spec.nameservers:
-        out += _comment(spec.nameservers_comment, "")
+        out += comment_lines(spec.nameservers_comment, "")
         out += ["resolver:", f"  nameservers: [{', '.join(json.dumps(ns) for ns in spec.nameservers)}]"]
     out += _hosts_yaml(global_scope, "")
     roles = [s for s in scopes if s.name is not None]
     if roles:
         out.append("roles:")
         for role in roles:
-            out += _comment(role.comment, "  ")
+            out += comment_lines(role.comment, "  ")
             out.append(f"  - name: {_scalar(role.name or '')}")
             out.append(f"    clients: [{', '.join(_scalar(c) for c in role.clients)}]")
-            out += _comment(role.default_comment, "    ")
+            out += comment_lines(role.default_comment, "    ")
             out.append(f"    default: {role.default}")
             out += _hosts_yaml(role, "    ")
     return "\n".join(out) + "\n"

@@ -9,10 +9,12 @@ export refuses more than the policy, never less.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+import idna
 import netaddr
 
 from policy.model import ALLOW, DENY, HostRule, Policy, Role
@@ -20,8 +22,11 @@ from policy.patterns import PatternKind
 from policy.ports import port_runs
 
 from . import addrsets
+from .report import printable
 
 VALUES_PER_LINE = 8
+NON_ASCII_HOST = "[^!-~]"  # a host with any byte outside printable ASCII (squid has no locale: bytes)
+_POSIX_SPECIAL = frozenset(".[]()*+?{}|^$")
 
 
 @dataclass
@@ -38,7 +43,7 @@ class _Writer:
         return name
 
     def comment(self, text: str) -> None:
-        self.lines += [f"# {line}".rstrip() for line in text.splitlines()]
+        self.lines += [f"# {printable(line)}".rstrip() for line in text.split("\n")]
 
     def blank(self) -> None:
         self.lines.append("")
@@ -54,6 +59,15 @@ class _Writer:
     def name(self, stem: str) -> str:
         self.counter += 1
         return f"ew_{stem}{self.counter}"
+
+    def text(self) -> str:
+        """The file. squid joins a line ending in a backslash to the next one (an ACL value would swallow the
+        http_access line after it) and ends a line at a newline, carriage return or NUL: no line written may
+        do either, whatever a policy holds."""
+        for number, line in enumerate(self.lines, 1):
+            if any(ch in line for ch in "\n\r\0") or (line.endswith("\\") and not line.startswith("#")):
+                raise RuntimeError(f"internal error: exported line {number} would not read as written: {line!r}")
+        return "\n".join(self.lines) + "\n"
 
 
 def export_policy(policy: Policy, now: datetime | None = None) -> str:
@@ -105,7 +119,7 @@ def export_policy(policy: Policy, now: datetime | None = None) -> str:
         _rule(out, ALLOW, rule, None, now)
     out.comment(f"default {policy.default} ({policy.default_origin})")
     out.access(policy.default, "all")
-    return "\n".join(out.lines) + "\n"
+    return out.text()
 
 
 def _prologue(policy: Policy, out: _Writer) -> None:
@@ -119,6 +133,12 @@ def _prologue(policy: Policy, out: _Writer) -> None:
         out.comment("re-admitted by addresses.allow: " + ", ".join(allow)
                     + f"\n(to import this file back: egresswall squid import --readmit {' --readmit '.join(allow)})")
     out.acl("ew_refused_addresses", "dst", addrsets.cidrs(refused))
+    out.comment("Host names written with a byte outside printable ASCII: egresswall decides the A-label (xn--)\n"
+                "of a Unicode name, whatever its case, normal form or dots (bücher.example, BÜCHER.example and\n"
+                "bücher。example are all xn--bcher-kva.example); squid compares the bytes a client wrote, so no\n"
+                "host rule can follow every spelling. They are refused (browsers send A-labels); each host rule\n"
+                "below lists the Unicode spelling of a name too.")
+    out.acl("ew_non_ascii_host", "dstdom_regex", [NON_ASCII_HOST], "-n")
     out.acl("ew_connect", "method", ["CONNECT"])
     out.acl("ew_connect_ports", "port", _port_values(policy.connect_ports) or ["0"])
     out.acl("ew_http_ports", "port", _port_values(policy.http_ports) or ["0"])
@@ -126,6 +146,7 @@ def _prologue(policy: Policy, out: _Writer) -> None:
     out.acl("ew_https", "proto", ["HTTPS"])
     out.acl("ew_tls", "any-of", ["ew_connect", "ew_https"])
     out.access(DENY, "ew_refused_addresses")
+    out.access(DENY, "ew_non_ascii_host")
     out.comment("ports: a CONNECT and an absolute-form https:// request by ports.connect, plain HTTP by ports.http;\n"
                 "no scheme but http and https (ws/wss travel as http/https or CONNECT)")
     out.access(DENY, "ew_tls", "!ew_connect_ports")
@@ -181,37 +202,85 @@ def _rule(out: _Writer, action: str, rule: HostRule, src: str | None, now: datet
     for note in notes:
         out.comment(note)
     if rule.paths is not None:
-        name = out.name("paths")
-        out.acl(name, "urlpath_regex", [_path_regex(p) for p in rule.paths])
-        out.shared_acl("ew_ambiguous_path", "urlpath_regex",
-                       [r"(^|/)(\.|%2[eE]){1,2}(/|;|$)", r"%2[fF]", r"%5[cC]", r"\\"])
-        if action == ALLOW:
-            # egresswall admits no path a server may read as another one (/docs/../admin).
-            out.access(action, *conditions, name, "!ew_ambiguous_path")
-        else:
-            out.access(action, *conditions, name)
-            out.access(action, *conditions, "ew_ambiguous_path")
+        _path_rule(out, action, rule.paths, conditions)
         return
     out.access(action, *conditions)
 
 
+def _path_rule(out: _Writer, action: str, paths: tuple[str, ...], conditions: list[str]) -> None:
+    """A rule with a path condition: urlpath_regex, never admitting a path a server may read as another."""
+    regexes = {path: _path_regex(path) for path in paths}
+    unwritable = [path for path, regex in regexes.items() if regex is None]
+    written = [regex for regex in regexes.values() if regex is not None]
+    if unwritable:
+        out.comment(f"paths {', '.join(json.dumps(p) for p in unwritable)}: a character squid.conf cannot carry in a "
+                    "regex (a space, a control or non-ASCII character); "
+                    + ("this deny rule refuses every path" if action == DENY else "left out of this allow rule"))
+        if action == DENY:
+            out.access(action, *conditions)
+            return
+        if not written:
+            return
+    name = out.name("paths")
+    out.acl(name, "urlpath_regex", written)
+    # A backslash is written [\] (a member of a POSIX bracket): a value ending in \ would end its line in a
+    # backslash, and squid would join the next line (this rule's http_access) into the ACL.
+    out.shared_acl("ew_ambiguous_path", "urlpath_regex",
+                   [r"(^|/)(\.|%2[eE]){1,2}(/|;|$)", r"%2[fF]", r"%5[cC]", r"[\]"])
+    if action == ALLOW:
+        # egresswall admits no path a server may read as another one (/docs/../admin).
+        out.access(action, *conditions, name, "!ew_ambiguous_path")
+    else:
+        out.access(action, *conditions, name)
+        out.access(action, *conditions, "ew_ambiguous_path")
+
+
 def _host_acl(out: _Writer, rule: HostRule) -> str:
+    """The host pattern as an ACL, in every spelling squid may compare: the A-label and the Unicode one."""
     pattern = rule.pattern
     name = out.name("host")
+    spellings = _spellings(pattern.name)
     if pattern.kind is PatternKind.SUBDOMAINS:
-        out.acl(name, "dstdom_regex", ["\\." + re.escape(pattern.name).replace("\\-", "-") + "$"], "-n")
+        out.acl(name, "dstdom_regex", ["\\." + spelling.replace(".", "\\.") + "$" for spelling in spellings], "-n")
     elif ":" in pattern.name:
         out.acl(name, "dstdomain", [f"[{pattern.name}]"], "-n")
     else:
-        out.acl(name, "dstdomain", [("." if pattern.kind is PatternKind.DOMAIN else "") + pattern.name], "-n")
+        dot = "." if pattern.kind is PatternKind.DOMAIN else ""
+        out.acl(name, "dstdomain", [dot + spelling for spelling in spellings], "-n")
     return name
 
 
-def _path_regex(pattern: str) -> str:
-    """egresswall path patterns: a prefix, or a glob over the whole path when it has '*'."""
+def _spellings(name: str) -> list[str]:
+    """The name (A-labels, as egresswall keeps it) and, when it differs, its Unicode spelling: squid compares
+    the bytes a client wrote, and a client may write bücher.example for xn--bcher-kva.example."""
+    try:
+        unicode = ".".join(idna.ulabel(label) if label.startswith("xn--") else label for label in name.split("."))
+    except (idna.IDNAError, UnicodeError, ValueError):
+        return [name]
+    return [name] if unicode == name else [name, unicode]
+
+
+def _path_regex(pattern: str) -> str | None:
+    """egresswall path patterns: a prefix, or a glob over the whole path when it has '*'. None when a character
+    cannot be written in squid.conf."""
+    parts = [_posix_literal(part) for part in pattern.split("*")]
+    if any(part is None for part in parts):
+        return None
     if "*" in pattern:
-        return "^" + ".*".join(re.escape(part) for part in pattern.split("*")) + "$"
-    return "^" + re.escape(pattern)
+        return "^" + ".*".join(part or "" for part in parts) + "$"
+    return "^" + (parts[0] or "")
+
+
+def _posix_literal(text: str) -> str | None:
+    """The text as a POSIX extended regex matching it literally, or None when squid.conf cannot carry it (a
+    space ends the value, a newline the line). A backslash is [\\]: inside a bracket squid reads it as itself,
+    and the value cannot end in a backslash."""
+    out = []
+    for ch in text:
+        if not (ch.isascii() and ch.isprintable()) or ch == " ":
+            return None
+        out.append("[\\]" if ch == "\\" else "\\" + ch if ch in _POSIX_SPECIAL else ch)
+    return "".join(out)
 
 
 def _port_values(ports: frozenset[int]) -> list[str]:

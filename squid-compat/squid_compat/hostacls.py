@@ -6,6 +6,7 @@ Their values are also the *anchors* that cut the host space into regions (see ``
 from __future__ import annotations
 
 import re
+import string
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -13,6 +14,7 @@ from policy.hosts import HostFormError
 from policy.patterns import PatternKind, normalise_pattern_host
 
 from .acls import EXACT, IP_ANY, Acl, Context, HostRef, Probe, Tri, ip_text, parse_ip, t_or
+from .posixregex import compile_like_squid, needs_char_outside, parse, sre_constants
 from .report import NOTE, Note, Where
 
 
@@ -58,7 +60,7 @@ class DomainAcl(Acl):
             return
         if text.startswith("[") and text.endswith("]"):
             try:
-                self.ips.add(ip_text(parse_ip(text[1:-1], unwrap=True)))
+                self.ips.add(ip_text(parse_ip(text[1:-1], unwrap=True, dotted_ipv6=True)))
             except ValueError:
                 notes.append(Note(where, f"acl {self.name} dstdomain {raw}: not an IPv6 address; it never matches",
                                   "never-matches", NOTE))
@@ -138,21 +140,45 @@ class RegexValue:
 
 
 _LITERAL = r"(?:[A-Za-z0-9-]|\\\.)+"
+_DOMAIN = re.compile(r"[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)*")
+# Every character of a host name egresswall decides, as squid sees it (IPv6 literals in brackets).
+HOST_CHARS = frozenset(string.ascii_letters + string.digits + ".-_:[]")
 _DOMAIN_PREFIXES = (r"(.*\.)?", r"(.+\.)?", r"([^.]+\.)*", r"([a-z0-9-]+\.)*", r"([-a-z0-9]+\.)*",
                     r"([a-z0-9-]*\.)*", r"(.*\.|)", r"(|.*\.)", r"(.*\.)*")
 _SUBDOMAIN_PREFIXES = (r".*\.", r".+\.", r"(.*\.)+", r"(.+\.)+", r"([^.]+\.)+", r"([a-z0-9-]+\.)+")
 
 
 def analyse_regex(pattern: str, icase: bool) -> tuple[tuple[PatternKind, str] | None, str | None, bool]:
-    """(mapped host pattern, confining suffix, never matches) for a dstdom_regex value.
+    """(mapped host pattern, confining suffix, never matches) for a dstdom_regex value squid and Python
+    read alike (see ``posixregex``; any other is undecided for every host).
 
     Simple anchored regexes are host patterns: ``^example\\.com$`` is example.com, ``^(.*\\.)?example\\.com$``
     and ``(^|\\.)example\\.com$`` are .example.com, ``\\.example\\.com$`` is *.example.com. Otherwise a
-    regex that ends in a literal ``\\.name$`` can only match hosts below name ("confined"): undecided
-    there, and known not to match elsewhere.
+    regex whose every match ends in a literal ``.name`` can only match hosts below name ("confined"):
+    undecided there, and known not to match elsewhere. A regex that needs a character no host name has
+    never matches one egresswall decides.
     """
-    if not pattern.endswith("$") or pattern.endswith("\\$"):
+    items = parse(pattern, icase)
+    if items is None:
         return None, None, False
+    if needs_char_outside(items, HOST_CHARS):
+        return None, None, True
+    mapped = _host_pattern(pattern)
+    if mapped is not None:
+        kind, name = mapped
+        if not icase and name != name.lower():
+            return None, None, True  # squid lower-cases hosts: an upper-case literal never matches
+        return (kind, name.lower()), None, False
+    suffix = _confining_suffix(items)
+    if suffix is not None and not icase and suffix != suffix.lower():
+        return None, None, True
+    return None, suffix and suffix.lower(), False
+
+
+def _host_pattern(pattern: str) -> tuple[PatternKind, str] | None:
+    """The host pattern a regex of one of the simple anchored forms is, else None."""
+    if not pattern.endswith("$") or pattern.endswith("\\$"):
+        return None
     body = pattern[:-1]
     anchored = body.startswith("^")
     if anchored:
@@ -161,31 +187,39 @@ def analyse_regex(pattern: str, icase: bool) -> tuple[tuple[PatternKind, str] | 
     if not anchored and body.startswith("(^|\\.)"):
         kind, rest = PatternKind.DOMAIN, body[len("(^|\\.)"):]
     elif anchored:
-        for prefix in _DOMAIN_PREFIXES:
-            if body.startswith(prefix):
-                kind, rest = PatternKind.DOMAIN, body[len(prefix):]
-                break
-        else:
-            for prefix in _SUBDOMAIN_PREFIXES:
-                if body.startswith(prefix):
-                    kind, rest = PatternKind.SUBDOMAINS, body[len(prefix):]
-                    break
-            else:
-                kind, rest = PatternKind.EXACT, body
+        kind, rest = _anchored_form(body)
     elif body.startswith("\\.") and re.fullmatch(_LITERAL, body[2:]):
         kind, rest = PatternKind.SUBDOMAINS, body[2:]
     if kind is not None and rest and re.fullmatch(_LITERAL, rest):
-        name = rest.replace("\\.", ".")
-        if not icase and name != name.lower():
-            return None, None, True  # squid lower-cases hosts: an upper-case literal never matches
-        return (kind, name.lower()), None, False
-    tail = re.search(r"\\\.(" + _LITERAL + r")$", body)
-    if tail:
-        name = tail.group(1).replace("\\.", ".")
-        if not icase and name != name.lower():
-            return None, None, True
-        return None, name.lower(), False
-    return None, None, False
+        return kind, rest.replace("\\.", ".")
+    return None
+
+
+def _anchored_form(body: str) -> tuple[PatternKind, str]:
+    for prefix in _DOMAIN_PREFIXES:
+        if body.startswith(prefix):
+            return PatternKind.DOMAIN, body[len(prefix):]
+    for prefix in _SUBDOMAIN_PREFIXES:
+        if body.startswith(prefix):
+            return PatternKind.SUBDOMAINS, body[len(prefix):]
+    return PatternKind.EXACT, body
+
+
+def _confining_suffix(items: list) -> str | None:
+    """``name`` when every match ends the host with ``.name``: the parse tree (no alternation at the top,
+    which the parser would have made its only item) ends in literal characters and ``$``."""
+    if len(items) < 2 or items[-1] != (sre_constants.AT, sre_constants.AT_END):
+        return None
+    tail = []
+    for op, arg in reversed(items[:-1]):
+        if op != sre_constants.LITERAL:
+            break
+        tail.append(chr(arg))
+    literal = "".join(reversed(tail))
+    if "." not in literal:
+        return None
+    name = literal.split(".", 1)[1]
+    return name if _DOMAIN.fullmatch(name) else None
 
 
 class DomainRegexAcl(Acl):
@@ -208,20 +242,18 @@ class DomainRegexAcl(Acl):
             if raw == "+i":
                 icase = False
                 continue
-            try:
-                compiled = re.compile(raw, re.IGNORECASE if icase else 0)
-            except re.error as err:
-                compiled = None
-                notes.append(Note(where, f"acl {self.name} dstdom_regex {raw}: not a regular expression Python "
-                                         f"reads ({err}); undecided for every host", "regex"))
-            mapped, confined, never = analyse_regex(raw, icase)
-            value = RegexValue(raw, icase, where, compiled, mapped, confined, never)
-            self.values.append(value)
-            if never:
-                notes.append(Note(where, f"acl {self.name} dstdom_regex {raw}: squid matches lower-case hosts, so "
-                                         "this case-sensitive regex with upper-case letters never matches (add -i?)",
-                                  "never-matches"))
-            elif mapped is None and compiled is not None:
+            compiled, why = compile_like_squid(raw, icase)
+            mapped, confined, never = analyse_regex(raw, icase) if compiled is not None else (None, None, False)
+            self.values.append(RegexValue(raw, icase, where, compiled, mapped, confined, never))
+            if compiled is None:
+                notes.append(Note(where, f"acl {self.name} dstdom_regex {raw}: {why}; undecided for every host",
+                                  "regex"))
+            elif never:
+                notes.append(Note(where, f"acl {self.name} dstdom_regex {raw}: squid matches lower-case host names "
+                                         "as clients wrote them; this regex needs an upper-case letter (add -i?) or "
+                                         "a character no host name egresswall decides has (egresswall decides the "
+                                         "A-label of a Unicode name), so it never matches", "never-matches"))
+            elif mapped is None:
                 scope = f"hosts below {confined}" if confined else "every host"
                 notes.append(Note(where, f"acl {self.name} dstdom_regex {raw}: not a host pattern egresswall can "
                                          f"express; undecided for {scope} (write it as ^(.*\\.)?name$, ^name$ or "

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import netaddr
+import yaml
 
 from policy.addresses import AddressRules, parse_cidr
 from policy.loader import PolicyError, parse_policy
@@ -34,13 +35,15 @@ from .acls import (
     ManagerAcl,
     Probe,
     ip_text,
+    literal_acl,
 )
 from .acltable import PREDEFINED, AclTable
-from .conf import Directive, read_conf, read_conf_text, tokens
-from .emit import PolicySpec, ScopeSpec, to_yaml
+from .conf import ConfError, Directive, parse_directive, read_conf, read_conf_text
+from .directives import SQUID_DIRECTIVES
+from .emit import PolicySpec, ScopeSpec, comment_lines, to_yaml
 from .losses import DENY_OVERLAP, Loss, classify, report
-from .program import ACCESS_LISTS, AccessRule, Outcome, Program
-from .report import BUILT_IN, NOTE, WARNING, Note, Where
+from .program import ACCESS_LIST_ALIASES, ACCESS_LISTS, AccessRule, Outcome, Program
+from .report import BUILT_IN, NOTE, WARNING, Note, Where, printable
 from .space import Cell, Region, Space, build_space
 from .synth import Gates, admits, egress_probe, synthesise
 
@@ -92,6 +95,17 @@ class ImportResult:
     # http_access allow x): the request classes above are judged on addresses egresswall may reach, so they
     # count nothing squid allows, and the policy admits nothing at all.
     only_refused_destinations: bool = False
+    # No http_access line at all: squid refuses every request. A file with none is rarely the squid.conf meant.
+    no_http_access: bool = False
+
+    @property
+    def failure(self) -> str | None:
+        """Why this import must not be deployed as a translation (the command exits 1), or None."""
+        if self.no_http_access:
+            return "it has no http_access line (squid then refuses every request): there is nothing to translate"
+        if self.admits_nothing:
+            return "the imported policy refuses every request squid allows, for every client"
+        return None
 
     @property
     def admits_nothing(self) -> bool:
@@ -180,17 +194,23 @@ class _Importer:
     def _load(self) -> None:
         builtin_notes: list[Note] = []
         for line in PREDEFINED:
-            words = tokens(line)
-            self.table.define(Directive("acl", tuple(words[1:]), BUILT_IN, line), builtin_notes)
+            self.table.define(parse_directive(line, BUILT_IN), builtin_notes)
+        self._refuse_unknown_directives()
+        self.table.method_case_exact = any(d.name == "relaxed_header_parser" and d.args[:1] == ("off",)
+                                           for d in self.directives)
         seen_warnings: set[str] = set()
         for directive in self.directives:
             name = directive.name
             if name == "acl":
                 self.table.define(directive, self.notes)
-            elif name in ACCESS_LISTS:
-                self.program.add(directive, self.notes)
+            elif name in ACCESS_LISTS or name in ACCESS_LIST_ALIASES:
+                self.program.add(directive, self.notes, self.table.defines)
             elif name == "dns_nameservers":
                 self._nameservers(directive)
+            elif name == "configuration_includes_quoted_values" and directive.args[:1] == ("on",):
+                raise ConfError(f"{directive.where}: configuration_includes_quoted_values on: squid then reads quoted "
+                                "values and parameters(...) instead of value files; not supported (turn it off, or "
+                                "import a configuration without it)")
             elif name in DIRECTIVE_WARNINGS:
                 message, category = DIRECTIVE_WARNINGS[name]
                 level = WARNING if name not in seen_warnings else NOTE
@@ -205,6 +225,17 @@ class _Importer:
                 self.notes.append(Note(directive.where, f"{name}: not access control; not translated",
                                        "not-access-control", NOTE))
 
+    def _refuse_unknown_directives(self) -> None:
+        """squid refuses to start on a directive it does not know ("unrecognized"): so does the import. A
+        misspelled ``http_acess deny bad`` would otherwise drop a refusal squid never ran without, and a file
+        that is no squid.conf at all (a policy YAML) would import as an empty policy."""
+        unknown = [d for d in self.directives if d.name not in SQUID_DIRECTIVES]
+        if unknown:
+            lines = [f"{d.where}: unrecognized directive {printable(d.name)!r}" for d in unknown[:20]]
+            more = f"\n... and {len(unknown) - 20} more" if len(unknown) > 20 else ""
+            raise ConfError("\n".join(lines) + more + "\n(squid refuses to start on a directive it does not know; "
+                            "is this a squid.conf?)")
+
     def _nameservers(self, directive: Directive) -> None:
         for value in directive.args:
             try:
@@ -218,7 +249,7 @@ class _Importer:
 
     def _used(self) -> set[str]:
         used: set[str] = set()
-        pending = [literal.name for rule in self.program.rules for literal in rule.literals]
+        pending = [literal.name for rule in self.program.rules for literal in rule.literals if not literal.undefined]
         while pending:
             name = pending.pop()
             if name in used:
@@ -229,24 +260,21 @@ class _Importer:
                 pending += list(acl.members())
         for rule in self.program.rules:
             for literal in rule.literals:
-                acl = self.table.acls.get(literal.name)
-                if acl is None:
-                    self.notes.append(Note(rule.where, f"{rule.text}: acl {literal.name} is not defined (squid would "
-                                                       "refuse to start); undecided", "syntax"))
-                elif isinstance(acl, ManagerAcl):
+                acl = literal_acl(literal, self.table.acls)
+                if isinstance(acl, ManagerAcl):
                     first = not any(note.category == "cache-manager" for note in self.notes)
                     self.notes.append(Note(rule.where, f"{rule.text}: acl manager names squid's own cache manager, "
                                                        "which egresswall does not have; translated as never matching "
                                                        "(squid would also apply it to origin URLs whose path starts "
                                                        "/squid-internal-mgr/)", "cache-manager",
                                            WARNING if first else NOTE))
-                elif acl.undecided_because:
-                    self.notes.append(Note(rule.where, f"{rule.text}: acl {literal.name} is undecided "
+                elif acl is not None and acl.undecided_because:
+                    self.notes.append(Note(rule.where, f"{rule.text}: acl {literal.written} is undecided "
                                                        f"({acl.undecided_because}); where its answer matters, "
                                                        "egresswall refuses", "untranslatable-acl"))
         for name, acl in self.table.acls.items():
             if name not in used and acl.where != BUILT_IN:
-                self.notes.append(Note(acl.where, f"acl {name} is defined but no access list uses it", "unused",
+                self.notes.append(Note(acl.where, f"acl {acl.name} is defined but no access list uses it", "unused",
                                        NOTE))
         return used
 
@@ -261,10 +289,10 @@ class _Importer:
         everything = netaddr.IPSet(["0.0.0.0/0", "::/0"])
         access = self.program.lists["http_access"]
         for rule in self.program.rules:
-            literals = [lit for lit in rule.literals if lit.name != "all" or lit.negated]
+            literals = [lit for lit in rule.literals if lit.name != "all" or lit.negated or lit.undefined]
             if rule.action != DENY or len(literals) != 1:
                 continue
-            acl = self.table.acls.get(literals[0].name)
+            acl = literal_acl(literals[0], self.table.acls)
             if not isinstance(acl, DstAcl) or acl.undecided_because or acl.names:
                 continue
             ranges = everything - acl.addresses if literals[0].negated else acl.addresses
@@ -275,7 +303,7 @@ class _Importer:
         allows = [rule for rule in access.rules if rule.action == ALLOW]
         last = access.rules[-1] if access.rules else None
         catch_all = last is not None and last.action == DENY and all(
-            literal.name == "all" and not literal.negated for literal in last.literals)
+            literal.name == "all" and not literal.negated and not literal.undefined for literal in last.literals)
         if allows and (access.default == DENY or catch_all):
             destinations = [self._positive_dst(rule) for rule in allows]
             if all(d is not None for d in destinations):
@@ -292,7 +320,7 @@ class _Importer:
     def _positive_dst(self, rule: AccessRule) -> netaddr.IPSet | None:
         ranges = None
         for literal in rule.literals:
-            acl = self.table.acls.get(literal.name)
+            acl = literal_acl(literal, self.table.acls)
             if isinstance(acl, DstAcl) and not literal.negated and not acl.undecided_because and not acl.names:
                 ranges = acl.addresses if ranges is None else ranges & acl.addresses
         return ranges
@@ -327,13 +355,18 @@ class _Importer:
         losses = self._verify(policy, space, answers, scopes, admissible)
         if any(self.squid_allows.values()):
             self._non_global_note(denied | readmit)
+        no_http_access = not self.program.lists["http_access"].rules
+        if no_http_access:
+            self.notes.append(Note(None, "no http_access line: squid refuses every request without one, and so does "
+                                         "the imported policy (is this the squid.conf you meant?)", "no-http-access"))
         result = ImportResult("", policy, self.notes, losses, space, self.program, ctx,
-                              dict(self.squid_allows), dict(self.policy_admits), only_refused)
+                              dict(self.squid_allows), dict(self.policy_admits), only_refused, no_http_access)
         for name in result.clients_left_with_nothing():
             self.notes.append(Note(None, f"clients {name}: squid allows {self.squid_allows[name]} request class(es) "
                                          "from them, and the imported policy admits none: every request from these "
                                          "clients is refused (the warnings above say why)", NOTHING_ADMITTED))
-        result.yaml = self._with_losses(yaml_text, losses)
+        result.yaml = self._with_warnings(yaml_text)
+        same_document(result.yaml, yaml_text, self.source + " (imported)")
         return result
 
     def _only_refused_destinations(self, denied: netaddr.IPSet, admissible: netaddr.IPSet,
@@ -530,7 +563,7 @@ class _Importer:
 
     def _header(self) -> list[str]:
         return [
-            f"egresswall policy imported from {self.source} by `egresswall squid import`.",
+            f"egresswall policy imported from {printable(self.source)} by `egresswall squid import`.",
             "",
             "squid's access lists were evaluated for every kind of request they tell apart (client, host,",
             "port, method); this policy admits what squid certainly allows, or less. Each entry says which",
@@ -628,14 +661,28 @@ class _Importer:
         self.notes += report(losses, space)
         return losses
 
-    def _with_losses(self, yaml_text: str, losses: list[Loss]) -> str:
+    def _with_warnings(self, yaml_text: str) -> str:
+        """The checked YAML with the warnings repeated in a comment block at the top."""
         warnings = [note for note in self.notes if note.level == WARNING]
         if not warnings:
             return yaml_text
         lines = yaml_text.splitlines()
         at = next(i for i, line in enumerate(lines) if line.startswith("version:"))
-        block = ["#", "# Warnings (also printed on stderr):"] + [f"#   {note}" for note in warnings]
+        block = ["#", *comment_lines("Warnings (also printed on stderr):")]
+        block += [line for note in warnings for line in comment_lines(f"  {note}")]
         return "\n".join(lines[:at] + block + lines[at:]) + "\n"
+
+
+def same_document(written: str, checked: str, source: str) -> None:
+    """The text written must be the policy that was checked: comments added after the check (the warnings,
+    which quote file names and squid.conf text) must not have changed a single value."""
+    try:
+        parse_policy(written, source)
+        same = yaml.safe_load(written) == yaml.safe_load(checked)
+    except (PolicyError, yaml.YAMLError) as err:
+        raise RuntimeError(f"internal error: the imported policy no longer loads once commented: {err}") from None
+    if not same:
+        raise RuntimeError("internal error: the comments added to the imported policy changed what it says")
 
 
 def probe_address(rules: AddressRules, space: Space, admissible: netaddr.IPSet) -> str:

@@ -8,11 +8,12 @@ then keeps both its action and the lines after it as possible outcomes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .acls import Context, Probe, Tri, t_and, t_not
-from .conf import Directive
-from .report import NOTE, Note, Where
+from .acls import Context, Literal, Probe, literal_value, t_and
+from .conf import Directive, expand_values
+from .report import Note, Where
 
 ALLOW, DENY = "allow", "deny"
 OPPOSITE = {ALLOW: DENY, DENY: ALLOW}
@@ -21,15 +22,9 @@ OPPOSITE = {ALLOW: DENY, DENY: ALLOW}
 # adaptation service and no cache, adapted_http_access and miss_access see the same request as
 # http_access, so their denials apply too.
 ACCESS_LISTS = {"http_access": DENY, "adapted_http_access": ALLOW, "miss_access": ALLOW}
-
-
-@dataclass(frozen=True)
-class Literal:
-    name: str
-    negated: bool = False
-
-    def __str__(self) -> str:
-        return ("!" if self.negated else "") + self.name
+ACCESS_LIST_ALIASES = {"http_access2": "adapted_http_access"}  # squid 5's other name for it
+# Stands for the ACL names of a value file that cannot be read (a key no acl line can define: it has spaces).
+UNREADABLE_NAMES = Literal("(names from a value file that cannot be read)", undefined=True)
 
 
 @dataclass(frozen=True)
@@ -70,17 +65,11 @@ class Outcome:
         return self.actions == {ALLOW}
 
 
-def _literal_value(literal: Literal, probe: Probe, ctx: Context) -> Tri:
-    acl = ctx.acls.get(literal.name)
-    value = None if acl is None else acl.evaluate(probe, ctx)
-    return t_not(value) if literal.negated else value
-
-
 def evaluate_list(access: AccessList, probe: Probe, ctx: Context) -> Outcome:
     actions: set[str] = set()
     undecided: list[AccessRule] = []
     for rule in access.rules:
-        value = t_and(_literal_value(literal, probe, ctx) for literal in rule.literals)
+        value = t_and(literal_value(literal, probe, ctx) for literal in rule.literals)
         if value is True:
             actions.add(rule.action)
             return Outcome(frozenset(actions), rule, tuple(undecided))
@@ -97,23 +86,32 @@ class Program:
 
     lists: dict[str, AccessList] = field(default_factory=lambda: {name: AccessList(name) for name in ACCESS_LISTS})
 
-    def add(self, directive: Directive, notes: list[Note]) -> None:
-        args = directive.args
+    def add(self, directive: Directive, notes: list[Note], defined: Callable[[str], bool]) -> None:
+        """One access line. ``defined`` says which ACL keys exist when squid reads it: squid looks each name up
+        then, and refuses to start when one is missing."""
+        args = list(directive.args)
         if not args or args[0] not in (ALLOW, DENY):
-            notes.append(Note(directive.where, f"{directive.text}: expected allow or deny (squid would refuse to "
-                                               "start); ignored", "syntax"))
+            notes.append(Note(directive.where, f"{directive.text}: expected allow or deny; squid reports an error and "
+                                               "skips the line; skipped", "syntax"))
             return
-        literals = []
-        for word in args[1:]:
-            negated = word.startswith("!")
-            name = word[1:] if negated else word
-            if name:
-                literals.append(Literal(name, negated))
+        names, complete = expand_values(args[1:], directive, notes)  # squid reads names from value files too
+        literals = [Literal.parse(name, defined) for name, _ in names]
+        if not complete:
+            # squid stops reading the line at a value file it cannot open, so the line it keeps may match
+            # more requests than the one written: the line is undecided.
+            literals.append(UNREADABLE_NAMES)
         if not literals:
-            notes.append(Note(directive.where, f"{directive.text}: a line without ACLs matches every request",
-                              "syntax", NOTE))
-        self.lists[directive.name].rules.append(
-            AccessRule(directive.name, args[0], tuple(literals), directive.where, directive.text))
+            notes.append(Note(directive.where, f"{directive.text}: no ACL on the line: squid skips it ('Access line "
+                                               "contains no ACL's, skipping'), and so does the import; it does not "
+                                               "allow or deny anything, nor count as the last line", "syntax"))
+            return
+        for literal in literals:
+            if literal.undefined and literal is not UNREADABLE_NAMES:
+                notes.append(Note(directive.where, f"{directive.text}: acl {literal.written or repr('')} is not "
+                                                   "defined before this line (squid refuses to start: 'ACL not "
+                                                   "found'); undecided", "syntax"))
+        name = ACCESS_LIST_ALIASES.get(directive.name, directive.name)
+        self.lists[name].rules.append(AccessRule(name, args[0], tuple(literals), directive.where, directive.text))
 
     @property
     def rules(self) -> list[AccessRule]:

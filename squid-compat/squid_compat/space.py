@@ -13,7 +13,6 @@ no anchor (REST); each IP address named in a dstdomain (EXACT); every other IP l
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -123,10 +122,9 @@ class Space:
 
 def build_space(table: AclTable, used: set[str]) -> Space:
     acls = [table.acls[name] for name in sorted(used) if name in table.acls]
-    # Methods as egresswall can name them (it compares them upper-cased); squid's case-sensitive oddities
-    # ("get") match no request a client sends in practice, and a note says so.
-    methods = sorted({m for acl in acls if isinstance(acl, MethodAcl) for m in acl.methods
-                      if re.fullmatch(r"[A-Z]{1,20}", m)} - {"CONNECT"})
+    # Methods as egresswall can name them (it compares them upper-cased): each method an ACL names is a
+    # class of its own; one probe method stands for all the others.
+    methods = sorted({m for acl in acls if isinstance(acl, MethodAcl) for m in acl.atoms()} - {"CONNECT"})
     other = next((m for m in OTHER_METHODS if m not in methods), "EGRESSWALLPROBE")
     method_atoms = [*methods, other]
     port_atoms = _port_atoms(b for acl in acls if isinstance(acl, PortAcl) for b in acl.boundaries())

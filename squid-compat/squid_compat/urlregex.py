@@ -7,23 +7,17 @@ HTTP: the answer depends on the path, which request classes do not carry).
 
 The proof reads the regex's parse tree (``re._parser``) and only concludes from parts every match must
 contain: literals in sequence, groups, repeats of at least one, alternatives that all agree. Anything it
-does not understand counts as "may match", so it can be wrong only towards undecided (stricter).
+does not understand counts as "may match", so it can be wrong only towards undecided (stricter). It reads
+only regexes Python and squid's POSIX regcomp read alike (``posixregex``): ``\\x2f`` is ``/`` to Python but
+the letters ``x2f`` to squid, which then matches a tunnel to ``x2fdl.test:443``.
 """
 
 from __future__ import annotations
 
-import re
 import string
-from collections.abc import Iterable
-
-try:  # Python 3.11+ keeps the parser here; sre_parse is its deprecated alias
-    from re import _constants as sre_constants
-    from re import _parser as sre_parse
-except ImportError:  # pragma: no cover
-    import sre_constants  # type: ignore[no-redef]
-    import sre_parse  # type: ignore[no-redef]
 
 from .acls import CONNECT, Acl, Context, Probe, Tri
+from .posixregex import needs_char_outside, parse, squid_difference, sre_constants
 from .report import NOTE, Note, Where
 
 # Every character a CONNECT URL (host:port, an IPv6 literal in brackets) can contain.
@@ -32,33 +26,16 @@ DIGITS = frozenset(string.digits)
 
 
 def never_matches_authority(pattern: str, icase: bool) -> bool:
-    """True when no ``host:port`` string can contain a match of this regex."""
-    try:
-        tree = sre_parse.parse(pattern, re.IGNORECASE if icase else 0)
-    except (re.error, RecursionError):
+    """True when no ``host:port`` string can contain a match of this regex (as squid reads it)."""
+    items = parse(pattern, icase)
+    if items is None:
         return False
-    items = list(tree)
-    if _needs_foreign_char(items):
+    if needs_char_outside(items, AUTHORITY_CHARS):
         return True
     # "...X$" with X never a digit: an authority always ends in its port's digits.
     if items and items[-1] == (sre_constants.AT, sre_constants.AT_END) and len(items) >= 2:
         last = _last_chars(items[-2])
         return last is not None and not (last & DIGITS)
-    return False
-
-
-def _needs_foreign_char(items: Iterable) -> bool:
-    """Every match contains a character no authority has."""
-    for op, arg in items:
-        if op == sre_constants.LITERAL and chr(arg) not in AUTHORITY_CHARS and chr(arg).swapcase() not in \
-                AUTHORITY_CHARS:
-            return True
-        if op == sre_constants.SUBPATTERN and _needs_foreign_char(arg[-1]):
-            return True
-        if op in (sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT) and arg[0] >= 1 and _needs_foreign_char(arg[2]):
-            return True
-        if op == sre_constants.BRANCH and all(_needs_foreign_char(branch) for branch in arg[1]):
-            return True
     return False
 
 
@@ -107,9 +84,11 @@ class UrlRegexAcl(Acl):
                                          "(refused where it decides)", "url-regex", NOTE))
             else:
                 self.tunnel_safe = False
-                notes.append(Note(where, f"acl {self.name} url_regex {raw}: may match a tunnel's URL (host:port) "
-                                         "or a path egresswall does not see; undecided for every request (refused "
-                                         "where it decides)", "url-regex"))
+                why = squid_difference(raw)
+                reason = f"{why}, so nothing is proved about it" if why else \
+                    "may match a tunnel's URL (host:port) or a path egresswall does not see"
+                notes.append(Note(where, f"acl {self.name} url_regex {raw}: {reason}; undecided for every request "
+                                         "(refused where it decides)", "url-regex"))
 
     def _evaluate(self, probe: Probe, ctx: Context) -> Tri:
         if probe.kind == CONNECT and self.tunnel_safe:
