@@ -183,6 +183,19 @@ http_access allow sites
 http_access deny rx
 http_access allow all
 """,
+    # Values squid drops from an ACL (its splay tree holds no two overlapping values): the wider src range listed
+    # second ("because of this '127.0.0.0/8' is ignored"), so client 127.0.0.1 is not "near"; a dstdomain value
+    # below one listed before it (nothing lost). Regexes are a list in squid: both kept.
+    "overlaps": """\
+acl Safe_ports port 80 443 1025-65535
+acl near src 127.0.0.5/32 127.0.0.0/8
+acl sites dstdomain .allowed.lab.test www.allowed.lab.test exact.lab.test
+acl rx dstdom_regex ^regex\\.lab\\.test$ ^(.*\\.)?regex\\.lab\\.test$
+{guard}http_access deny !Safe_ports
+http_access allow near sites
+http_access allow near rx
+http_access deny all
+""",
 }
 DOMAIN_FILES = {"build-domains.txt": ".allowed.lab.test\napi.lab.test\n",
                 "staff-domains.txt": "exact.lab.test\n.regex.lab.test\n.allowed.lab.test\n",

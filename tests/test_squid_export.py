@@ -169,6 +169,20 @@ def test_roles_become_disjoint_src_acls_in_first_match_order() -> None:
     assert builders.split()[3:] == ["10.30.0.0/16"]  # 10.20.5.0/24 belongs to ci, the first role
 
 
+def test_a_role_of_every_ipv4_client_is_not_written_as_squids_all() -> None:
+    # squid reads src 0.0.0.0/0 as 'all', IPv6 clients included: the role's allow rules would reach them too.
+    text = ("version: 1\ndefault: deny\nroles:\n  - name: v4\n    clients: [0.0.0.0/0]\n    default: deny\n"
+            "    hosts: {allow: [.v4-only.example]}\n")
+    policy, exported, back = round_trip(text)
+    role = next(line for line in exported.splitlines() if line.startswith("acl ew_role_v4_"))
+    assert role.split()[3:] == ["0.0.0.0/1", "128.0.0.0/1"]
+    for client in ("198.51.100.9", "2001:db8::9"):
+        for host in ("www.v4-only.example", "other.example"):
+            want = decision(policy, host, "CONNECT", 443, client, ("93.184.216.34",))
+            assert decision(back.policy, host, "CONNECT", 443, client, ("93.184.216.34",)) == want, (client, host)
+    assert not decision(back.policy, "www.v4-only.example", "CONNECT", 443, "2001:db8::9", ("93.184.216.34",))
+
+
 def test_report_mode_is_noted() -> None:
     exported = export_policy(parse_policy("version: 1\nmode: report\n", "p.yaml"))
     assert "squid has no report mode" in exported

@@ -4,6 +4,7 @@ rule that an import never admits what squid refuses (checked on random configura
 from __future__ import annotations
 
 import ipaddress
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -80,6 +81,67 @@ def test_dstdomain_value_with_trailing_dot_never_matches_in_squid_so_it_is_undec
     deny = imported("acl d dstdomain bad.example.\nhttp_access deny d\nhttp_access allow all\n")
     assert not allowed(deny, "http://bad.example/")
     assert allowed(deny, "http://good.example/")
+
+
+@pytest.mark.parametrize("text, line, value", [
+    ("acl good dstdomain good.test .good.test\n", 1, ".good.test"),  # measured, squid 5.7: FATAL: Bungled
+    ("acl good dstdomain .good.test\nacl good dstdomain good.test\n", 2, "good.test"),
+    ("acl good dstdomain www.good.test .good.test\n", 1, ".good.test"),
+    ("acl good dstdomain .www.good.test .good.test\n", 1, ".good.test"),
+])
+def test_a_dstdomain_value_hiding_one_listed_before_it_makes_squid_refuse_to_start(
+        text: str, line: int, value: str) -> None:
+    # squid keeps no two overlapping values; it refuses to start (self_destruct) when the new
+    # value would hide one already in the tree ("ERROR: 'www.good.test' is a subdomain of '.good.test'").
+    # Before, the import kept both values: wider than squid, which runs nothing at all.
+    with pytest.raises(ConfError, match=f"squid.conf:{line}: acl good dstdomain {re.escape(value)}: squid refuses "
+                                        "to start"):
+        imported(text + "http_access allow good\nhttp_access deny all\n")
+
+
+def test_a_dstdomain_value_below_one_listed_before_it_is_ignored_as_squid_does() -> None:
+    # Measured: squid starts, warning "'www.good.test' is a subdomain of '.good.test'", and allows both names.
+    result = imported("acl good dstdomain .good.test www.good.test\nhttp_access allow good\nhttp_access deny all\n")
+    assert allowed(result, "http://good.test/") and allowed(result, "http://www.good.test/")
+    assert "squid.conf:1: note: acl good dstdomain www.good.test: squid ignores it" in "\n".join(map(str, result.notes))
+
+
+def test_overlapping_dstdom_regex_values_are_all_kept() -> None:
+    # squid keeps regexes in a list (RegexData), not a splay tree: nothing is dropped or refused.
+    result = imported("acl good dstdom_regex ^good\\.test$ ^(.*\\.)?good\\.test$\n"
+                      "http_access allow good\nhttp_access deny all\n")
+    assert allowed(result, "http://good.test/") and allowed(result, "http://www.good.test/")
+
+
+@pytest.mark.parametrize("values, inside, outside", [
+    ("10.1.0.0/16 10.0.0.0/8", ["10.1.2.3"], ["10.2.3.4"]),  # squid ignores the WIDER one, listed second
+    ("10.0.0.0/8 10.1.0.0/16", ["10.1.2.3", "10.2.3.4"], ["11.1.1.1"]),
+    ("10.0.0.5-10.0.0.9 10.0.0.0/8", ["10.0.0.7"], ["10.0.0.1", "10.9.9.9"]),
+])
+def test_a_src_value_overlapping_one_listed_before_it_is_ignored_as_squid_does(
+        values: str, inside: list[str], outside: list[str]) -> None:
+    # Measured, squid 5.7 (acl c src 127.0.0.2/32 127.0.0.0/8: "because of this '127.0.0.0/8' is ignored to keep
+    # splay tree searching predictable"; 127.0.0.1 refused). Before, the import allowed all of 10.0.0.0/8.
+    result = imported(f"acl c src {values}\nhttp_access allow c\nhttp_access deny all\n")
+    for client in inside:
+        assert allowed(result, "http://example.com/", client=client), client
+    for client in outside:
+        assert not allowed(result, "http://example.com/", client=client), client
+    if values.endswith("10.0.0.0/8"):
+        assert "squid.conf:1: warning: acl c src 10.0.0.0/8: squid ignores it" in warnings_text(result)
+
+
+def test_a_dst_value_overlapping_one_listed_before_it_is_ignored_as_squid_does() -> None:
+    result = imported("acl d dst 93.184.216.34 93.184.216.0/24\nhttp_access deny d\nhttp_access allow all\n")
+    assert not allowed(result, "http://93.184.216.34/")
+    assert allowed(result, "http://93.184.216.99/")
+
+
+def test_an_address_listed_after_a_name_is_undecided() -> None:
+    # squid resolves gw.example at startup and drops a later value overlapping one of its addresses.
+    result = imported("acl c src gw.example 10.1.0.0/16\nhttp_access allow c\nhttp_access deny all\n")
+    assert not allowed(result, "http://example.com/", client="10.1.2.3")
+    assert "squid.conf:1: warning: acl c src 10.1.0.0/16: listed after the name gw.example" in warnings_text(result)
 
 
 def test_dstdomain_ip_values_match_ip_literal_urls_only() -> None:
@@ -464,12 +526,27 @@ def configurations(draw):
     lines = []
     for name, (type_, values) in ACLS.items():
         chosen = draw(st.lists(st.sampled_from(values), min_size=1, max_size=3, unique=True))
+        if type_ == "dstdomain":
+            chosen = _squid_starts_with(chosen)
         lines.append(f"acl {name} {type_} {' '.join(chosen)}")
     for _ in range(draw(st.integers(1, 5))):
         action = draw(st.sampled_from(["allow", "deny"]))
         literals = draw(st.lists(st.sampled_from(list(ACLS) + ["all"]), min_size=1, max_size=3, unique=True))
         lines.append(f"http_access {action} " + " ".join(("!" if draw(st.booleans()) else "") + x for x in literals))
     return "\n".join(lines) + "\n"
+
+
+def _squid_starts_with(values: list[str]) -> list[str]:
+    """The values less each one squid 5.7 refuses to start on: a value that would hide one listed before it
+    (``a.example .a.example``, ``b.a.example .a.example``, ``.a.example a.example``; measured)."""
+    kept: list[str] = []
+    for value in values:
+        name = value.lstrip(".")
+        hides = any(other.lstrip(".") == name or (value.startswith(".") and other.endswith("." + name))
+                    for other in kept)
+        if not hides:
+            kept.append(value)
+    return kept
 
 
 # Found by hypothesis: c.example and a.example are alike for s1 (c.example was built as a copy of a.example) but

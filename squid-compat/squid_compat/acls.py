@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import netaddr
 
-from .report import NOTE, Note, Where
+from .overlaps import ALL_ONES, IpData, IpTree
+from .report import NOTE, WARNING, Note, Where
 
 Tri = bool | None  # True, False, or None: undecided
 
@@ -207,9 +208,33 @@ def parse_ip(text: str, unwrap: bool = False, dotted_ipv6: bool = False) -> neta
     raise ValueError(f"{text!r} is not an IP address") from None
 
 
+def squid_ip_data(text: str) -> IpData:
+    """The ``acl_ip_data`` squid 5.7 makes of a value ``parse_squid_address`` reads (``FactoryParse``): the
+    128-bit first and last address (0: not a range) and mask, IPv4 stored as IPv4-mapped IPv6."""
+    if text in ALL_SPELLINGS:
+        return IpData(0, 0, 0)  # setAnyAddr(): a mask of zeros matches everything
+    if "-" in text and "/" not in text:
+        first, last = text.split("-", 1)
+        return IpData(_stored(parse_ip(first)), _stored(parse_ip(last)), ALL_ONES)
+    address, slash, mask = text.partition("/")
+    ip = parse_ip(address, dotted_ipv6=not slash)
+    prefix = _prefix_length(ip, mask, text) if slash else 0
+    bits = 0 if prefix == 0 else (96 if ip.version == 4 else 0) + prefix  # applyMask(0) leaves all ones
+    netmask = ALL_ONES if bits == 0 else ALL_ONES ^ ((1 << (128 - bits)) - 1)
+    return IpData(_stored(ip) & netmask, 0, netmask)
+
+
+def _stored(ip: netaddr.IPAddress) -> int:
+    return int(ip) | 0xFFFF_0000_0000 if ip.version == 4 else int(ip)
+
+
 class AddressAcl(Acl):
     """``src`` and ``dst``: address ranges; names among the values are resolved by squid at startup,
-    which a translation cannot repeat, so they leave the ACL undecided where the ranges do not decide."""
+    which a translation cannot repeat, so they leave the ACL undecided where the ranges do not decide.
+
+    squid drops a value overlapping one already in the ACL (``overlaps``), even when the dropped one is the wider
+    (``10.1.0.0/16 10.0.0.0/8`` is 10.1.0.0/16 only): the values are inserted as squid inserts them, and only
+    those it keeps count."""
 
     def __init__(self, name: str, type_: str) -> None:
         super().__init__(name, type_)
@@ -217,12 +242,14 @@ class AddressAcl(Acl):
         self.names: list[tuple[str, Where]] = []
         self.no_lookup = False
         self._relative: dict[int, Tri] = {}
+        self._tree = IpTree()
 
     def add(self, flags: list[str], values: list[tuple[str, Where]], notes: list[Note]) -> None:
         self.no_lookup = self.no_lookup or "-n" in flags
         for value, where in values:
             try:
-                self.addresses |= with_mapped_ipv4(parse_squid_address(value))
+                addresses = with_mapped_ipv4(parse_squid_address(value))
+                data = squid_ip_data(value)
             except ValueError as err:
                 if re.fullmatch(r"[A-Za-z0-9.-]+", value) and not value.replace(".", "").isdigit():
                     self.names.append((value, where))
@@ -232,6 +259,29 @@ class AddressAcl(Acl):
                                       "untranslatable-acl"))
                 else:
                     self.undecide(where, f"{value!r} is not an address or range ({err})", notes)
+                continue
+            self._insert(value, where, addresses, data, notes)
+
+    def _insert(self, value: str, where: Where, addresses: netaddr.IPSet, data: IpData, notes: list[Note]) -> None:
+        if self.names:
+            # squid inserted the name's addresses before this value and drops the value if it overlaps one of
+            # them: unknown here, so the value is left out (undecided, as every address the ACL does not list).
+            notes.append(Note(where, f"acl {self.name} {self.type} {value}: listed after the name "
+                                     f"{self.names[0][0]}, whose addresses squid may keep in its place (it ignores "
+                                     "a value overlapping one already in the ACL); undecided", "overlap"))
+            return
+        inserted = self._tree.insert(data)
+        if inserted.kept:
+            self.addresses |= addresses
+            return
+        if inserted.covered_by is None:
+            return  # the same value again
+        lost = addresses - self.addresses
+        notes.append(Note(where, f"acl {self.name} {self.type} {value}: squid ignores it, as it overlaps a value "
+                                 "listed before it in this ACL (\"is ignored to keep splay tree searching "
+                                 "predictable\")" + (f"; {_describe(lost)} is not in the ACL for squid, nor here"
+                                                      if lost else ""),
+                          "overlap", WARNING if lost else NOTE))
 
     def relative_to(self, admissible: netaddr.IPSet) -> Tri:
         """For a request whose every address is admissible: True when every admissible address is
@@ -248,6 +298,11 @@ class AddressAcl(Acl):
                 value = None
             self._relative[key] = value
         return self._relative[key]
+
+
+def _describe(addresses: netaddr.IPSet) -> str:
+    ranges = [str(network) for network in addresses.iter_cidrs()]
+    return ", ".join(ranges[:4]) + (f" and {len(ranges) - 4} more ranges" if len(ranges) > 4 else "")
 
 
 class SrcAcl(AddressAcl):

@@ -104,7 +104,7 @@ def export_policy(policy: Policy, now: datetime | None = None) -> str:
             out.comment(f"every client of role {role.name} is in an earlier role; nothing to write")
             continue
         src = out.name(f"role_{_slug(role.name)}_")
-        out.acl(src, "src", addrsets.cidrs(clients))
+        out.acl(src, "src", _squid_ranges(clients))
         for rule in role.deny.rules:
             _rule(out, DENY, rule, src, now)
         for rule in role.allow.rules:
@@ -132,7 +132,7 @@ def _prologue(policy: Policy, out: _Writer) -> None:
     if allow:
         out.comment("re-admitted by addresses.allow: " + ", ".join(allow)
                     + f"\n(to import this file back: egresswall squid import --readmit {' --readmit '.join(allow)})")
-    out.acl("ew_refused_addresses", "dst", addrsets.cidrs(refused))
+    out.acl("ew_refused_addresses", "dst", _squid_ranges(refused))
     out.comment("Host names written with a byte outside printable ASCII: egresswall decides the A-label (xn--)\n"
                 "of a Unicode name, whatever its case, normal form or dots (bücher.example, BÜCHER.example and\n"
                 "bücher。example are all xn--bcher-kva.example); squid compares the bytes a client wrote, so no\n"
@@ -152,6 +152,21 @@ def _prologue(policy: Policy, out: _Writer) -> None:
     out.access(DENY, "ew_tls", "!ew_connect_ports")
     out.access(DENY, "!ew_tls", "!ew_http")
     out.access(DENY, "ew_http", "!ew_http_ports")
+
+
+def _squid_ranges(addresses: netaddr.IPSet) -> list[str]:
+    """The ranges as squid reads them back: never a /0. squid 5.7 reads ``0.0.0.0/0`` as ``all`` (every IPv6
+    address too) and ``::/0`` as the one address ``::`` (acl_ip_data::FactoryParse, applyMask(0)), so each is
+    written as its two halves."""
+    out = []
+    for text in addrsets.cidrs(addresses):
+        if text == "0.0.0.0/0":
+            out += ["0.0.0.0/1", "128.0.0.0/1"]
+        elif text == "::/0":
+            out += ["::/1", "8000::/1"]
+        else:
+            out.append(text)
+    return out
 
 
 def _effective_roles(policy: Policy) -> list[tuple[Role, netaddr.IPSet]]:

@@ -14,8 +14,10 @@ from policy.hosts import HostFormError
 from policy.patterns import PatternKind, normalise_pattern_host
 
 from .acls import EXACT, IP_ANY, Acl, Context, HostRef, Probe, Tri, ip_text, parse_ip, t_or
+from .conf import ConfError
+from .overlaps import DomainOverlapFatal, DomainTree
 from .posixregex import compile_like_squid, needs_char_outside, parse, sre_constants
-from .report import NOTE, Note, Where
+from .report import NOTE, Note, Where, printable
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,12 @@ class DomainValue:
 
 
 class DomainAcl(Acl):
-    """``dstdomain``: indexed by name, so a list of many thousand domains costs one lookup per label."""
+    """``dstdomain``: indexed by name, so a list of many thousand domains costs one lookup per label.
+
+    squid never keeps two overlapping values (``overlaps``): a value
+    below one listed before it is ignored (``.a.test www.a.test``: nothing lost), and one that would hide a value
+    listed before it (``www.a.test .a.test``, ``a.test .a.test``, ``.a.test a.test``) makes squid refuse to
+    start. Values are inserted as squid inserts them, and only those it keeps count."""
 
     host_dependent = True
 
@@ -47,11 +54,29 @@ class DomainAcl(Acl):
         self.ips: set[str] = set()
         self.no_lookup = False
         self.none_listed = False  # squid names a failed reverse lookup "none"
+        self._tree = DomainTree()
 
     def add(self, flags: list[str], values: list[tuple[str, Where]], notes: list[Note]) -> None:
         self.no_lookup = self.no_lookup or "-n" in flags
         for raw, where in values:
-            self._add_value(raw, where, notes)
+            if self._kept_by_squid(raw, where, notes):
+                self._add_value(raw, where, notes)
+
+    def _kept_by_squid(self, raw: str, where: Where, notes: list[Note]) -> bool:
+        """Whether squid keeps the value in the ACL; ConfError when squid refuses to start on it."""
+        text = _ascii_lower(raw.encode("utf-8", "surrogateescape"))  # squid's Tolower(): C locale
+        try:
+            inserted = self._tree.insert(text)
+        except DomainOverlapFatal as err:
+            longer, shorter = sorted((err.kept, err.new), key=len, reverse=True)
+            raise ConfError(f"{where}: acl {printable(self.name)} dstdomain {printable(raw)}: squid refuses to start "
+                            f"(\"ERROR: '{_text(longer)}' is a subdomain of '{_text(shorter)}'\"): this value would "
+                            f"hide {_text(err.kept)}, listed before it in the same ACL; remove one of them") from None
+        if not inserted.kept and inserted.covered_by is not None:
+            notes.append(Note(where, f"acl {self.name} dstdomain {raw}: squid ignores it, as "
+                                     f"{_text(inserted.covered_by)} listed before it in this ACL already matches "
+                                     "every name it does; nothing is lost", "overlap", NOTE))
+        return inserted.kept
 
     def _add_value(self, raw: str, where: Where, notes: list[Note]) -> None:
         text = raw.lower()
@@ -126,6 +151,17 @@ class DomainAcl(Acl):
         if any(not value.undecided for value in found):
             return True
         return None if found else False
+
+
+def _ascii_lower(text: bytes) -> bytes:
+    return text.translate(_ASCII_LOWER)
+
+
+_ASCII_LOWER = bytes.maketrans(string.ascii_uppercase.encode(), string.ascii_lowercase.encode())
+
+
+def _text(value: bytes) -> str:
+    return printable(value.decode("utf-8", "surrogateescape"))
 
 
 @dataclass

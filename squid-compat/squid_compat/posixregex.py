@@ -30,10 +30,16 @@ MAX_REPEAT = 1000  # larger counts are left undecided (glibc's own limit is 3276
 MAX_NESTING = 100  # deeper groups are left undecided (Python's parser recurses once a level)
 _INTERVAL = re.compile(r"\{([0-9]+)(,([0-9]*))?\}")
 _QUANTIFIERS = "*+?{"
+# A bracket expression's members: single characters and ranges a-b, with a '-' first or last as a member (glibc
+# refuses [1-1-1], which Python reads); where case is ignored, ranges only within the digits or the letters of one
+# case (glibc refuses [^-b] then, which Python reads)
+_SIMPLE_RANGES = re.compile(r"-?(?:[^-]-[^-]|[^-](?!-[^-\]]))*-?")
+_SIMPLE_RANGES_ICASE = re.compile(r"-?(?:[0-9]-[0-9]|[a-z]-[a-z]|[A-Z]-[A-Z]|[^-](?!-[^-\]]))*-?")
 
 
-def squid_difference(pattern: str) -> str | None:
-    """None when Python's ``re`` reads the pattern as squid's POSIX regcomp does; else why not."""
+def squid_difference(pattern: str, icase: bool = False) -> str | None:
+    """None when Python's ``re`` reads the pattern as squid's POSIX regcomp does (``icase``: both ignoring case);
+    else why not."""
     i, depth, atom = 0, 0, False  # atom: the last item can take a repetition
     n = len(pattern)
     while i < n:
@@ -44,7 +50,7 @@ def squid_difference(pattern: str) -> str | None:
                 return f"'\\{escaped}' means different things to Python and to squid's POSIX regex"
             i, atom = i + 2, True
         elif ch == "[":
-            end, why = _bracket_end(pattern, i)
+            end, why = _bracket_end(pattern, i, icase)
             if why:
                 return why
             i, atom = end + 1, True
@@ -74,11 +80,12 @@ def squid_difference(pattern: str) -> str | None:
     return "an unbalanced '('" if depth else None
 
 
-def _bracket_end(pattern: str, start: int) -> tuple[int, str | None]:
+def _bracket_end(pattern: str, start: int, icase: bool) -> tuple[int, str | None]:
     """Where the bracket expression opened at ``start`` closes, or why it is outside the common core."""
     i = start + 1
     if pattern.startswith("^", i):
         i += 1
+    members = i
     if pattern.startswith("]", i):
         i += 1  # a ']' first is a member, in both
     while i < len(pattern) and pattern[i] != "]":
@@ -94,6 +101,9 @@ def _bracket_end(pattern: str, start: int) -> tuple[int, str | None]:
         i += 1
     if i >= len(pattern):
         return i, "an unterminated '['"
+    if not (_SIMPLE_RANGES_ICASE if icase else _SIMPLE_RANGES).fullmatch(pattern, members, i):
+        return i, ("a '-' in a bracket expression that is neither a member nor one range a-b"
+                   + (" within the digits or the letters of one case (case is ignored)" if icase else ""))
     return i, None
 
 
@@ -119,7 +129,7 @@ def _repetition(pattern: str, start: int, atom: bool) -> tuple[int, str | None]:
 
 def parse(pattern: str, icase: bool) -> list | None:
     """Python's parse tree of a pattern in the common core (None otherwise, or when Python refuses it)."""
-    if squid_difference(pattern) is not None:
+    if squid_difference(pattern, icase) is not None:
         return None
     try:
         return list(sre_parse.parse(pattern, re.IGNORECASE if icase else 0))
@@ -129,7 +139,7 @@ def parse(pattern: str, icase: bool) -> list | None:
 
 def compile_like_squid(pattern: str, icase: bool) -> tuple[re.Pattern[str] | None, str | None]:
     """(the compiled pattern, None), or (None, why it cannot be evaluated as squid would)."""
-    why = squid_difference(pattern)
+    why = squid_difference(pattern, icase)
     if why is not None:
         return None, why
     try:

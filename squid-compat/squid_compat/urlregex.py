@@ -84,7 +84,7 @@ class UrlRegexAcl(Acl):
                                          "(refused where it decides)", "url-regex", NOTE))
             else:
                 self.tunnel_safe = False
-                why = squid_difference(raw)
+                why = squid_difference(raw, icase)
                 reason = f"{why}, so nothing is proved about it" if why else \
                     "may match a tunnel's URL (host:port) or a path egresswall does not see"
                 notes.append(Note(where, f"acl {self.name} url_regex {raw}: {reason}; undecided for every request "
