@@ -8,6 +8,7 @@ dnspython — never ``getaddrinfo``, so ``/etc/hosts`` and search domains play n
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -203,11 +204,14 @@ def _check_header(wire: bytes) -> None:
 
 
 class _HeaderCheckedSocket:
-    """dnspython's socket for one query, with each answer's header checked before dnspython reads the rest:
-    a datagram carrying this query's id (others are dnspython's to ignore), or the first message on TCP."""
+    """dnspython's socket for one query, with each answer's header checked before dnspython reads the rest: a
+    datagram from the nameserver carrying this query's id, or the first message on TCP. A datagram from anyone
+    else is dnspython's to ignore, unchecked: checked, a forged one (from any address, with the id and a count
+    over the bound) made the lookup fail."""
 
-    def __init__(self, sock, query_id: bytes) -> None:
+    def __init__(self, sock, query_id: bytes, nameserver: tuple[str, int]) -> None:
         self._sock, self._query_id = sock, query_id
+        self._nameserver = (ipaddress.ip_address(nameserver[0]), nameserver[1])
         self._stream_head = b""  # TCP: the two-byte length, then the header
 
     def __getattr__(self, name: str):
@@ -215,7 +219,7 @@ class _HeaderCheckedSocket:
 
     async def recvfrom(self, size: int, timeout: float | None):
         wire, sender = await self._sock.recvfrom(size, timeout)
-        if wire[:2] == self._query_id:
+        if wire[:2] == self._query_id and _address_of(sender) == self._nameserver:
             _check_header(wire)
         return wire, sender
 
@@ -238,6 +242,14 @@ def _bounded(nameserver: str | dns.nameserver.Nameserver,
     raise ValueError(f"nameserver {nameserver} is not an address: egresswall asks nameservers over UDP and TCP")
 
 
+def _address_of(sender: tuple) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int] | None:
+    """A datagram's sender as an address and a port (an IPv6 scope left out)."""
+    try:
+        return ipaddress.ip_address(str(sender[0]).split("%", 1)[0]), sender[1]
+    except (ValueError, IndexError, TypeError):
+        return None
+
+
 class _BoundedNameserver(dns.nameserver.Do53Nameserver):
     """A nameserver over UDP and TCP as dnspython's own, whose answers' headers are checked (_check_header)
     before they are parsed."""
@@ -253,12 +265,14 @@ class _BoundedNameserver(dns.nameserver.Do53Nameserver):
             async with await backend.make_socket(family, socket.SOCK_STREAM, 0, bound, (self.address, self.port),
                                                  timeout) as sock:
                 return await dns.asyncquery.tcp(request, self.address, timeout=timeout, port=self.port,
-                                                sock=_HeaderCheckedSocket(sock, query_id), backend=backend,
+                                                sock=_HeaderCheckedSocket(sock, query_id, (self.address, self.port)),
+                                                backend=backend,
                                                 one_rr_per_rrset=one_rr_per_rrset, ignore_trailing=ignore_trailing)
         destination = (self.address, self.port) if backend.datagram_connection_required() else None
         async with await backend.make_socket(family, socket.SOCK_DGRAM, 0, bound, destination) as sock:
             return await dns.asyncquery.udp(request, self.address, timeout=timeout, port=self.port,
-                                            sock=_HeaderCheckedSocket(sock, query_id), raise_on_truncation=True,
+                                            sock=_HeaderCheckedSocket(sock, query_id, (self.address, self.port)),
+                                            raise_on_truncation=True,
                                             backend=backend, one_rr_per_rrset=one_rr_per_rrset,
                                             ignore_trailing=ignore_trailing, ignore_errors=True,
                                             ignore_unexpected=True)

@@ -148,9 +148,9 @@ class Supervisor:
                 admin = await self.admin.start(*self.admin_address)
             except OSError as err:
                 raise ListenError(ADMIN, self.admin_address, err) from err
-        self.sockets = tempfile.mkdtemp(prefix="egresswall-workers-")  # mode 0700
         try:
             try:
+                self.sockets = _socket_folder()
                 await self._start_workers(admin)
             except WorkerStartError as err:
                 print(f"egresswall: {err}", file=sys.stderr, flush=True)
@@ -162,7 +162,8 @@ class Supervisor:
             await self._supervise()
             await self.admin.stop()
         finally:
-            shutil.rmtree(self.sockets, ignore_errors=True)
+            if self.sockets:
+                shutil.rmtree(self.sockets, ignore_errors=True)
         print(f"egresswall: stopped at {_utc_now()}", file=sys.stderr, flush=True)
         return 0
 
@@ -283,6 +284,26 @@ class Supervisor:
         if self.sessions is not None:  # the session API is the supervisor's: its counts are added to the workers'
             texts.append(self.sessions.metrics.session_api_page())
         return 200, METRICS_CONTENT_TYPE, sum_metrics(texts, self.carried)
+
+
+# A Unix socket's path holds at most 107 bytes (sun_path); the longest a worker's takes inside its folder
+_SOCKET_PATH_MAX, _LONGEST_SOCKET_NAME = 107, len("/egresswall-workers-xxxxxxxx/worker-99999")
+
+
+def _socket_folder() -> str:
+    """A new directory only this user may enter (mode 0700), for the workers' admin sockets: in the temporary
+    directory, or in /tmp where a long TMPDIR would leave a socket's path too long to bind."""
+    parents = [tempfile.gettempdir(), "/tmp"]
+    for parent in parents:
+        if len(parent) + _LONGEST_SOCKET_NAME <= _SOCKET_PATH_MAX:
+            try:
+                return tempfile.mkdtemp(prefix="egresswall-workers-", dir=parent)
+            except OSError as err:
+                raise WorkerStartError(f"cannot make a private directory for the workers' admin sockets in {parent} "
+                                       f"({err.strerror}); set TMPDIR to a writable directory", 1) from None
+    raise WorkerStartError(f"the temporary directory {parents[0]} is too long a path for the workers' admin sockets "
+                           f"(a socket's path holds {_SOCKET_PATH_MAX} bytes) and /tmp is too; set TMPDIR to a "
+                           "shorter one", 1)
 
 
 def _choose_listen_port(host: str, port: int) -> tuple[str, int]:

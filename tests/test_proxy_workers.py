@@ -278,3 +278,23 @@ def test_a_worker_that_cannot_restart_says_why(lab, start_proxy):
     assert status == 503 and "workers down" in body and "policy" in body.split("workers down", 1)[1], body
     # the worker that kept the last good policy still serves
     assert proxy.get(f"http://public.lab.example:{lab.public.port}/still")[0] == 200
+
+
+def test_workers_start_when_tmpdir_is_too_long_a_path_for_a_socket(lab, tmp_path):
+    """A Unix socket's path holds 107 bytes: with a TMPDIR of 70 characters or more the workers' admin sockets could
+    not be bound, and `run --workers 2` ended with an internal error (review round 17). Their folder goes to /tmp
+    then."""
+    from proxyproc import ProxyProcess
+
+    long_tmp = tmp_path / ("t" * 100)
+    long_tmp.mkdir()
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(lab.policy_text())
+    proxy = ProxyProcess(["--policy", str(policy), "--workers", "2"], tmp_path / "audit.jsonl",
+                         env={"TMPDIR": str(long_tmp)})
+    try:
+        wait_ready(proxy)
+        assert proxy.get(f"http://public.lab.example:{lab.public.port}/long-tmp")[0] == 200
+        assert "internal error" not in proxy.stderr
+    finally:
+        proxy.stop()

@@ -7,14 +7,19 @@ Every resolver here is given the DnsLab as its only nameserver: nothing leaves 1
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
 from dns import message as dns_message
+from dns import rrset as dns_rrset
 from dnslab import Behaviour, DnsLab, Record
 from hypothesis import given
 from hypothesis import strategies as st
+from listening import stop_serving
 
 from policy.decision import ADDRESS, HOST, RESOLVE, Request
 from policy.hosts import parse_url
@@ -428,3 +433,35 @@ def test_a_message_header_is_refused_exactly_when_it_counts_too_many_records(ans
         refused = True
     assert refused == too_many
     _check_header(wire[:11])  # shorter than a header: left to dnspython, which refuses it
+
+
+def test_a_forged_datagram_from_another_address_cannot_fail_a_lookup() -> None:
+    """The header check ran on any datagram with the query's id, before dnspython checks who sent it: one from
+    another address counting 1,000 answers made the lookup fail (review round 17). Only the nameserver's are
+    checked; dnspython ignores the others, as before."""
+    nameserver = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    nameserver.bind(("127.0.0.1", 0))
+
+    def answer_after_a_forgery() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                data, client = nameserver.recvfrom(4096)
+                if not data:  # stop_serving's shutdown
+                    return
+                query = dns_message.from_wire(data)
+                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as forger:
+                    forger.bind(("127.0.0.9", 0))  # another address and port: the query's id, 1,000 answers
+                    forger.sendto(data[:2] + b"\x81\x80\x00\x01\x03\xe8\x00\x00\x00\x00" + data[12:], client)
+                time.sleep(0.05)
+                response = dns_message.make_response(query)
+                if query.question[0].rdtype == 1:  # A
+                    response.answer.append(dns_rrset.from_text(query.question[0].name, 60, "IN", "A", "198.18.0.9"))
+                nameserver.sendto(response.to_wire(), client)
+
+    serving = threading.Thread(target=answer_after_a_forgery, daemon=True)
+    serving.start()
+    try:
+        res = DnsResolver([("127.0.0.1", nameserver.getsockname()[1])], timeout=2)
+        assert resolve(res, "forged.example.com").addresses == ("198.18.0.9",)
+    finally:
+        stop_serving(nameserver, serving)
