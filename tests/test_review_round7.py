@@ -51,7 +51,7 @@ class Recorder(_Server):
         self.ended: list[threading.Event] = []
         super().__init__()
 
-    def _run(self, conn: socket.socket) -> None:
+    def serve(self, conn: socket.socket) -> None:
         got, ended = bytearray(), threading.Event()
         self.raw.append(got)
         self.ended.append(ended)
