@@ -12,6 +12,7 @@ names.
 
 from __future__ import annotations
 
+from policy.addresses import AddressRules
 from policy.decision import Verdict
 from policy.model import ALLOW
 
@@ -32,9 +33,9 @@ def hint_for(verdict: Verdict, host: str | None = None, port: int | None = None)
                     "change that rule's conditions to admit it")
         if rule_id.endswith(".default:deny") and rule_id.startswith("roles."):
             role = rule_id[len("roles."):-len(".default:deny")]
-            return f"add {name} to hosts.allow of role {role}"
+            return f"add {name} to hosts.allow of role {role}" + _literal_refused(host)
         if rule_id == "default:deny":
-            return f"add {name} to hosts.allow"
+            return f"add {name} to hosts.allow" + _literal_refused(host)
         pattern = verdict.matched.pattern.text if verdict.matched is not None else rule_id
         return f"this host is refused by deny rule {pattern} ({rule}); only editing that rule admits it"
     if stage == "port":
@@ -79,6 +80,20 @@ def hint_for(verdict: Verdict, host: str | None = None, port: int | None = None)
     if stage == "session":
         return _session_hint(rule)
     return f"refused by {rule}"
+
+
+def _literal_refused(host: str | None) -> str:
+    """For an IP literal the address rules refuse by default, what a host rule alone cannot do: "add 10.0.0.5 to
+    hosts.allow" was followed by a refusal by special-purpose 10.0.0.0/8 (a newcomer's review, round 17)."""
+    try:
+        verdict = AddressRules().check(host) if host else None
+    except ValueError:  # a name, not an address
+        return ""
+    if verdict is None or verdict.allowed:
+        return ""
+    if verdict.rule.startswith("cloud-metadata"):
+        return f"; but {host} is a cloud metadata address ({verdict.rule}), which no host rule admits"
+    return f", and re-admit it with an addresses.allow range: it is not global unicast ({verdict.rule})"
 
 
 def _session_hint(rule: str) -> str:

@@ -81,7 +81,7 @@ def test_example_allowlist_contents() -> None:
     assert policy.default == DENY
     kinds = {r.pattern.text: r.pattern.kind for r in policy.allow.rules}
     assert kinds[".wikipedia.org"] is PatternKind.DOMAIN
-    assert kinds["*.githubusercontent.com"] is PatternKind.SUBDOMAINS
+    assert kinds["*.cdn.example.com"] is PatternKind.SUBDOMAINS
     assert kinds["docs.python.org"] is PatternKind.EXACT
     api = next(r for r in policy.allow.rules if r.pattern.text == "api.example.com")
     assert api.intercept and api.methods == {"GET"} and api.paths == ("/v1/public/",)

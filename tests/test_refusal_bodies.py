@@ -207,3 +207,18 @@ def test_a_refusal_by_an_allow_rule_s_conditions_points_at_that_rule_not_at_addi
                                                "change that rule's conditions to admit it")
     other = precheck(policy, Request(parse_url("http://other.example.com/"), "GET", "10.0.0.1"))
     assert hint_for(other, "other.example.com", 80) == "add other.example.com to hosts.allow"
+
+
+@pytest.mark.parametrize("host, says", [
+    ("169.254.169.254", "add 169.254.169.254 to hosts.allow; but 169.254.169.254 is a cloud metadata address "
+                        "(cloud-metadata 169.254.169.254/32), which no host rule admits"),
+    ("10.0.0.5", "add 10.0.0.5 to hosts.allow, and re-admit it with an addresses.allow range: it is not global "
+                 "unicast (special-purpose 10.0.0.0/8)"),
+    ("8.8.8.8", "add 8.8.8.8 to hosts.allow"),
+    ("a.example", "add a.example to hosts.allow"),
+])
+def test_a_default_deny_hint_for_an_address_the_address_rules_refuse_says_so(host, says):
+    """'add 169.254.169.254 to hosts.allow' was followed by a refusal by cloud-metadata: a hint that could never work
+    (a newcomer's review, round 17)."""
+    verdict = Verdict(False, "host", "default deny (p.yaml:2)", "matches no rule", rule_id="default:deny")
+    assert hint_for(verdict, host, 80) == says

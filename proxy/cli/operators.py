@@ -99,7 +99,7 @@ def cmd_suggest(args: argparse.Namespace) -> int:
     try:
         expires = suggest.expiry_date(args.expires)
     except ValueError as err:
-        raise UsageError(f"--expires {args.expires}: {err}") from None
+        raise UsageError(str(err)) from None  # it names the option and the value
     options = suggest.Options(owner=args.owner, expires=expires, domains=args.domains)
     since = _moment(args.since, "--since")
     items = Tally(read_logs(args.log))
