@@ -9,7 +9,7 @@ from listening import ConnectionServer
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, CloseConnection, Message, Ping, Request
 from wsproto.extensions import PerMessageDeflate
-from wsproto.utilities import RemoteProtocolError
+from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 
 
 def _head(data: bytes | str, size: int) -> bytes:
@@ -25,8 +25,9 @@ class WsEcho(ConnectionServer):
 
     def serve(self, conn: socket.socket) -> None:
         ws = WSConnection(ConnectionType.SERVER)
-        # A client the proxy cut off mid-handshake or mid-frame ends its connection, not the thread with a trace.
-        with contextlib.suppress(OSError, RemoteProtocolError), conn:
+        # A client the proxy cut off mid-handshake or mid-frame ends its connection, not the thread with a trace; so
+        # does a connection the lab shut down (wsproto then asks to answer a close it can no longer send).
+        with contextlib.suppress(OSError, RemoteProtocolError, LocalProtocolError), conn:
             while True:
                 data = conn.recv(65536)
                 ws.receive_data(data or None)

@@ -74,6 +74,14 @@ class DecisionAddon:
         self.table.pins[(flow.client_conn.id, tunnel.target.host, tunnel.target.port)] = tunnel.verdict.pinned
         self.table.tunnels[flow.server_conn.id] = tunnel
 
+    def _refuse_form(self, flow: http.HTTPFlow, client: str, session: str | None, status: int, rule: str,
+                     reason: str) -> None:
+        """A request refused for its form before any decision: its one record, and the answer before its body."""
+        refusal = self.gate.refuse(client, flow.request.method, None, status, "form", rule, reason,
+                                   url=flow.request.pretty_url, flow_id=flow.metadata[FLOW_ID],
+                                   accept=accept_of(flow), session=session)
+        refuse_before_body(flow, to_response(refusal))
+
     def http_connect_error(self, flow: http.HTTPFlow) -> None:
         """The allowed CONNECT's connect failed (its tunnel's closing line is pinning.py's): answered 502 as the
         front answers it (``Front._connect_failed``), not with mitmproxy's "Cannot connect" text."""
@@ -113,22 +121,16 @@ class DecisionAddon:
             # mitmproxy reads any HTTP/d.d line: HTTP/1.2 and HTTP/2.0 requests without a Host reached the origin
             # without one (the Host this path adds is for 1.0 and 1.1), and the fast path hands such lines here.
             # (HTTP/2 itself is never offered to a client: LimitsOptions.)
-            refusal = self.gate.refuse(client, request.method, None, 505, "form", "http:version",
-                                       f"the request line says {request.http_version[:20]!r}; egresswall reads "
-                                       "HTTP/1.0 and HTTP/1.1 requests here",
-                                       url=request.pretty_url, flow_id=flow.metadata[FLOW_ID], accept=accept_of(flow),
-                                       session=session)
-            refuse_before_body(flow, to_response(refusal))
+            self._refuse_form(flow, client, session, 505, "http:version",
+                              f"the request line says {request.http_version[:20]!r}; egresswall reads HTTP/1.0 and "
+                              "HTTP/1.1 requests here")
             return
         upgrade = upgrade_kind(request.headers.get_all("upgrade"))
         if upgrade == OTHER_UPGRADE:
             values = ", ".join(request.headers.get_all("upgrade"))[:100]
-            refusal = self.gate.refuse(client, request.method, None, 403, "form", "http:upgrade",
-                                       f"the request asks to upgrade to {values!r}; egresswall relays only "
-                                       "WebSocket upgrades (one Upgrade header naming websocket)",
-                                       url=request.pretty_url, flow_id=flow.metadata[FLOW_ID], accept=accept_of(flow),
-                                       session=session)
-            refuse_before_body(flow, to_response(refusal))
+            self._refuse_form(flow, client, session, 403, "http:upgrade",
+                              f"the request asks to upgrade to {values!r}; egresswall relays only WebSocket upgrades "
+                              "(one Upgrade header naming websocket)")
             return
         length = request.headers.get("content-length")
         ask = HttpAsk(client=client, method=request.method, scheme=request.scheme, host=request.data.host,
