@@ -61,10 +61,14 @@ class EchoesAsItReads(_Server):
     def handle(self, conn: socket.socket, head: bytes) -> None:
         length, chunk = _length_and_rest(head)
         conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-        while chunk:
+        # The head may come alone (no body bytes in the read that ended it): read on until the whole body has
+        # come or the peer has gone, not until the first empty chunk.
+        while length > 0:
+            if not chunk and not (chunk := conn.recv(min(65536, length))):
+                break
             length -= len(chunk)
             conn.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-            chunk = conn.recv(min(65536, length)) if length else b""
+            chunk = b""
         conn.sendall(b"0\r\n\r\n")
 
 
