@@ -161,6 +161,14 @@ def _check_ipv6(text: str) -> None:
         raise ValueError(f"{text!r}: an IPv6 address has eight 16-bit groups")
 
 
+def _why_not_an_address(text: str) -> str:
+    """For text with neither dots nor colons: 3232235777 and 0xc0a80101 are legacy spellings of IPv4 that
+    inet_aton reads; anything else is simply not an address."""
+    if text.isascii() and (text.isdigit() or text[:2].lower() == "0x"):
+        return "bare numbers are a legacy IPv4 form and are refused"
+    return "IPv4 is written with dots, IPv6 with colons"
+
+
 def parse_address(text: str) -> netaddr.IPAddress:
     """Strict: dotted-quad IPv4 or RFC 4291 IPv6 text (no zone id, no brackets); ValueError otherwise."""
     if not isinstance(text, str):
@@ -180,7 +188,7 @@ def parse_address(text: str) -> netaddr.IPAddress:
         _check_ipv4(text, text)
         version = 4
     else:
-        raise ValueError(f"{text!r}: not an address (bare numbers are a legacy IPv4 form and are refused)")
+        raise ValueError(f"{text!r}: not an address ({_why_not_an_address(text)})")
     try:  # INET_PTON: the second, independent parser must agree with the checks above
         return netaddr.IPAddress(text, version, flags=netaddr.INET_PTON)
     except netaddr.AddrFormatError as err:

@@ -285,19 +285,25 @@ def parse_record_time(value: Any) -> datetime:
         raise RecordError(f"'time' is {_shown(value)}, which is not a real moment ({err})") from None
 
 
-def parse_since(text: str, now: datetime | None = None, option: str = "--since") -> datetime:
+def parse_since(text: str, now: datetime | None = None, option: str = "--since", moment_only: bool = False
+                ) -> datetime:
     """``--since``: an RFC 3339 moment with its zone (``2026-12-01T07:00:00Z``, or a date for its
-    midnight UTC) or a duration back from now (``90s``, ``30m``, ``2h``, ``7d``, ``2w``)."""
+    midnight UTC) or a duration back from now (``90s``, ``30m``, ``2h``, ``7d``, ``2w``). ``moment_only``
+    (``replay --at``): a moment or ``now``, no duration (whether one would count forward or back is not
+    obvious there)."""
     now = now or datetime.now(UTC)
-    duration = _DURATION.fullmatch(text)
+    if moment_only and text == "now":
+        return now
+    duration = None if moment_only else _DURATION.fullmatch(text)
     if duration:
         try:
             return now - timedelta(**{_UNITS[duration.group(2)]: int(duration.group(1))})
         except OverflowError:
             raise ValueError(f"{option} {text!r}: reaches back before the year 1") from None
     if not _RFC3339.fullmatch(text):
+        others = "or now" if moment_only else "or a duration (90s, 30m, 2h, 7d, 2w)"
         raise ValueError(f"{option} {text!r}: expected an RFC 3339 time with its zone (2026-12-01T07:00:00Z), "
-                         "a date (2026-12-01), or a duration (90s, 30m, 2h, 7d, 2w)")
+                         f"a date (2026-12-01), {others}")
     try:
         moment = datetime.fromisoformat(text.upper().replace(" ", "T").replace("Z", "+00:00"))
     except ValueError as err:

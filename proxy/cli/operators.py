@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 
 from proxy import replay, suggest
@@ -28,9 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     cmd.add_argument("--fail-on", choices=replay.FAIL_ON,
                      help="exit 1 when a decision would change this way: refuse (something let through would be "
                           "refused), allow (something refused would be let through), any (any verdict change)")
-    cmd.add_argument("--at", metavar="TIME", help="judge rule expiry at this moment (RFC 3339, or now) instead of "
-                                                  "each record's own time")
-    cmd.add_argument("--examples", type=int, default=3, metavar="N", help="examples kept per kind of change")
+    cmd.add_argument("--at", metavar="TIME", help="judge rule expiry at this moment (RFC 3339, a date, or now) "
+                                                  "instead of each record's own time")
+    cmd.add_argument("--examples", type=_count, default=3, metavar="N", help="examples kept per kind of change")
     cmd.add_argument("--json", action="store_true", help="one JSON object")
     cmd.set_defaults(func=cmd_replay)
 
@@ -50,6 +50,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     cmd.set_defaults(func=cmd_suggest)
 
 
+def _count(text: str) -> int:
+    """A whole number, 0 or more (argparse's type: its ValueError is a usage error naming the option)."""
+    if not text.isascii() or not text.isdigit() or len(text) > 9:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number from 0 to 999999999")
+    return int(text)
+
+
 def _check_logs(paths: list[str]) -> None:
     for path in paths:
         if not Path(path).is_file():
@@ -59,10 +66,8 @@ def _check_logs(paths: list[str]) -> None:
 def _moment(text: str | None, option: str) -> datetime | None:
     if text is None:
         return None
-    if option == "--at" and text == "now":
-        return datetime.now(UTC)
     try:
-        return parse_since(text, option=option)
+        return parse_since(text, option=option, moment_only=option == "--at")
     except ValueError as err:
         raise UsageError(str(err)) from None  # it names the option and what it expected
 
@@ -74,7 +79,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     at = _moment(args.at, "--at")
     items = Tally(read_logs(args.log))
     try:
-        report = replay.replay(policy, items, since=since, at=at, examples=max(args.examples, 0))
+        report = replay.replay(policy, items, since=since, at=at, examples=args.examples)
     except OSError as err:
         raise UsageError(f"cannot read the log: {err}") from None
     if args.json:

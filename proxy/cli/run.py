@@ -147,7 +147,8 @@ def _check_confdir(path: str) -> None:
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
     except OSError as err:
         raise UsageError(f"--confdir {path}: cannot be used as mitmproxy's CA directory: "
-                         f"{(err.strerror or str(err)).lower()}") from None
+                         f"{(err.strerror or str(err)).lower()}; give a directory this user can create and write "
+                         "(it holds the CA's private key: not a shared one)") from None
 
 
 async def serve(runner: ProxyRunner, on_ready: Callable[[], None]) -> None:
