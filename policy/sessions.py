@@ -307,6 +307,12 @@ def bytes_over_budget(session: Session, usage: Usage, role: str | None = None) -
     return None
 
 
+def has_any_budget(session: Session) -> bool:
+    budgets = session.budgets
+    return any(limit is not None for limit in (budgets.requests, budgets.hosts, budgets.request_bytes,
+                                               budgets.response_bytes))
+
+
 def has_byte_budget(session: Session) -> bool:
     return session.budgets.request_bytes is not None or session.budgets.response_bytes is not None
 

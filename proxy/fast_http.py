@@ -620,13 +620,9 @@ class FastHttp:
             if isinstance(event, h11.InformationalResponse):
                 continue  # a 1xx other than 101 (h11 refuses an unasked 101): not passed on, the final one follows
             if isinstance(event, h11.Response):
-                bad = CONTROL_BYTE.search(event.reason)
+                bad = _control_byte(event)
                 if bad is not None:
-                    # h11 reads any byte but CR and LF in a reason phrase: a control byte there is refused, as
-                    # on mitmproxy's path (a client may end the line at it); the byte is named, not quoted.
-                    reason = (f"egresswall: the upstream response's status line has the control byte "
-                              f"0x{event.reason[bad.start()]:02x} (only HTAB may be in one)")
-                    raise _not_relayed(reason, target, accept, UNRELAYABLE_RESPONSE)
+                    raise _not_relayed(bad, target, accept, UNRELAYABLE_RESPONSE)
                 names = {k.lower() for k, _ in event.headers.raw_items()}
                 if {b"transfer-encoding", b"content-length"} <= names:
                     # RFC 9112 6.3: a sender must not send both; one reading is as good as the other for a
@@ -683,6 +679,22 @@ async def send_while_moving(sock: socket.socket, data: bytes, idle: float, stall
 
 
 _LENGTH_LINE = re.compile(rb"\ncontent-length[ \t]*:([^\r\n]*)", re.IGNORECASE)  # after CRLF or a bare LF
+
+
+def _control_byte(response: h11.Response) -> str | None:
+    """Why a response head with a control byte other than HTAB in its status line or a header value is not
+    relayed (None: it has none). h11 reads any byte but CR and LF in a reason phrase, and any but NUL and
+    whitespace in a value (0x01-0x08, 0x0e-0x1f, 0x7f go through): refused, as on mitmproxy's path
+    (``mitm_patches._read_response_head``), since a client may end a line at one. The byte is named, not
+    quoted. (Names are tokens: h11 refuses any other byte there.)"""
+    lines = [("status line", response.reason)] + [
+        (f"header {name.decode('ascii')!r}", value) for name, value in response.headers.raw_items()]
+    for what, text in lines:
+        bad = CONTROL_BYTE.search(text)
+        if bad is not None:
+            return (f"egresswall: the upstream response's {what} has the control byte 0x{text[bad.start()]:02x} "
+                    "(only HTAB may be in one)")
+    return None
 
 
 def _length_problem(head: bytes) -> str | None:

@@ -374,12 +374,17 @@ class Gate:
 
     # ---- tunnels and WebSockets under a session ----------------------------------------------------
 
-    def websocket_opened(self, flow_id: str, client: str, target: Target, verdict: Verdict, session: Session,
-                         cut: Callable[[], None], moved: Callable[[], tuple[int, int]]) -> OpenWebSocket:
-        """An allowed WebSocket under ``session`` has switched protocols: watched like a tunnel from here on."""
+    async def websocket_opened(self, flow_id: str, client: str, target: Target, verdict: Verdict, session: Session,
+                               cut: Callable[[], None], moved: Callable[[], tuple[int, int]]) -> OpenWebSocket:
+        """An allowed WebSocket under ``session`` has switched protocols: watched like a tunnel from here on.
+        Returns once its session's allowance has been read from the store (when this is the first thing open
+        under the session here), as ``decide_connect`` does before a tunnel is answered: a message sent at once
+        after the 101, or behind the handshake, was taken against the whole budget while a remote store's
+        answer was on its way (review round 18)."""
         websocket = OpenWebSocket(id=flow_id, client=client, target=target, verdict=verdict, session=session,
                                   cut=cut, moved=moved)
-        self._watch_session(websocket.id, websocket)
+        if self._watch_session(websocket.id, websocket, first_look=False):
+            await self._look_at_session([websocket])
         return websocket
 
     def websocket_closed(self, websocket: OpenWebSocket, up: int, down: int) -> None:
@@ -642,7 +647,8 @@ class Gate:
             else:  # opened without one: the policy in force now may require one (a reload since the CONNECT)
                 verdict = self.sessions.required_in_tunnel(policy, ask.client)
         else:
-            session, verdict, status = await self._session_first(policy, ask.client, ask.credentials, target, True)
+            session, verdict, status = await self._session_first(policy, ask.client, ask.credentials, target, True,
+                                                                 sent=(ask.content_length or 0) + ask.head_size)
         if verdict is None:
             # Inside a tunnel: on the CONNECT's answer, where its one upstream connection goes (decide_on_answer).
             answer = None if tunnel is None else Resolution(tunnel.target.host, tunnel.verdict.addresses, tunnel.cnames)
@@ -665,10 +671,14 @@ class Gate:
     # ---- sessions --------------------------------------------------------------------------------
 
     async def _session_first(self, policy: Policy, client: str, credentials: tuple[str, ...], target: Target,
-                             visible: bool, tls: bool = False) -> tuple[Session | None, Verdict | None, int]:
-        """Before the policy decides (so an ungranted name is never looked up): who the request came as,
-        and whether its session grants the target (``tls``: a tunnel carrying TLS passed through). (session,
-        refusal or None, status of a refusal)."""
+                             visible: bool, tls: bool = False, sent: int | None = None
+                             ) -> tuple[Session | None, Verdict | None, int]:
+        """Before the policy decides, so that no name is looked up for a request its session refuses: who the
+        request came as, whether its session grants the target (``tls``: a tunnel carrying TLS passed through),
+        and whether one more request (of ``sent`` bytes) fits its budgets — judged here, counted only once the
+        policy allows it (``_session_charge``). Past a budget, a wildcard grant's names would otherwise each
+        still be looked up, carrying client-chosen labels to DNS (review round 18). (session, refusal or None,
+        status of a refusal)."""
         identity = await self.sessions.identify(policy, client, credentials)
         if identity.refusal is not None:
             return None, identity.refusal, identity.status
@@ -676,7 +686,12 @@ class Gate:
         if session is None:
             return None, None, 403
         role = role_of(policy, client)
-        return session, self.sessions.check(session, target, visible, role.name if role else None, tls), 403
+        role_name = role.name if role else None
+        refusal = self.sessions.check(session, target, visible, role_name, tls)
+        if refusal is not None:
+            return session, refusal, 403
+        refusal, status = await self.sessions.fits(session, target, sent, role_name)
+        return session, refusal, status or 403
 
     async def _session_charge(self, session: Session | None, verdict: Verdict, target: Target,
                               content_length: int | None, head_size: int = 0) -> tuple[Verdict, int]:

@@ -51,6 +51,12 @@ gate's owner builds — installing a second, different state is an error, never 
   fields ("not implemented"); the client was left with a body that never ended. They end the body and
   are dropped, as on the fast path. Test:
   test_fast_http.py::test_an_origins_response_trailers_are_dropped_and_the_response_ends.
+* **Bytes after an early answer** (``Http1Client.read_body``, ``Http1Client.mark_done``): an origin that
+  answered before the request body was all sent, then sent more, made mitmproxy's body reader, already at
+  the response's end, report that end again for every read (a traceback, "mitmproxy has crashed!", per write
+  of the origin), and a chunked answer's last chunk never reached the client. What an upstream sends after
+  its response while the request is still going answers nothing: it is dropped unread, and the connection
+  is closed once the request is done, never used again. Test: test_review_round18_responses.py.
 * **First byte** (``Http1Server._handle_event``): a connection that has sent nothing is closed after
   ``limits.first_byte_timeout`` (the front does this for ``egresswall run``; this is for mitmdump).
 * **Pipelined bytes** (``Http1Server.wait``): bytes a client sends while its request waits for a response
@@ -278,6 +284,7 @@ _originals: dict[str, object] = {}
 WEBSOCKET_TOO_BIG = "egresswall_websocket_too_big"
 _WEBSOCKET_HELD = "_egresswall_websocket_held"  # on a WebsocketConnection: bytes of its unfinished message
 WEBSOCKET_MESSAGE_TOO_BIG = 1009  # RFC 6455 7.4.1
+WEBSOCKET_POLICY_VIOLATION = 1008
 # On a mitmproxy Connection in a WebSocket: the bytes of the pings and pongs it sent (relayed, as messages are).
 WEBSOCKET_CONTROL_BYTES = "egresswall_websocket_control_bytes"
 # On the same Connection under a session with a byte budget: (its ByteAllowance, the way its bytes go, UP or DOWN).
@@ -299,7 +306,7 @@ def install(state: PatchState) -> None:
                       handle_protocol_error=HttpStream.handle_protocol_error,
                       check_invalid=HttpStream.check_invalid,
                       consume=HttpStream.state_consume_request_body, server_read_body=Http1Server.read_body,
-                      client_read_body=Http1Client.read_body,
+                      client_read_body=Http1Client.read_body, client_mark_done=Http1Client.mark_done,
                       server_read_headers=Http1Server.read_headers, server_wait=Http1Server.wait,
                       server_mark_done=Http1Server.mark_done,
                       server_handle_event=Http1Server._handle_event,
@@ -319,6 +326,7 @@ def install(state: PatchState) -> None:
     HttpStream.state_consume_request_body = _consume_request_body
     Http1Server.read_body = _server_read_body
     Http1Client.read_body = _client_read_body
+    Http1Client.mark_done = _client_mark_done
     Http1Server.read_headers = _server_read_headers
     Http1Server.wait = _server_wait
     Http1Server.mark_done = _server_mark_done
@@ -355,6 +363,7 @@ def uninstall() -> None:
         HttpStream.state_consume_request_body = _originals["consume"]
         Http1Server.read_body = _originals["server_read_body"]
         Http1Client.read_body = _originals["client_read_body"]
+        del Http1Client.mark_done  # Http1Connection's again
         Http1Server.read_headers = _originals["server_read_headers"]
         Http1Server.wait = _originals["server_wait"]
         Http1Server.mark_done = _originals["server_mark_done"]
@@ -480,7 +489,12 @@ def _refuse_buffered_body(self: HttpStream, refusal: Refusal):
 def _client_read_body(self: Http1Client, event: events.Event):
     """An upstream's response body as mitmproxy reads it, except that trailer fields end it: mitmproxy's
     reader raises on them ("not implemented"), and its client was left with a body that never ended. The
-    trailers are dropped, as on the fast path (h11 re-frames the response there, without them)."""
+    trailers are dropped, as on the fast path (h11 re-frames the response there, without them). And once the
+    response has ended while the request is still being sent (the origin answered early), what the upstream
+    sends answers nothing: dropped unread (``_client_mark_done`` closes the connection after the request)."""
+    if self.response_done and isinstance(event, events.DataReceived):
+        _drop_after_response(self)
+        return
     try:
         yield from _originals["client_read_body"](self, event)
     except NotImplementedError:  # "HTTP trailers are not implemented yet.": the last chunk came, with trailers
@@ -488,6 +502,22 @@ def _client_read_body(self: Http1Client, event: events.Event):
         if self.request.data.method.upper() != b"CONNECT":
             yield ReceiveHttp(ResponseEndOfMessage(self.stream_id))
         yield from self.mark_done(response=True)
+    if self.response_done and not self.request_done and self.buf:
+        _drop_after_response(self)  # bytes that came in the same read as the response's end
+
+
+def _drop_after_response(self: Http1Client) -> None:
+    self.buf = ReceiveBuffer()
+    setattr(self, _SPOKE_AFTER_RESPONSE, True)
+
+
+def _client_mark_done(self: Http1Client, *, request: bool = False, response: bool = False):
+    """mitmproxy's end of a request or response on an upstream connection; one that sent bytes after its
+    response (``_client_read_body``) is closed once both are done, never kept for another request."""
+    yield from _originals["client_mark_done"](self, request=request, response=response)
+    if getattr(self, _SPOKE_AFTER_RESPONSE, False) and self.state == self.read_headers:
+        yield commands.CloseConnection(self.conn)
+        self.state = self.done
 
 
 def _server_read_body(self: Http1Server, event: events.Event):
@@ -701,6 +731,7 @@ SENT_AUTHORITY = "egresswall_sent_authority"  # on an http.Request: its request 
 # On an http.Request whose framing mitmproxy's head reader refused: its words, which the client was answered with
 # (mitmproxy's stream then words the same fault its own way, "Received ... from client, refusing ...").
 FRAMING_REFUSED = "egresswall_framing_refused"
+_SPOKE_AFTER_RESPONSE = "_egresswall_spoke_after_response"  # on an Http1Client: it sent bytes after its response
 
 
 def _note_sent_authority(self: Http1Server, generator: Generator) -> Generator:
@@ -1228,12 +1259,13 @@ def _websocket_events(self: WebsocketConnection) -> Generator:
     closes both connections; nothing after it is read."""
     held = self.__dict__.get(_WEBSOCKET_HELD, 0)
     for event in _originals["websocket_events"](self):
-        if isinstance(event, (WebSocketPing, WebSocketPong)):
-            taken = self.conn.__dict__.get(WEBSOCKET_ALLOWANCE)
-            if taken is not None and not taken[0].take(taken[1], len(event.payload)):
-                return  # past its session's byte budget: not relayed, and the gate closes the WebSocket
-            self.conn.__dict__[WEBSOCKET_CONTROL_BYTES] = (self.conn.__dict__.get(WEBSOCKET_CONTROL_BYTES, 0)
-                                                           + len(event.payload))
+        if isinstance(event, (WebSocketPing, WebSocketPong)) and not _control_bytes_taken(self.conn,
+                                                                                        len(event.payload)):
+            return  # past its session's byte budget: not relayed, and the gate closes the WebSocket
+        if isinstance(event, WebSocketClose) and not _control_bytes_taken(self.conn, _close_size(event)):
+            # mitmproxy's layer relays a close's code and reason (up to 125 bytes) to the other side: past the
+            # session's byte budget, egresswall's own code stands in for them (review round 18).
+            event = WebSocketClose(code=WEBSOCKET_POLICY_VIOLATION, reason="")
         if isinstance(event, WebSocketMessage):
             data = event.data
             held += len(data.encode("utf-8")) if isinstance(data, str) else len(data)
@@ -1252,6 +1284,24 @@ def _websocket_events(self: WebsocketConnection) -> Generator:
         self.__dict__[_WEBSOCKET_HELD] = held
         yield event
     self.__dict__[_WEBSOCKET_HELD] = held
+
+
+def _control_bytes_taken(conn: object, size: int) -> bool:
+    """A control frame's payload (a ping's, a pong's, a close's code and reason), relayed to the other side:
+    counted toward the WebSocket's bytes (charged to its session) and taken from its session's allowance. False
+    when it would pass the session's byte budget (the gate then closes the WebSocket)."""
+    taken = conn.__dict__.get(WEBSOCKET_ALLOWANCE)
+    if taken is not None and not taken[0].take(taken[1], size):
+        return False
+    conn.__dict__[WEBSOCKET_CONTROL_BYTES] = conn.__dict__.get(WEBSOCKET_CONTROL_BYTES, 0) + size
+    return True
+
+
+def _close_size(event: WebSocketClose) -> int:
+    """The bytes a close frame carries: its code (2) and its reason (RFC 6455 5.5.1); none without a code."""
+    if event.code in (1005, 1006):  # "no status" and "abnormal": never on the wire
+        return 0
+    return 2 + len((event.reason or "").encode("utf-8"))
 
 
 class _FrameBuffer(list):

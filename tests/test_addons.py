@@ -218,12 +218,12 @@ def test_a_websocket_under_a_session_is_watched_counted_and_let_go(gate):
         watch = WebSocketWatch(gate)
         plain = tflow.twebsocketflow()
         plain.metadata.update({VERDICT: ALLOWED, TARGET: parse_url("ws://a.example/"), FLOW_ID: "f0"})
-        watch.websocket_start(plain)
+        await watch.websocket_start(plain)
         assert HELD not in plain.metadata and not gate.under_sessions
 
         flow = tflow.twebsocketflow(messages=False)
         flow.metadata.update({VERDICT: ALLOWED, TARGET: parse_url("ws://a.example/"), FLOW_ID: "f1", SESSION: session})
-        watch.websocket_start(flow)
+        await watch.websocket_start(flow)
         held = gate.under_sessions["f1"]
         for from_client, content in ((True, b"abc"), (False, b"hello"), (False, b"!")):
             flow.websocket.messages.append(websocket_message(Opcode.TEXT, from_client, content))

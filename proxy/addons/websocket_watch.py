@@ -35,13 +35,15 @@ class WebSocketWatch:
     def __init__(self, gate: Gate) -> None:
         self.gate = gate
 
-    def websocket_start(self, flow: http.HTTPFlow) -> None:
+    async def websocket_start(self, flow: http.HTTPFlow) -> None:
+        # Awaited: mitmproxy's WebSocket layer relays nothing (a message behind the handshake neither) until this
+        # hook has returned, so the first message is taken from what the store says is left.
         session = flow.metadata.get(SESSION)
         if session is None:
             return
         counts = [0, 0]
         client_id = flow.client_conn.id
-        held = self.gate.websocket_opened(flow.metadata[FLOW_ID], peer_of(flow.client_conn.peername),
+        held = await self.gate.websocket_opened(flow.metadata[FLOW_ID], peer_of(flow.client_conn.peername),
                                           flow.metadata[TARGET], flow.metadata[VERDICT], session,
                                           lambda: close_client(client_id), lambda: _moved(flow, counts))
         flow.metadata[HELD] = (held, counts)

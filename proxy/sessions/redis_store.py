@@ -137,6 +137,22 @@ class RedisStore:
 
         return await self._watched((usage_key, hosts_key, record_key), attempt)
 
+    async def judge(self, session: Session, host: str, sent: int | None,
+                    role: str | None = None) -> Verdict | None:
+        """``charge``'s judgement on the counts as they are, in one round trip, counting nothing (the charge
+        after the decision is the one that counts, atomically)."""
+        usage_key, hosts_key = self._key(session.id, "usage"), self._key(session.id, "hosts")
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.exists(self._key(session.id))
+            pipe.hmget(usage_key, "requests", "request_bytes", "response_bytes")
+            pipe.sismember(hosts_key, host)
+            pipe.scard(hosts_key)
+            exists, (requests, up, down), seen, hosts = await self._call(pipe.execute())
+        if not exists:
+            return refused(ENDED, f"session {session.id} has ended", session, role)
+        usage = Usage(int(requests or 0), int(hosts or 0), int(up or 0), int(down or 0))
+        return judge_budgets(session, usage, bool(seen), sent, role)
+
     async def charge_bytes(self, session_id: str, up: int, budget: int) -> int | None:
         key = self._key(session_id, "usage")
 

@@ -33,6 +33,7 @@ from policy.sessions import (
     bytes_would_cross,
     check_grant,
     grant_refusal,
+    has_any_budget,
     has_byte_budget,
     refused,
     secret_digest,
@@ -179,14 +180,31 @@ class SessionService:
     async def charge(self, session: Session, target: Target, content_length: int | None,
                      role: str | None) -> tuple[Verdict | None, int]:
         """(refusal, status) for one more request under the session; (None, 0) once it is counted."""
+        refusal, status = await self._budgets(self.store.charge, session, target, content_length, role)
+        if refusal is None:
+            self.metrics.session_request()
+        return refusal, status
+
+    async def fits(self, session: Session, target: Target, sent: int | None, role: str | None
+                   ) -> tuple[Verdict | None, int]:
+        """Before the name is looked up: (refusal, status) when one more request under the session would be
+        refused by a budget (``charge``'s judgement, nothing counted), so a session past its budgets makes no
+        lookup; (None, 0) when it fits, or when the session has no budget at all (nothing to ask the store)."""
+        if not has_any_budget(session):
+            return None, 0
+        return await self._budgets(self.store.judge, session, target, sent, role)
+
+    async def _budgets(self, ask, session: Session, target: Target, sent: int | None, role: str | None
+                       ) -> tuple[Verdict | None, int]:
+        """The store's ``charge`` or ``judge``, as (refusal, status): 503 when it cannot be asked, 403 when a
+        budget refuses (counted in the metrics), (None, 0) when the request fits."""
         try:
-            refusal = await self.store.charge(session, target.host, content_length, role)
+            refusal = await ask(session, target.host, sent, role)
         except StoreUnavailable as err:
             return self.store_down(session, err, role), 503
         if refusal is not None:
             self.metrics.session_refusal(refusal.rule)
             return refusal, 403
-        self.metrics.session_request()
         return None, 0
 
     def count_bytes(self, session_id: str | None, up: int, down: int) -> None:

@@ -41,6 +41,10 @@ class SessionStore(Protocol):
     # so requests admitted at the same moment are judged on each other's bytes.
     async def charge(self, session: Session, host: str, sent: int | None,
                      role: str | None = None) -> Verdict | None: ...
+    # Whether ``charge`` would refuse one more request now, without counting it: asked before the name is looked
+    # up, so a session past a budget makes no lookup (a wildcard grant's names would carry data to DNS).
+    async def judge(self, session: Session, host: str, sent: int | None,
+                    role: str | None = None) -> Verdict | None: ...
     # ``up`` more bytes sent, charged only if the total stays within ``budget`` (atomically): None when charged,
     # else the total they would have made.
     async def charge_bytes(self, session_id: str, up: int, budget: int) -> int | None: ...
@@ -127,6 +131,13 @@ class MemoryStore:
             u = entry.usage
             entry.usage = Usage(u.requests + 1, len(entry.hosts), u.request_bytes + (sent or 0), u.response_bytes)
         return refusal
+
+    async def judge(self, session: Session, host: str, sent: int | None,
+                    role: str | None = None) -> Verdict | None:
+        entry = self._live(session.id)
+        if entry is None:
+            return refused(ENDED, f"session {session.id} has ended", session, role)
+        return judge_budgets(session, entry.usage, host in entry.hosts, sent, role)
 
     async def charge_bytes(self, session_id: str, up: int, budget: int) -> int | None:
         entry = self._live(session_id)
