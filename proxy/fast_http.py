@@ -51,7 +51,7 @@ from .early_response import UpstreamListener
 from .gate import Gate, HttpAsk, plain_target, refusal_for
 from .head_reader import HeadProblem, answer_then_drain, read_head
 from .http_head import PlainRequest, take_head
-from .http_hygiene import ALWAYS_HOP_BY_HOP, CONTROL_BYTE, hop_by_hop_names, tokens
+from .http_hygiene import ALWAYS_HOP_BY_HOP, CONTROL_BYTE, MAX_CONTENT_LENGTH, hop_by_hop_names, tokens
 from .refusals import OWN_HEADER_PREFIX, UNRELAYABLE_RESPONSE, Refusal, refusal_bytes
 
 Handoff = Callable[[socket.socket, bytes], None]
@@ -706,6 +706,8 @@ def _length_problem(head: bytes) -> str | None:
                 "could read two ways")
     if any(_LENGTH.fullmatch(value) is None for value in values):
         return "Content-Length is not digits without a leading zero"
+    if any(len(value) > 19 or int(value) > MAX_CONTENT_LENGTH for value in values):
+        return f"Content-Length is over {MAX_CONTENT_LENGTH} (a client reading it into 64 bits could wrap it)"
     return None
 
 

@@ -29,6 +29,9 @@ CONNECT_CONTENT = "http:connect-content"
 # In a response head's line, its line end gone: a control byte other than HTAB (RFC 9110 5.5, RFC 9112 4), a
 # bare CR or a NUL among them. A client may end the line at one: neither transport relays a head holding one.
 CONTROL_BYTE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+# The largest Content-Length relayed: a client that reads one into 64 bits (unsigned, wrapping) would take
+# 2**64 + 5 for 5 and read what follows as another response.
+MAX_CONTENT_LENGTH = 2**63 - 1
 
 
 def tokens(values: Iterable[str]) -> list[str]:

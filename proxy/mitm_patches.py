@@ -204,7 +204,7 @@ from .body_reasons import TRAILERS_REASON, body_line_too_long_reason, body_unpar
 from .dial import connect_failed, connect_timed_out
 from .head_end import HEAD_END  # what h11's ReceiveBuffer accepts as the end of a head
 from .head_reader import LINGER_BYTES, LINGER_SECONDS
-from .http_hygiene import CONTROL_BYTE
+from .http_hygiene import CONTROL_BYTE, MAX_CONTENT_LENGTH
 from .refusals import UNRELAYABLE_RESPONSE, Refusal, refusal_bytes
 
 REFUSE_BEFORE_BODY = "egresswall_refuse_before_body"
@@ -894,8 +894,13 @@ def _read_response_head(lines: list[bytes]):
         raise ValueError(f"egresswall: the upstream response's status line has no three-digit status code from 100: "
                          f"{lines[0][:60]!r}")
     response = _originals["read_response_head"](lines)
-    if any(len(value.strip()) > _LENGTH_DIGITS for value in response.headers.get_all("content-length")):
-        raise ValueError(f"egresswall: the upstream response's Content-Length has more than {_LENGTH_DIGITS} digits")
+    for value in (value.strip() for value in response.headers.get_all("content-length")):
+        if len(value) > _LENGTH_DIGITS:
+            raise ValueError(f"egresswall: the upstream response's Content-Length has more than {_LENGTH_DIGITS} "
+                             "digits")
+        if value.isascii() and value.isdigit() and int(value) > MAX_CONTENT_LENGTH:
+            raise ValueError(f"egresswall: the upstream response's Content-Length is over {MAX_CONTENT_LENGTH} (a "
+                             "client reading it into 64 bits could wrap it)")
     return response
 
 

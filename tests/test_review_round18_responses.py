@@ -71,6 +71,7 @@ def _control_byte_answer(byte: bytes) -> bytes:
 
 
 CONTROL_BYTES = [b"\x01", b"\x08", b"\x1b", b"\x1f", b"\x7f"]
+HUGE_LENGTHS = [2**63, 2**64 + 5, 10**19]  # over 2**63 - 1; 2**64 + 5 is 5 to a client that wraps at 64 bits
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +83,8 @@ def origins():
     }
     for byte in CONTROL_BYTES:
         servers[f"control-{byte.hex()}"] = Scripted(_control_byte_answer(byte))
+    for length in HUGE_LENGTHS:
+        servers[f"length-{length}"] = Scripted(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\nhello" % length)
     yield servers
     for server in servers.values():
         server.close()
@@ -180,3 +183,25 @@ def test_a_control_byte_in_a_response_header_value_gets_502_on_both_paths(proxy,
                 got += chunk
     assert got.startswith(b"HTTP/1.1 502 "), got[:200]
     assert byte not in got.partition(b"\r\n\r\n")[0]
+
+
+def _get(proxy, port: int, path: str) -> bytes:
+    authority = f"public.lab.example:{port}"
+    request = f"GET http://{authority}{path} HTTP/1.1\r\nHost: {authority}\r\nConnection: close\r\n\r\n".encode()
+    got = b""
+    with socket.create_connection((proxy.host, proxy.port), timeout=10) as sock:
+        sock.sendall(request)
+        sock.settimeout(5)
+        with contextlib.suppress(TimeoutError, ConnectionResetError):
+            while chunk := sock.recv(65536):
+                got += chunk
+    return got
+
+
+@pytest.mark.parametrize("length", HUGE_LENGTHS)
+def test_a_content_length_a_64_bit_client_could_wrap_gets_502_on_both_paths(proxy, origins, length):
+    """A 20-digit Content-Length was relayed on both paths (only more than 20 digits was refused): a client that
+    reads it into an unsigned 64-bit integer takes 2**64 + 5 for 5 and reads what follows as another response."""
+    got = _get(proxy, origins[f"length-{length}"].port, f"/length-{length}")
+    assert got.startswith(b"HTTP/1.1 502 "), got[:200]
+    assert str(length).encode() not in got
