@@ -687,8 +687,11 @@ def _control_byte(response: h11.Response) -> str | None:
     whitespace in a value (0x01-0x08, 0x0e-0x1f, 0x7f go through): refused, as on mitmproxy's path
     (``mitm_patches._read_response_head``), since a client may end a line at one. The byte is named, not
     quoted. (Names are tokens: h11 refuses any other byte there.)"""
-    lines = [("status line", response.reason)] + [
-        (f"header {name.decode('ascii')!r}", value) for name, value in response.headers.raw_items()]
+    items = response.headers.raw_items()
+    # One search over them all joined by HTAB (allowed), on the path of every response; which one, only on a hit.
+    if CONTROL_BYTE.search(b"\t".join([response.reason, *(value for _, value in items)])) is None:
+        return None
+    lines = [("status line", response.reason)] + [(f"header {name.decode('ascii')!r}", value) for name, value in items]
     for what, text in lines:
         bad = CONTROL_BYTE.search(text)
         if bad is not None:

@@ -211,3 +211,28 @@ def test_the_response_forwarded_has_no_hop_by_hop_or_egresswall_header_and_is_re
     assert _forwarded_response_headers([(b"Content-Length", b"5")], 200) == [(b"Content-Length", b"5")]
     assert _forwarded_response_headers([(b"Content-Length", b"5")], 304) == [(b"Content-Length", b"5")]
     assert _forwarded_response_headers([(b"Content-Length", b"5")], 204) == []  # a 204 has no body
+
+
+_VALUE_BYTES = st.binary(min_size=1, max_size=12).filter(lambda b: b"\r" not in b and b"\n" not in b
+                                                         and b"\x00" not in b)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(_VALUE_BYTES, min_size=0, max_size=6), _VALUE_BYTES)
+def test_a_response_head_is_refused_exactly_when_a_line_has_a_control_byte_other_than_htab(values, reason):
+    """``fast_http._control_byte`` against a plain reading of the rule, over what h11 itself accepts (it keeps
+    0x01-0x08, 0x0e-0x1f and 0x7f in values and reason phrases): refused iff some byte of the reason or of a
+    value is a control byte other than HTAB; the words name the first such line."""
+    from proxy.fast_http import _control_byte
+
+    try:
+        response = h11.Response(status_code=200, reason=reason,
+                                headers=[(f"x-{i}", value) for i, value in enumerate(values)])
+    except h11.LocalProtocolError:
+        return  # h11 refuses it (leading or trailing whitespace, ...): never reaches the check
+    lines = [response.reason] + [value for _, value in response.headers.raw_items()]
+    controls = [i for i, line in enumerate(lines) if any(b < 0x20 and b != 0x09 or b == 0x7f for b in line)]
+    found = _control_byte(response)
+    assert (found is not None) == bool(controls), (lines, found)
+    if controls:
+        assert ("status line" if controls[0] == 0 else f"header 'x-{controls[0] - 1}'") in found, found
