@@ -8,9 +8,11 @@ and less what moved since it was counted. Each relay takes every chunk from it b
 chunk that would carry the session past a budget is not relayed, and everything open under the session in
 this worker is ended at once (``crossed``).
 
-An allowance starts at the whole budget (the most that can be left), until the first look (asked for at
-once) reads the store. Workers and replicas each hold their own allowance, read from the one store: N of
-them together can pass a budget by at most N - 1 times what was left at their last looks.
+An allowance starts unread and takes nothing until a look has read the store: the gate answers a tunnel,
+and lets a WebSocket relay, only once that first look has read it (every one opened while it is on its way
+waits for it), and refuses them when the store did not answer it (``Gate._allowance_known``). Workers and
+replicas each hold their own allowance, read from the one store: N of them together can pass a budget by at
+most N - 1 times what was left at their last looks.
 """
 
 from __future__ import annotations
@@ -29,12 +31,16 @@ class ByteAllowance:
     gets the direction and the count the session would have reached when a chunk would pass a budget; the
     allowance stays spent from then on (nothing more is relayed under it)."""
 
-    def __init__(self, up: int | None, down: int | None, crossed: Callable[[str, int], None]) -> None:
+    def __init__(self, up: int | None, down: int | None, crossed: Callable[[str, int], None],
+                 read: bool = True) -> None:
         self.budgets = {UP: up, DOWN: down}
         self.left = dict(self.budgets)
         self.crossed = crossed
         self.spent = False
         self.holders = 0  # open tunnels and WebSockets sharing it (the gate drops it at 0)
+        # The store's usage has been read into it (``refresh``). The gate makes one unread and lets nothing
+        # under it relay until a look has read it (``Gate._allowance_known``); an unread one takes nothing.
+        self.read = read
 
     @property
     def up(self) -> int | None:
@@ -48,6 +54,8 @@ class ByteAllowance:
         """Count ``size`` bytes about to be relayed ``key`` (UP: from the client): False when they would carry
         the session past its budget that way (they must not be relayed). Once spent, nothing more is taken, and
         each refusal is said to ``crossed`` again: what opened or moved since the first ends too."""
+        if not self.read:
+            return False  # what is left is not known: the gate ends what is open under it (a store not answering)
         left = self.left[key]
         if left is None and not self.spent:
             return True
@@ -86,6 +94,7 @@ class ByteAllowance:
     def refresh(self, usage: Usage, since_counted: tuple[int, int]) -> None:
         """What is left after the store's ``usage`` and the bytes moved here since they were counted
         (``since_counted``: up, down). A negative remainder is kept as 0: the sweep's own check ends it."""
+        self.read = True
         for key, counted, since in ((UP, usage.request_bytes, since_counted[0]),
                                     (DOWN, usage.response_bytes, since_counted[1])):
             budget = self.budgets[key]

@@ -41,7 +41,7 @@ from policy.hosts import (
 from policy.model import Policy, ech_allowed
 from policy.resolver import DnsResolver, Resolver, resolve_and_decide
 from policy.sessions import STAGE as SESSION_STAGE
-from policy.sessions import Session, has_byte_budget
+from policy.sessions import STORE_UNAVAILABLE, Session, has_byte_budget
 
 from .accept import prefers_json
 from .admission import Admission, CapRefusal
@@ -172,7 +172,7 @@ class Gate:
         self.under_sessions: dict[str, UnderSession] = {}  # open tunnels and WebSockets under a session, by id
         self.allowances: dict[str, ByteAllowance] = {}  # by session id, while something is open under it
         self._session_sweep: asyncio.Task | None = None
-        self._first_looks: set[asyncio.Task] = set()
+        self._first_reads: dict[str, asyncio.Task] = {}  # by session id: the look that reads a new allowance
         self.store_grace = SESSION_STORE_GRACE
         self.metrics.policy_in_force()
         self.metrics.count_audit_failures(lambda: self.audit.failures)
@@ -298,11 +298,16 @@ class Gate:
         tunnel = Tunnel(flow_id, target, verdict, client, intercept=policy.intercepts(target.host),
                         http_inside=target.port in policy.http_ports,
                         cnames=resolution.cnames if resolution else (), session=session)
-        if session is not None and self._watch_session(tunnel.id, tunnel, first_look=False):
-            # Read before the tunnel is answered: a first message sent with the CONNECT was taken against the
-            # whole budget while a remote store's answer was on its way (review round 16).
-            await self._look_at_session([tunnel])
         self.metrics.tunnel_opened()
+        if session is not None:
+            self._watch_session(tunnel.id, tunnel)
+            # Read before the tunnel is answered: a first message sent with the CONNECT was taken against the
+            # whole budget while a remote store's answer was on its way (review rounds 16 and 18).
+            refused = await self._allowance_known(tunnel)
+            if refused is not None:
+                status = 503 if refused.rule == STORE_UNAVAILABLE else 403
+                self.refuse_tunnel(tunnel, refused.rule, refused.reason, status=status)
+                return ConnectOutcome(None, refusal_for(status, refused, target, accept))
         return ConnectOutcome(tunnel, None)
 
     def first_message(self, tunnel: Tunnel) -> FirstMessage:
@@ -347,7 +352,9 @@ class Gate:
         client sent after it), until the server's first answer shows whether a second one is asked for."""
         return RetryWatch(judged.sni, ech_allowed(self.policy), held)
 
-    def refuse_tunnel(self, tunnel: Tunnel, rule: str, reason: str, up: int = 0, down: int = 0) -> None:
+    def refuse_tunnel(self, tunnel: Tunnel, rule: str, reason: str, up: int = 0, down: int = 0,
+                      status: int = 200) -> None:
+        """``status``: what the client's CONNECT was answered (a refusal before the 200 is not 200)."""
         stage = (LIMITS if rule.startswith("limits.") else TLS if rule.startswith("tls:")
                  else SESSION_STAGE if rule.startswith("session:") else HTTP)
         verdict = Verdict(False, stage, rule, reason, role=tunnel.verdict.role, addresses=tunnel.verdict.addresses,
@@ -355,7 +362,7 @@ class Gate:
         record = self.recorder.record(DECISION, tunnel.id + "-tls", tunnel.client, "CONNECT", tunnel.target, verdict,
                                       tunnel.cnames)
         self.recorder.decision(record)
-        self.tunnel_closed(tunnel, up, down, reason)
+        self.tunnel_closed(tunnel, up, down, reason, status)
 
     def tunnel_closed(self, tunnel: Tunnel, up: int, down: int, error: str | None, status: int = 200) -> None:
         """The closing line of a tunnel, once, on either path, with its bytes each way. ``status``: what the
@@ -383,8 +390,10 @@ class Gate:
         answer was on its way (review round 18)."""
         websocket = OpenWebSocket(id=flow_id, client=client, target=target, verdict=verdict, session=session,
                                   cut=cut, moved=moved)
-        if self._watch_session(websocket.id, websocket, first_look=False):
-            await self._look_at_session([websocket])
+        self._watch_session(websocket.id, websocket)
+        refused = await self._allowance_known(websocket)
+        if refused is not None:
+            self._cut([websocket], refused)  # its allowance, unread, takes nothing meanwhile
         return websocket
 
     def websocket_closed(self, websocket: OpenWebSocket, up: int, down: int) -> None:
@@ -404,30 +413,49 @@ class Gate:
         charged_up, charged_down = held.charged
         self.sessions.count_bytes(session_id, max(0, up - charged_up), max(0, down - charged_down))
 
-    def _watch_session(self, key: str, held: UnderSession, first_look: bool = True) -> bool:
-        """Watch it by its session; True when it made the session's allowance in this worker, whose first look
-        at the store is then the caller's to await (``first_look`` False), or a task of its own."""
+    def _watch_session(self, key: str, held: UnderSession) -> None:
+        """Watch it by its session, with the session's allowance in this worker (made unread by the first one:
+        ``_allowance_known`` reads it before anything under it is relayed)."""
         self.under_sessions[key] = held
         loop = asyncio.get_running_loop()
         session = held.session
         assert session is not None
-        made = False
         if has_byte_budget(session):
             allowance = self.allowances.get(session.id)
             if allowance is None:
-                # The whole budget (the most that can be left) until the store is read, at once.
                 allowance = self.allowances[session.id] = ByteAllowance(
                     session.budgets.request_bytes, session.budgets.response_bytes,
-                    lambda way, reached: self._bytes_would_cross(session.id, way, reached))
-                made = True
-                if first_look:
-                    self._first_looks.add(task := loop.create_task(self._look_at_session([held])))
-                    task.add_done_callback(self._first_looks.discard)
+                    lambda way, reached: self._bytes_would_cross(session.id, way, reached), read=False)
             allowance.holders += 1
             held.allowance = allowance
         if self._session_sweep is None or self._session_sweep.done():
             self._session_sweep = loop.create_task(self._sweep_sessions())
-        return made
+
+    async def _allowance_known(self, held: UnderSession) -> Verdict | None:
+        """None once what its session may still move here has been read from the store (at once when it was
+        already); else the refusal that ends it: the session ended, expired or is past a byte budget, or the
+        store did not answer (fail closed: an allowance never read would let the whole budget through).
+        Everything opened under the session while the first look is on its way waits for that same look: one
+        opened beside it took the whole budget (review round 18)."""
+        allowance, session = held.allowance, held.session
+        if allowance is None or allowance.read:
+            return held.cut_by
+        assert session is not None
+        task = self._first_reads.get(session.id)
+        if task is None or task.done():
+            under = [h for h in self.under_sessions.values()
+                     if h.session is not None and h.session.id == session.id and not h.closed]
+            task = self._first_reads[session.id] = asyncio.get_running_loop().create_task(
+                self._look_at_session(under))
+            task.add_done_callback(lambda done: self._first_reads.pop(session.id, None)
+                                   if self._first_reads.get(session.id) is done else None)
+        over = await asyncio.shield(task)
+        if held.cut_by is not None or over is not None:
+            return held.cut_by or over
+        if not allowance.read:
+            return self.sessions.store_down(session, StoreUnavailable(
+                "the session store did not answer the first look at what the session may still send and receive"))
+        return None
 
     def _unwatch_session(self, key: str, held: UnderSession) -> None:
         """It has closed: no longer looked at, and its allowance dropped with the last one under its session."""
@@ -475,7 +503,7 @@ class Gate:
             # the others' bound of about a second.
             await asyncio.gather(*(self._look_at_session(helds) for helds in by_session.values()))
 
-    async def _look_at_session(self, helds: list[UnderSession]) -> None:
+    async def _look_at_session(self, helds: list[UnderSession]) -> Verdict | None:
         """End a session's open tunnels and WebSockets once it has ended or expired, its bytes are past a byte
         budget, or the store has not answered for ``store_grace`` seconds. Any other error here is logged, and
         the sweep goes on for every other session (a sweep that died would cut nothing again until another one
@@ -496,12 +524,13 @@ class Gate:
             over = self._store_silent(session, helds, err, started)
         except Exception:  # noqa: BLE001 - see the docstring; CancelledError (shutdown) is no Exception
             log.exception("session %s: its open tunnels and WebSockets could not be looked at", session.id)
-            return
+            return None
         else:
             for held in helds:
                 held.store_silent_since = None
         if over is not None:
             self._cut(helds, over)
+        return over
 
     def _expired(self, helds: list[UnderSession]) -> Verdict | None:
         """The refusal once the session has expired as last seen (the earliest expiry any of them saw)."""

@@ -82,12 +82,15 @@ def _gate(tmp_path, budgets: dict) -> tuple[Gate, Session]:
     return gate, gate.sessions.new_session(spec)[0]
 
 
-def _tunnel(gate: Gate, session: Session, name: str, cut: list[str], moved: list[int] | None = None) -> Tunnel:
+async def _tunnel(gate: Gate, session: Session, name: str, cut: list[str], moved: list[int] | None = None
+                  ) -> Tunnel:
+    """A tunnel under ``session`` as the gate opens one: watched, and answered once its allowance was read."""
     tunnel = Tunnel(name, parse_authority("a.example:443"), Verdict(True, "decide", "allow", "", session=session.id),
                     "127.0.0.1", False, False, session=session)
     tunnel.cut = lambda: cut.append(name)
     tunnel.moved = lambda: (moved[0], moved[1]) if moved else (0, 0)
     gate._watch_session(tunnel.id, tunnel)
+    assert await gate._allowance_known(tunnel) is None
     return tunnel
 
 
@@ -97,7 +100,7 @@ def test_the_gate_shares_one_allowance_per_session_ends_all_at_a_crossing_and_dr
     async def run() -> None:
         await gate.sessions.store.put(session)
         cut: list[str] = []
-        first, second = _tunnel(gate, session, "t1", cut), _tunnel(gate, session, "t2", cut)
+        first, second = await _tunnel(gate, session, "t1", cut), await _tunnel(gate, session, "t2", cut)
         assert first.allowance is second.allowance is gate.allowances[session.id]
         assert first.allowance.take(UP, 60)
         assert not second.allowance.take(UP, 60)  # together past 100: both end, with the refusal that says so
@@ -116,20 +119,17 @@ def test_the_gate_shares_one_allowance_per_session_ends_all_at_a_crossing_and_dr
 
 
 def test_a_look_reads_what_is_left_from_the_store(tmp_path):
-    """The first look (asked at once) and every sweep after it leave the budget less the store's count less what
-    moved since: a second worker's bytes, in the same store, are counted against this one's allowance."""
+    """The first look (awaited before anything under it is relayed) and every sweep after it leave the budget
+    less the store's count less what moved since: a second worker's bytes, in the same store, are counted
+    against this one's allowance."""
     gate, session = _gate(tmp_path, {"request_bytes": 1000, "response_bytes": 500})
     moved = [0, 0]
 
     async def run() -> None:
         await gate.sessions.store.put(session)
         await gate.sessions.store.add_bytes(session.id, 700, 100)  # another worker's, say
-        tunnel = _tunnel(gate, session, "t1", [], moved)
-        assert tunnel.allowance is not None and (tunnel.allowance.up, tunnel.allowance.down) == (1000, 500)
-        for _ in range(20):
-            await asyncio.sleep(0.01)
-            if tunnel.allowance.up != 1000:
-                break
+        tunnel = await _tunnel(gate, session, "t1", [], moved)
+        assert tunnel.allowance is not None and tunnel.allowance.read
         assert (tunnel.allowance.up, tunnel.allowance.down) == (300, 400)
         assert tunnel.allowance.take(UP, 250)
         moved[:] = [250, 0]
@@ -147,7 +147,7 @@ def test_a_session_without_byte_budgets_has_no_allowance(tmp_path):
     gate, session = _gate(tmp_path, {"requests": 5})
 
     async def run() -> None:
-        tunnel = _tunnel(gate, session, "t1", [])
+        tunnel = await _tunnel(gate, session, "t1", [])
         assert tunnel.allowance is None and not gate.allowances
         gate.tunnel_closed(tunnel, 0, 0, None)
 
@@ -175,6 +175,51 @@ def test_a_tunnel_is_answered_only_once_its_allowance_was_read_from_the_store(tm
         assert outcome.tunnel is not None, outcome.refusal
         assert outcome.tunnel.allowance is not None and outcome.tunnel.allowance.up == 100
         gate.tunnel_closed(outcome.tunnel, 0, 0, None)
+
+    asyncio.run(run())
+    gate.audit.close()
+
+
+def test_connects_during_the_first_look_wait_for_it_and_a_look_the_store_misses_refuses_them(tmp_path):
+    """Review round 18: only the CONNECT that made its session's allowance waited for the store; one decided
+    beside it was answered with the whole budget unread, and a first look the store did not answer left the
+    allowance at the whole budget. Now every one opened while the first look is on its way waits for it, and a
+    look that read nothing refuses them (503 session:store-unavailable: fail closed)."""
+    from policy.credentials import basic_value
+    from proxy.sessions.store import StoreUnavailable
+
+    (tmp_path / "policy.yaml").write_text("version: 1\ndefault: allow\n")
+    store = MemoryStore()
+    gate = Gate(PolicyHolder(str(tmp_path / "policy.yaml")), AuditLog(str(tmp_path / "audit.jsonl")), Metrics(),
+                sessions=SessionService(store, configured=True))
+    spec = parse_session_spec({"grants": {"hosts": ["93.184.216.34"]}, "budgets": {"request_bytes": 1000}})
+    session, secret = gate.sessions.new_session(spec)
+    credentials = [basic_value(session.id, secret)]
+    read_usage, answering = store.usage, [True]
+
+    async def slow_usage(session_id: str):
+        await asyncio.sleep(0.05)  # a store on another host
+        if not answering[0]:
+            raise StoreUnavailable("the lab's store is not answering")
+        return await read_usage(session_id)
+    store.usage = slow_usage
+
+    async def run() -> None:
+        await store.put(session)
+        await store.add_bytes(session.id, 900, 0)
+        outcomes = await asyncio.gather(*(gate.decide_connect("127.0.0.1", "93.184.216.34:443",
+                                                              credentials=credentials) for _ in range(2)))
+        for outcome in outcomes:
+            assert outcome.tunnel is not None, outcome.refusal
+            assert outcome.tunnel.allowance is not None and outcome.tunnel.allowance.up == 100
+        for outcome in outcomes:
+            gate.tunnel_closed(outcome.tunnel, 0, 0, None)
+        assert not gate.allowances
+        answering[0] = False
+        outcome = await gate.decide_connect("127.0.0.1", "93.184.216.34:443", credentials=credentials)
+        assert outcome.tunnel is None and outcome.refusal is not None and outcome.refusal.status == 503
+        assert outcome.refusal.verdict.rule == "session:store-unavailable", outcome.refusal
+        assert not gate.allowances and not gate.under_sessions
 
     asyncio.run(run())
     gate.audit.close()

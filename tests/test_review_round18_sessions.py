@@ -2,7 +2,7 @@
 before its fix; the fixes are named after each finding).
 
 1. A WebSocket opened under a session with byte budgets starts with an allowance of the *whole* budget, and
-   its first look at the store is a background task (``Gate._watch_session`` with ``first_look=True``, from
+   its first look at the store was a background task (``Gate._watch_session`` with ``first_look=True``, from
    ``Gate.websocket_opened``): with the Redis store, a message sent at once after the 101 (or pipelined
    behind the handshake) is relayed against the whole budget, not what is left. One worker passes
    ``request_bytes`` by up to the whole budget (README: only N - 1 workers may pass it, by what was left).
