@@ -11,6 +11,7 @@ versions, 6to4 wrappings of private space "global", which would let a name that 
 
 import ipaddress
 import re
+import string
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -164,7 +165,8 @@ def _check_ipv6(text: str) -> None:
 def _why_not_an_address(text: str) -> str:
     """For text with neither dots nor colons: 3232235777 and 0xc0a80101 are legacy spellings of IPv4 that
     inet_aton reads; anything else is simply not an address."""
-    if text.isascii() and (text.isdigit() or text[:2].lower() == "0x"):
+    if text.isascii() and (text.isdigit() or (text[:2].lower() == "0x" and all(c in string.hexdigits
+                                                                                for c in text[2:]))):
         return "bare numbers are a legacy IPv4 form and are refused"
     return "IPv4 is written with dots, IPv6 with colons"
 
@@ -523,6 +525,24 @@ class AddressRules:
 
         # 7.
         return verdict(True, "global", f"{preface}{shown} is global unicast (in no special-purpose block)")
+
+    def embedded_ipv4(self, address: str | netaddr.IPAddress) -> str | None:
+        """The IPv4 an IPv6 address carries, as text, where its place is known (IPv4-compatible, NAT64, 6to4,
+        Teredo; local-use NAT64 under a translator prefix the policy re-admits); None for any other address.
+        Host deny rules are held against it too (policy/decision.py), as address deny rules are: an IPv4
+        literal denied by name must not be reached by writing it as a wrapping the policy re-admits."""
+        given = _as_address(address)
+        wrapped = _wrapping(given) if given.version == 6 else None
+        if wrapped is None:
+            return None
+        inner = wrapped[2]
+        if inner is None:  # local-use NAT64: where the IPv4 sits depends on the translator prefix re-admitted
+            allowed = self._allow.get(given)
+            network = allowed[0] if allowed is not None else None
+            if network is None or network.prefixlen not in _RFC6052_LAYOUT or network not in _LOCAL_NAT64:
+                return None
+            inner = rfc6052_ipv4(given, network.prefixlen)
+        return _text(inner)
 
     def _wrapped_refusal(self, wrapped: tuple[AddressBlock, str, netaddr.IPAddress | None],
                          address: netaddr.IPAddress, network: netaddr.IPNetwork, rule: str, rule_id: str

@@ -181,13 +181,19 @@ def role_of(policy: Policy, client: str | None) -> Role | None:
 def _host_rules(policy: Policy, request: Request, role: Role | None, role_name: str | None) -> Verdict:
     # Each verdict is made once, with its role (dataclasses.replace would cost a third of a decision).
     host = request.target.host
+    # An IPv6 literal that wraps an IPv4 (NAT64, 6to4, ...) is held against deny rules by that IPv4 too: a
+    # denied IPv4 literal is not reached by its wrapping where the policy re-admits the wrapping's prefix.
+    inner = policy.addresses.embedded_ipv4(host) if ":" in host else None
     # table.index.candidates, not table.candidates: one call fewer, on the path of every request.
     for table in ((role.deny,) if role else ()) + (policy.deny,):
-        rule = _first_holding(table.index.candidates(host), request)
-        if rule is not None:
-            why = f": {rule.reason}" if rule.reason else ""
-            return Verdict(False, HOST, rule.where, f"{host} is refused by deny rule {rule.pattern.text}{why}",
-                           matched=rule, rule_id=rule.rule_id, role=role_name)
+        for name in (host,) if inner is None else (host, inner):
+            rule = _first_holding(table.index.candidates(name), request)
+            if rule is not None:
+                why = f": {rule.reason}" if rule.reason else ""
+                carries = "" if name == host else f" (it wraps IPv4 {inner})"
+                return Verdict(False, HOST, rule.where,
+                               f"{host}{carries} is refused by deny rule {rule.pattern.text}{why}",
+                               matched=rule, rule_id=rule.rule_id, role=role_name)
     allow = (role.allow if role else policy.allow).index.candidates(host)
     rule = _first_holding(allow, request)
     if rule is not None:
@@ -276,8 +282,14 @@ def _check_cname(policy: Policy, role: Role | None, name: str, request: Request 
     aliased = replace(request, target=replace(request.target, host=host)) if request is not None else None
     tables = ((role.deny,) if role else ()) + (policy.deny,)
     for rule in (rule for table in tables for rule in table.candidates(host)):
-        unconditional = not rule.needs_visible_request and rule.ports is None and rule.schemes is None
-        if unconditional or (aliased is not None and _conditions_hold(rule, aliased)):
+        if aliased is not None:
+            # Its expiry and WebSocket flag included: an expired deny rule refused every alias of its host while
+            # the host itself was allowed (review round 18).
+            holds = _conditions_hold(rule, aliased)
+        else:  # no request to judge it on: only a rule with no condition but its expiry counts
+            holds = (not rule.needs_visible_request and rule.ports is None and rule.schemes is None
+                     and (rule.expires is None or datetime.now(UTC) < rule.expires))
+        if holds:
             return (rule.where, f"the name is an alias (CNAME) of {host}, refused by deny rule {rule.pattern.text}",
                     rule.rule_id)
     return None

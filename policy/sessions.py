@@ -45,6 +45,7 @@ DEFAULT_TTL = 900.0
 SESSION_ID = re.compile(r"\A[A-Za-z0-9_-]{1,64}\Z")  # \Z: "$" would let a trailing newline in
 _URL_SCHEMES = frozenset({"http", "https"})
 _ASCII_PRINTABLE = "".join(map(chr, range(0x21, 0x7F)))  # kept as given (escapes too) when a path is encoded
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")  # RFC 3986 3.1
 _NOT_HTTP = ("got {text!r}; a URL grant is an http or https URL (a WebSocket handshake is a request to its "
              "http(s) URL)")
 _PLAIN = {"ws": "http", "wss": "https"}  # a WebSocket handshake is a request to the http(s) URL it upgrades
@@ -176,8 +177,9 @@ def canonical_request_path(path: str) -> str | None:
 def parse_url_grant(text: str) -> UrlGrant:
     """An absolute http(s) URL, parsed as strictly as a request target; ValueError with the reason."""
     scheme, sep, _ = text.partition("://")
-    # Checked before the URL is parsed, whose own error lists ws and wss too, which a grant refuses.
-    if sep and scheme.lower() not in _URL_SCHEMES:
+    # Checked before the URL is parsed, whose own error lists ws and wss too, which a grant refuses (only for a
+    # well-formed scheme: " http" or "ht\ntp" get the parser's own words).
+    if sep and _SCHEME.fullmatch(scheme) and scheme.lower() not in _URL_SCHEMES:
         raise ValueError(_NOT_HTTP.format(text=text))
     try:
         target = parse_url(text)

@@ -30,6 +30,14 @@ def test_a_url_grant_of_another_scheme_names_what_a_grant_takes(url: str) -> Non
     assert "a URL grant is an http or https URL" in message and "ws, wss" not in message, message
 
 
+@pytest.mark.parametrize("url, words", [(" http://a.example/x", "no scheme"), ("http ://a.example/x", "no scheme"),
+                                        ("http\n://a.example/x", "control character")])
+def test_a_malformed_scheme_keeps_the_url_parser_s_own_words(url: str, words: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        parse_url_grant(url)
+    assert words in str(caught.value) and "a URL grant is an http or https URL" not in str(caught.value)
+
+
 @pytest.mark.parametrize("url", ["http://a.example/x", "HTTPS://a.example/x"])
 def test_http_and_https_grants_still_parse(url: str) -> None:
     assert parse_url_grant(url).scheme == url.partition(":")[0].lower()
@@ -38,6 +46,7 @@ def test_http_and_https_grants_still_parse(url: str) -> None:
 @pytest.mark.parametrize("text, legacy", [
     ("3232235777", True), ("0xc0a80101", True), ("0XC0A80101", True),
     ("localhost", False), ("abc", False), ("١٢٣", False),  # Arabic-Indic digits: not a number inet_aton reads
+    ("0xyz", False),
 ])
 def test_only_a_bare_number_is_called_a_legacy_ipv4_form(text: str, legacy: bool) -> None:
     with pytest.raises(ValueError) as caught:

@@ -68,17 +68,22 @@ async def _check_one(policy: Policy, resolver: DnsResolver, url: str, args: argp
         target = parse_url(url)
     except HostFormError as err:
         return url, refuse_form(err), None
-    if target.scheme == "ws":
-        # As a browser sends it: Chromium opens ws:// as CONNECT host:port, and egresswall then parses and
-        # decides the upgrade request inside. Both must pass, exactly as in the proxy.
-        connect = Request(target=replace(target, scheme="https", path=""), method="CONNECT", client=args.client,
-                          tunnel=True)
-        verdict, resolution = await resolve_and_decide(policy, connect, resolver)
-        if not verdict.allowed:
-            return url, verdict, resolution
-    tunnel = target.scheme in ("https", "wss") and not policy.intercepts(target.host)
-    request = Request(target=target, method=args.method, client=args.client, tunnel=tunnel,
-                      websocket=target.scheme in ("ws", "wss"))
+    if target.scheme == "http":
+        request = Request(target=target, method=args.method, client=args.client)
+        verdict, resolution = await resolve_and_decide(policy, request, resolver)
+        return url, verdict, resolution
+    # ws://, https:// and wss:// are decided as a browser sends them through a proxy: CONNECT host:port first,
+    # exactly as the proxy decides that CONNECT (an https tunnel: no method, path or WebSocket to see). Only
+    # where egresswall then reads what the tunnel carries (ws:// to a plain-HTTP port, an intercepted host) is
+    # the request inside decided too; both must pass. (A wss:// was judged as a WebSocket with scheme wss,
+    # which the proxy never sees in a passed-through tunnel: check and proxy disagreed both ways.)
+    connect = Request(target=replace(target, scheme="https", path=""), method="CONNECT", client=args.client,
+                      tunnel=True)
+    verdict, resolution = await resolve_and_decide(policy, connect, resolver)
+    passed_through = target.scheme != "ws" and not policy.intercepts(target.host)
+    if not verdict.allowed or passed_through:
+        return url, verdict, resolution
+    request = Request(target=target, method=args.method, client=args.client, websocket=target.scheme in ("ws", "wss"))
     verdict, resolution = await resolve_and_decide(policy, request, resolver)
     return url, verdict, resolution
 
