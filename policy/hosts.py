@@ -90,7 +90,19 @@ def _quote(text: str) -> str:
 
 
 def _refuse(form: str, why: str, text: str) -> HostFormError:
-    return HostFormError(form, f"{form}: {why} (got {_quote(text)})")
+    return HostFormError(form, f"{form}: {why} (got {_quote(for_logs(text))})")
+
+
+def for_logs(text: str, keep_query: bool = False) -> str:
+    """A URL, authority or Host value as a reason or record may quote it: a user name and password before an
+    '@' (``http://alice:s3cret@host/``) become ``[userinfo]`` (all before the last '@': never too little), and a
+    query string ``?[query]`` unless ``keep_query``. A refusal's reason goes to the audit log, a response header
+    and ``check``'s output, none of which may carry a secret the client put in the URL."""
+    if "@" in text:
+        start = text.find("//") + 2 if "//" in text else 0
+        text = text[:start] + "[userinfo]@" + text.rpartition("@")[2]
+    base, question, _ = text.partition("?")
+    return text if keep_query else base + ("?[query]" if question else "")
 
 
 # --- characters -----------------------------------------------------------------------------------

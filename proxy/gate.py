@@ -32,6 +32,7 @@ from policy.decision import Request, Resolution, Verdict, decide_on_answer, refu
 from policy.hosts import (
     HostFormError,
     Target,
+    for_logs,
     host_header_agrees,
     parse_authority,
     parse_host_header,
@@ -286,7 +287,7 @@ class Gate:
         record = self.recorder.record(DECISION, flow_id, client, "CONNECT", target, verdict,
                                       resolution.cnames if resolution else ())
         if target is None:
-            record.url = safe_text(authority)
+            record.url = self.recorder.url(authority)
         if not verdict.allowed:
             refusal = refusal_for(status, verdict, target, accept)
             record.status, record.bytes_down = status, refusal.size
@@ -647,13 +648,13 @@ class Gate:
             # Absolute-form inside a tunnel: an origin must use the URI's authority over Host (RFC 9112
             # 3.2.2), so one naming another host than the tunnel's would reach that host.
             verdict = Verdict(False, "form", "form:authority",
-                              f"the request target names {safe_text(ask.authority, 100)!r}, not the tunnel's "
-                              f"{target.authority}")
+                              f"the request target names {safe_text(for_logs(ask.authority), 100)!r}, not the "
+                              f"tunnel's {target.authority}")
             return self._request_refused(ask, target, verdict, 403, tunnel=tunnel)
         if ask.host_header is not None and not host_header_agrees(target, ask.host_header):
             verdict = Verdict(False, "form", "form:host-header",
-                              f"the Host header {safe_text(ask.host_header, 100)!r} does not agree with the target "
-                              f"{target.authority}")
+                              f"the Host header {safe_text(for_logs(ask.host_header), 100)!r} does not agree with "
+                              f"the target {target.authority}")
             return self._request_refused(ask, target, verdict, 403, tunnel=tunnel)
         body_refused = unexpected_body(ask.method, ask.content_length, ask.chunked, policy.http.body_allowed_on)
         if body_refused:
@@ -786,7 +787,7 @@ class Gate:
         refusal = refusal_for(status, verdict, target, ask.accept)
         record.status, record.bytes_down = status, refusal.size
         if target is None and url is not None:
-            record.url = safe_text(url)
+            record.url = self.recorder.url(url)
         self.recorder.decision(record)
         return RequestOutcome(verdict, target, refusal)
 
@@ -802,7 +803,7 @@ class Gate:
         refusal = refusal_for(status, verdict, target, accept)
         record.status, record.bytes_down = status or None, refusal.size if status else 0
         if target is None and url:
-            record.url = safe_text(url)
+            record.url = self.recorder.url(url)
         self.recorder.decision(record)
         if rule.startswith("limits.") or rule in ("shutdown", "audit"):
             self.metrics.refusal(rule)

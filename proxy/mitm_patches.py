@@ -197,6 +197,7 @@ from wsproto.extensions import PerMessageDeflate
 from wsproto.frame_protocol import CloseReason
 
 from policy.decision import Verdict
+from policy.hosts import for_logs
 from policy.model import Limits
 
 from .accept import prefers_json
@@ -1014,7 +1015,9 @@ def _error_answer(status: int, message: str) -> bytes:
 
 
 def _unparseable(detail: str) -> str:
-    return f"the request head cannot be parsed: {detail}"[:400]
+    """mitmproxy's words for a head it cannot parse quote its request line, which may carry a password or a
+    token in its URL: written as ``policy.hosts.for_logs`` writes a URL (no userinfo, no query)."""
+    return f"the request head cannot be parsed: {for_logs(detail)}"[:400]
 
 
 def _should_make_pipe(request, response) -> bool:

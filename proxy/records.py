@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from policy.decision import Verdict
-from policy.hosts import Target
+from policy.hosts import Target, for_logs
 from policy.model import Policy
 
 from .audit import AuditLog, rfc3339
@@ -103,6 +103,13 @@ class Recorder:
             port=target.port if target else None, path=path, addresses=list(verdict.addresses),
             # Through an upstream proxy nothing is pinned: the upstream connects where its own resolution says.
             cnames=list(cnames), pinned=None if policy.upstream else verdict.pinned)
+
+    def url(self, text: str) -> str:
+        """A request target the core could not read, for a record's ``url``: no user name or password, and
+        its query string only where ``log.query_strings`` keeps queries (as ``path`` does)."""
+        shown = for_logs(text, keep_query=self.policy().log_query_strings)
+        shown = shown.encode("ascii", "backslashreplace").decode("ascii")
+        return shown if len(shown) <= 300 else shown[:300] + "..."
 
     def decision(self, record: AuditRecord) -> bool:
         """Write a decision line and count it; False when the log could not take it (fail closed)."""

@@ -154,7 +154,7 @@ def test_json_output_parses(dns: DnsLab) -> None:
     mixed, public, alias = (json.loads(line) for line in lines)
     assert mixed["allowed"] is False and mixed["stage"] == "address" and "10.0.0.5" in mixed["addresses"]
     assert public == {
-        "url": "https://public.example.com/", "method": "GET", "verdict": "allow", "allowed": True, "stage": "host",
+        "url": "https://public.example.com/", "method": "CONNECT", "verdict": "allow", "allowed": True, "stage": "host",
         "rule": public["rule"], "rule_id": "default:allow",
         "reason": "public.example.com matches no rule and the policy allows by default",
         "role": None, "cnames": [], "addresses": public["addresses"], "pinned": "93.184.216.34",

@@ -197,10 +197,17 @@ def test_refused_form(case):
     assert err.form == form, err.reason
     assert err.reason.startswith(f"{form}: ")
     assert str(err) == err.reason
-    # The reason quotes (part of) the input as the client sent it, repr'd and truncated.
+    # The reason quotes (part of) the input as the client sent it, repr'd and truncated; a user name and
+    # password (before an '@') and a query as policy.hosts.for_logs writes them, never as sent.
     quoted = re.search(r"\(got ('.*'|\".*\")(\.\.\.)?\)$", err.reason, re.S)
     assert quoted, err.reason
-    assert ast.literal_eval(quoted.group(1)) in text
+    shown = ast.literal_eval(quoted.group(1))
+    if "@" in text or "?" in text:
+        assert "[userinfo]@" in shown or "?[query]" in shown, shown
+        if "@" in text:  # all before the last '@' (after a '//') is gone, whatever it was
+            assert shown.count("@") == 1 and "[userinfo]@" in shown, shown
+    else:
+        assert shown in text
 
 
 def test_reason_quote_is_truncated_and_escaped():

@@ -53,25 +53,27 @@ def cmd_check(args: argparse.Namespace) -> int:
     policy = load_from_args(args)
     resolver = DnsResolver.for_policy(policy)
     results = [asyncio.run(_check_one(policy, resolver, url, args)) for url in args.url]
-    for url, verdict, resolution in results:
+    for url, method, verdict, resolution in results:
         if args.json:
             # Only with an upstream (the interface stays as it was without): nothing is pinned, as in the audit log.
             extra = {"pinned": None, "upstream": _upstream_json(policy)} if policy.upstream else {}
-            print(json.dumps(_verdict_json(url, args.method, verdict, resolution) | extra))
+            print(json.dumps(_verdict_json(url, method, verdict, resolution) | extra))
         else:
-            _print_verdict(url, args.method, verdict, resolution, policy)
-    return EXIT_ALLOWED if all(v.allowed for _, v, _ in results) else EXIT_REFUSED
+            _print_verdict(url, method, verdict, resolution, policy)
+    return EXIT_ALLOWED if all(v.allowed for _, _, v, _ in results) else EXIT_REFUSED
 
 
 async def _check_one(policy: Policy, resolver: DnsResolver, url: str, args: argparse.Namespace):
+    """(url, the method of the request that decided — CONNECT for a tunnel, as the proxy's record says —,
+    verdict, resolution)."""
     try:
         target = parse_url(url)
     except HostFormError as err:
-        return url, refuse_form(err), None
+        return url, args.method, refuse_form(err), None
     if target.scheme == "http":
         request = Request(target=target, method=args.method, client=args.client)
         verdict, resolution = await resolve_and_decide(policy, request, resolver)
-        return url, verdict, resolution
+        return url, args.method, verdict, resolution
     # ws://, https:// and wss:// are decided as a browser sends them through a proxy: CONNECT host:port first,
     # exactly as the proxy decides that CONNECT (an https tunnel: no method, path or WebSocket to see). Only
     # where egresswall then reads what the tunnel carries (ws:// to a plain-HTTP port, an intercepted host) is
@@ -82,10 +84,10 @@ async def _check_one(policy: Policy, resolver: DnsResolver, url: str, args: argp
     verdict, resolution = await resolve_and_decide(policy, connect, resolver)
     passed_through = target.scheme != "ws" and not policy.intercepts(target.host)
     if not verdict.allowed or passed_through:
-        return url, verdict, resolution
+        return url, "CONNECT", verdict, resolution
     request = Request(target=target, method=args.method, client=args.client, websocket=target.scheme in ("ws", "wss"))
     verdict, resolution = await resolve_and_decide(policy, request, resolver)
-    return url, verdict, resolution
+    return url, args.method, verdict, resolution
 
 
 def _verdict_word(verdict: Verdict) -> str:
