@@ -86,3 +86,43 @@ def test_a_replica_with_a_confdir_of_its_own_makes_another_ca(lab, start_proxy, 
         assert (own / "mitmproxy-ca.pem").exists()  # it made one
     finally:
         os.chmod(secret, 0o755)
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs the replica as another uid (setpriv), which needs root")
+def test_a_replica_that_cannot_write_the_shared_confdir_starts(tmp_path):
+    """As the manifest runs it: a uid that is not root and may only read the mounted Secret. The confdir check
+    refused any directory its user cannot write ("cannot be used as mitmproxy's CA directory"), so the shared
+    replicas could not start (root, as the other tests here run, may write anything); a directory that holds
+    the CA already is only read by mitmproxy, and is accepted (review round 18)."""
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    from unprivileged import unprivileged_argv
+
+    # pytest's own folders are root's alone (0700): the replica's files go where its uid can reach them.
+    shared = Path(tempfile.mkdtemp(prefix="egresswall-shared-ca-"))
+    shared.chmod(0o755)
+    secret = make_secret_dir(shared)
+    policy = shared / "policy.yaml"
+    policy.write_text("version: 1\ndefault: deny\nresolver: {nameservers: ['127.0.0.1:9']}\n"
+                      "hosts:\n  allow:\n    - {host: a.example, intercept: true}\n")  # so the CA is loaded
+    policy.chmod(0o644)
+    argv = unprivileged_argv([sys.executable, "-m", "proxy.cli", "run", "--policy", str(policy), "--confdir",
+                              str(secret), "--listen", "127.0.0.1:0", "--no-admin", "--log", "/dev/null"],
+                             uid=10001)
+    process = subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline, said = time.monotonic() + 30, ""
+        while time.monotonic() < deadline and "proxy on" not in said and process.poll() is None:
+            said += process.stdout.readline()
+        assert "egresswall: proxy on 127.0.0.1:" in said, said
+        assert "interception CA" in said and str(secret) in said, said
+    finally:
+        process.terminate()
+        process.wait(10)
+        os.chmod(secret, 0o755)
+        shutil.rmtree(shared)

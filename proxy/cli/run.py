@@ -137,18 +137,27 @@ def _check_log_file(path: str) -> None:
                          "directory that exists and this user may write") from None
 
 
+# What mitmproxy reads from a confdir that holds a CA already: then it writes nothing there (a shared CA mounted
+# read-only from a Kubernetes Secret: compose/k8s/shared/proxy.yaml).
+CA_FILES = ("mitmproxy-ca.pem", "mitmproxy-dhparam.pem")
+
+
 def _check_confdir(path: str) -> None:
     """mitmproxy reports a CA directory it cannot create as an addon error with a traceback, and runs on
-    without a CA: say it here instead, in one line."""
+    without a CA: say it here instead, in one line. A directory it cannot write is fine when the CA is
+    there already, readable (mitmproxy only reads it then)."""
     directory = Path(path).expanduser()
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if all(os.access(directory / name, os.R_OK) for name in CA_FILES) and os.access(directory, os.X_OK):
+            return
         if not os.access(directory, os.W_OK | os.X_OK):
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
     except OSError as err:
         raise UsageError(f"--confdir {path}: cannot be used as mitmproxy's CA directory: "
                          f"{(err.strerror or str(err)).lower()}; give a directory this user can create and write "
-                         "(it holds the CA's private key: not a shared one)") from None
+                         "(the CA's private key is made there: not a folder other users share), or one that holds "
+                         "mitmproxy-ca.pem and mitmproxy-dhparam.pem it can read (a CA mounted read-only)") from None
 
 
 async def serve(runner: ProxyRunner, on_ready: Callable[[], None]) -> None:
