@@ -53,7 +53,7 @@ from .first_bytes import FirstBytes, FirstMessage
 from .http_hygiene import CONNECT_CONTENT, UNEXPECTED_BODY, unexpected_body
 from .metrics import Metrics
 from .peers import is_local_address
-from .records import DECISION, RESPONSE, TUNNEL, Recorder
+from .records import DECISION, RESPONSE, TUNNEL, Recorder, safe_text
 from .refusals import Refusal
 from .reload import PolicyHolder
 from .sessions.service import SessionService
@@ -892,9 +892,3 @@ def _unspecified(address: str) -> bool:
         return ipaddress.ip_address(address).is_unspecified
     except ValueError:
         return False
-
-
-def safe_text(text: str, limit: int = 300) -> str:
-    text = text.encode("ascii", "backslashreplace").decode("ascii")
-    return text if len(text) <= limit else text[:limit] + "..."
-

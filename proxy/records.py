@@ -107,9 +107,7 @@ class Recorder:
     def url(self, text: str) -> str:
         """A request target the core could not read, for a record's ``url``: no user name or password, and
         its query string only where ``log.query_strings`` keeps queries (as ``path`` does)."""
-        shown = for_logs(text, keep_query=self.policy().log_query_strings)
-        shown = shown.encode("ascii", "backslashreplace").decode("ascii")
-        return shown if len(shown) <= 300 else shown[:300] + "..."
+        return safe_text(for_logs(text, keep_query=self.policy().log_query_strings))
 
     def decision(self, record: AuditRecord) -> bool:
         """Write a decision line and count it; False when the log could not take it (fail closed)."""
@@ -130,3 +128,9 @@ class Recorder:
             self.on_failure()
             return False
         return True
+
+
+def safe_text(text: str, limit: int = 300) -> str:
+    """Text from a client, as a record or a reason quotes it: ASCII (other characters escaped), bounded."""
+    text = text.encode("ascii", "backslashreplace").decode("ascii")
+    return text if len(text) <= limit else text[:limit] + "..."

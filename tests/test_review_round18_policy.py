@@ -100,17 +100,22 @@ def _proxy_decides_connect(pol, authority: str) -> bool:
     return precheck(pol, Request(parse_authority(authority, "https"), "CONNECT", tunnel=True)).allowed
 
 
+def _check_allows(tmp_path: Path, text: str, url: str) -> tuple[bool, subprocess.CompletedProcess]:
+    """What ``egresswall check`` says of ``url`` under the policy ``text`` (exit 0 allowed, 1 refused). An IP
+    literal is never resolved; the nameserver is loopback all the same."""
+    policy_file = tmp_path / "p.yaml"
+    policy_file.write_text(text)
+    done = subprocess.run([*EGRESSWALL, "check", "--policy", str(policy_file), "--nameserver", "127.0.0.1:9", url],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode in (0, 1), done.stderr
+    return done.returncode == 0, done
+
+
 @pytest.mark.parametrize("case", sorted(WSS_CASES))
 def test_check_of_a_wss_url_agrees_with_the_connect_the_proxy_decides(case: str, tmp_path: Path) -> None:
     text = "version: 1\n" + WSS_CASES[case]
-    policy_file = tmp_path / "p.yaml"
-    policy_file.write_text(text)
-    proxy_allows = _proxy_decides_connect(parse_policy(text, str(policy_file)), f"{PUBLIC}:443")
-    # An IP literal is never resolved; the nameserver is loopback all the same.
-    done = subprocess.run([*EGRESSWALL, "check", "--policy", str(policy_file), "--nameserver", "127.0.0.1:9",
-                           f"wss://{PUBLIC}/"], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert done.returncode in (0, 1), done.stderr
-    check_allows = done.returncode == 0
+    proxy_allows = _proxy_decides_connect(parse_policy(text, "p.yaml"), f"{PUBLIC}:443")
+    check_allows, done = _check_allows(tmp_path, text, f"wss://{PUBLIC}/")
     assert check_allows == proxy_allows, (case, f"check says {'ALLOWED' if check_allows else 'REFUSED'}, the "
                                                 f"proxy's CONNECT is {'allowed' if proxy_allows else 'refused'}",
                                           done.stdout)
@@ -145,10 +150,6 @@ def test_check_of_an_intercepted_https_url_agrees_with_the_connect_the_proxy_dec
     text = ("version: 1\ndefault: deny\nports: {connect: [443, 8443]}\nhosts:\n  allow:\n"
             "    - host: 93.184.216.34\n      methods: [GET]\n"
             "    - host: 93.184.216.34\n      intercept: true\n      ports: [8443]\n")
-    policy_file = tmp_path / "p.yaml"
-    policy_file.write_text(text)
-    proxy_allows = _proxy_decides_connect(parse_policy(text, str(policy_file)), f"{PUBLIC}:443")
-    done = subprocess.run([*EGRESSWALL, "check", "--policy", str(policy_file), "--nameserver", "127.0.0.1:9",
-                           f"https://{PUBLIC}/"], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert done.returncode in (0, 1), done.stderr
-    assert (done.returncode == 0) == proxy_allows, (proxy_allows, done.stdout)
+    proxy_allows = _proxy_decides_connect(parse_policy(text, "p.yaml"), f"{PUBLIC}:443")
+    check_allows, done = _check_allows(tmp_path, text, f"https://{PUBLIC}/")
+    assert check_allows == proxy_allows, (proxy_allows, done.stdout)

@@ -145,6 +145,23 @@ def _usage(proxy, session) -> dict:
     return api(proxy.admin_port, "GET", f"/v1/sessions/{session['id']}")[2]["usage"]
 
 
+def _session_with_little_left(lab, start_proxy, tmp_path, relay, origin):
+    """A proxy on the Redis store behind ``relay``, and a session of a 10000-byte request_bytes budget that a
+    9000-byte upload has left under 1000 bytes of: (proxy, session, budget, bytes left)."""
+    text = lab.policy_text("session: required\n").replace("  http: [", f"  http: [{origin.port}, ")
+    proxy = start_proxy(text, "--admin-token-file", str(token_file(tmp_path)), "--session-store",
+                        f"redis://127.0.0.1:{relay.port}/0")
+    budget = 10000
+    session = create(proxy.admin_port, {"hosts": ["public.lab.example"]}, budgets={"request_bytes": budget})
+    status, _, _ = proxy.get(f"http://public.lab.example:{lab.public.port}/upload", {
+        "Proxy-Authorization": session["proxy_authorization"]}, method="POST", body=b"x" * 9000)
+    assert status == 200
+    time.sleep(0.3)
+    left = budget - _usage(proxy, session)["request_bytes"]
+    assert 0 < left < 1000
+    return proxy, session, budget, left
+
+
 @both_transports
 @pytest.mark.parametrize("websockets", [1, 2], ids=["one", "two-at-once"])
 def test_a_second_websocket_opened_during_the_first_look_is_held_to_what_is_left(lab, start_proxy, tmp_path,
@@ -155,17 +172,7 @@ def test_a_second_websocket_opened_during_the_first_look_is_held_to_what_is_left
     relay = SlowRelay(redis.port, float(os.environ.get("R18_DELAY", "0.02")))
     origin = BarrierOrigin(PUBLIC_IP, websockets)
     try:
-        text = lab.policy_text("session: required\n").replace("  http: [", f"  http: [{origin.port}, ")
-        proxy = start_proxy(text, "--admin-token-file", str(token_file(tmp_path)), "--session-store",
-                            f"redis://127.0.0.1:{relay.port}/0")
-        budget = 10000
-        session = create(proxy.admin_port, {"hosts": ["public.lab.example"]}, budgets={"request_bytes": budget})
-        status, _, _ = proxy.get(f"http://public.lab.example:{lab.public.port}/upload", {
-            "Proxy-Authorization": session["proxy_authorization"]}, method="POST", body=b"x" * 9000)
-        assert status == 200
-        time.sleep(0.3)
-        left = budget - _usage(proxy, session)["request_bytes"]
-        assert 0 < left < 1000
+        proxy, session, budget, left = _session_with_little_left(lab, start_proxy, tmp_path, relay, origin)
         authority = f"public.lab.example:{origin.port}"
         socks = []
         for _ in range(websockets):
@@ -197,17 +204,7 @@ def test_a_websocket_whose_first_look_the_store_missed_is_not_held_to_the_whole_
     relay = SlowRelay(redis.port, 0.0)
     origin = BarrierOrigin(PUBLIC_IP, 1)
     try:
-        text = lab.policy_text("session: required\n").replace("  http: [", f"  http: [{origin.port}, ")
-        proxy = start_proxy(text, "--admin-token-file", str(token_file(tmp_path)), "--session-store",
-                            f"redis://127.0.0.1:{relay.port}/0")
-        budget = 10000
-        session = create(proxy.admin_port, {"hosts": ["public.lab.example"]}, budgets={"request_bytes": budget})
-        status, _, _ = proxy.get(f"http://public.lab.example:{lab.public.port}/upload", {
-            "Proxy-Authorization": session["proxy_authorization"]}, method="POST", body=b"x" * 9000)
-        assert status == 200
-        time.sleep(0.3)
-        left = budget - _usage(proxy, session)["request_bytes"]
-        assert 0 < left < 1000
+        proxy, session, budget, left = _session_with_little_left(lab, start_proxy, tmp_path, relay, origin)
         authority = f"public.lab.example:{origin.port}"
         ws = WSConnection(ConnectionType.CLIENT)
         handshake = ws.send(Request(host=authority, target=f"http://{authority}/chat", extra_headers=[

@@ -122,11 +122,9 @@ class MemoryStore:
 
     async def charge(self, session: Session, host: str, sent: int | None,
                      role: str | None = None) -> Verdict | None:
+        refusal = await self.judge(session, host, sent, role)  # no await inside: judged and counted at once
         entry = self._live(session.id)
-        if entry is None:  # ended (DELETE) between its lookup and now
-            return refused(ENDED, f"session {session.id} has ended", session, role)
-        refusal = judge_budgets(session, entry.usage, host in entry.hosts, sent, role)
-        if refusal is None:
+        if refusal is None and entry is not None:
             entry.hosts.add(host)
             u = entry.usage
             entry.usage = Usage(u.requests + 1, len(entry.hosts), u.request_bytes + (sent or 0), u.response_bytes)
@@ -135,7 +133,7 @@ class MemoryStore:
     async def judge(self, session: Session, host: str, sent: int | None,
                     role: str | None = None) -> Verdict | None:
         entry = self._live(session.id)
-        if entry is None:
+        if entry is None:  # ended (DELETE) between its lookup and now
             return refused(ENDED, f"session {session.id} has ended", session, role)
         return judge_budgets(session, entry.usage, host in entry.hosts, sent, role)
 
