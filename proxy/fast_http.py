@@ -14,7 +14,8 @@ Then, request by request on the kept-alive connection:
    the budget for buffered bodies (``proxy/body_budget.py``), before anything is sent upstream; a
    Content-Length body (already checked against the limit) is streamed;
 4. the connect goes to the pinned address only, re-checked by ``Gate.guard``; an upstream connection is
-   reused by the next request only if that one is pinned to the same address and port, the previous
+   reused by the next request only if that one is for the same name, pinned to the same address and port
+   (as mitmproxy's path keys a kept connection by name and port, and ``Pinning`` by address), the previous
    exchange ended cleanly on both sides and the upstream sent nothing beyond its response;
 5. the hop-by-hop headers are removed both ways (``proxy/http_hygiene.py``) and headers only egresswall may
    set are removed from the response; framing is h11's own, both ways, so neither side's framing is
@@ -79,13 +80,14 @@ class UnreadableBody(Ended):
 
 @dataclass
 class Upstream:
-    """A connection to one pinned address and port, with the h11 client-side state of its exchanges."""
+    """A connection for one name to its pinned address and port, with the h11 client-side state of its
+    exchanges. ``key`` is (name, address, port): another name at the same address gets its own connection."""
 
     sock: socket.socket
-    key: tuple[str, int]
+    key: tuple[str, str, int]
     parser: h11.Connection
 
-    def reusable_for(self, key: tuple[str, int]) -> bool:
+    def reusable_for(self, key: tuple[str, str, int]) -> bool:
         if key != self.key or self.parser.states != {h11.CLIENT: h11.DONE, h11.SERVER: h11.DONE}:
             return False
         if self.parser.trailing_data[0]:
@@ -312,7 +314,7 @@ class FastHttp:
             pinned = verdict.pinned
             if pinned is None:
                 raise Ended("no checked address to connect to")
-            key = (pinned, target.port)
+            key = (target.host, pinned, target.port)
             if upstream is not None and not upstream.reusable_for(key):
                 upstream.close()
                 upstream = None

@@ -418,3 +418,22 @@ def test_a_write_to_a_slow_but_steady_reader_is_not_cut_off():
             theirs.close()
 
     assert asyncio.run(run()) == 8 << 20
+
+
+def test_a_kept_upstream_connection_is_not_reused_for_another_name_at_the_same_address(lab, proxy):
+    """Two allowed names answer the same address: the second request on the client's connection gets an
+    upstream connection of its own, as on mitmproxy's path (which keys a kept connection by name and port)
+    and squid (by address and domain). A connection opened for one name never carries another name's
+    request, so an origin's per-connection state (a virtual host chosen at the first request) is never
+    shared between names the policy decided apart."""
+    port = lab.public.port
+    names = [f"{which}-{proxy.transport}-shared.lab.example" for which in ("first", "second")]
+    for name in names:
+        lab.dns.set(name, [Record("A", PUBLIC_IP, ttl=60)])
+    before = lab.public.connections
+    with socket.create_connection((proxy.host, proxy.port), timeout=8) as sock:
+        for name in (names[0], names[0], names[1]):
+            sock.sendall(f"GET http://{name}:{port}/shared HTTP/1.1\r\nHost: {name}:{port}\r\n\r\n".encode())
+            assert parse_response(read_response(sock))[0] == 200
+    # the first name's connection is kept for its second request; the other name opens its own
+    assert lab.public.connections - before == 2
