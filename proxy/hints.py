@@ -46,8 +46,8 @@ def hint_for(verdict: Verdict, host: str | None = None, port: int | None = None)
             return ("this is egresswall's own (a listener or its session store); a request to the proxy itself is "
                     "never forwarded")
         if rule.startswith("cloud-metadata"):
-            return ("this is a cloud metadata address and is never allowed; addresses.allow does not re-admit "
-                    "it (only addresses.refuse_cloud_metadata: false does)")
+            return ("this is a cloud metadata address, refused whatever addresses.allow says; only "
+                    "addresses.refuse_cloud_metadata: false admits it")
         if rule_id.startswith("addresses.deny:"):
             return f"this address is refused by the address deny rule {rule}; only editing that rule admits it"
         # special-purpose and outside-global-unicast: refused by default, and an address range is what re-admits.

@@ -147,6 +147,37 @@ def test_the_session_api_curl_examples_answer_what_the_readme_shows(tmp_path: Pa
     assert proxy.outbound() == []
 
 
+@pytest.mark.integration
+@pytest.mark.parametrize(("after", "policy"), [
+    ("A refused request gets `403`", None),  # the bundled policy
+    ("For example, with `egresswall run --policy policy.yaml`", "version: 1\nmode: enforce\ndefault: deny\n"),
+])
+def test_the_refusal_examples_are_what_the_proxy_answers(tmp_path: Path, after: str, policy: str | None) -> None:
+    """README's first refusals, run against the policy README names: each line as README shows it, where ``...``
+    stands for text README leaves out. Both targets are refused before any lookup (an address literal, a
+    name off the allowlist) and the nameserver is a closed loopback port, so nothing leaves the machine."""
+    from proxyproc import ProxyProcess
+
+    args = ["--nameserver", "127.0.0.1:9"]
+    if policy is not None:
+        (tmp_path / "policy.yaml").write_text(policy)
+        args += ["--policy", str(tmp_path / "policy.yaml")]
+    proxy = ProxyProcess(args, tmp_path / "audit.jsonl")
+    try:
+        ((command, said),) = _shell_block(after)
+        command = command.replace("127.0.0.1:3128", f"127.0.0.1:{proxy.port}")
+        done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+        got = done.stdout.replace(f"{tmp_path}/", "").splitlines()  # README runs it where policy.yaml is
+        assert len(got) == len(said), (said, got)
+        for line, shown in zip(got, said, strict=True):
+            pattern = ".*".join(re.escape(part) for part in shown.split("..."))
+            assert re.fullmatch(pattern, line), (shown, line)
+    finally:
+        proxy.stop()
+    assert proxy.outbound() == []
+
+
 # ---- the layout table ---------------------------------------------------------------------------------------------
 
 def _layout_rows() -> dict[str, str]:
