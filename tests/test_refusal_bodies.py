@@ -138,6 +138,8 @@ def _deny_rule(pattern: str) -> HostRule:
      "the request is over limits.max_request_body; send less, or raise limits.max_request_body in the policy"),
     (Verdict(False, "form", "form:userinfo", "r"), None, None,
      "the request is malformed (form:userinfo); fix the client: no policy change admits it"),
+    (Verdict(False, "form", "form:scheme", "r"), None, None,  # ftp:// is not malformed, just not proxied
+     "only http, https, ws and wss are proxied; no policy change admits another scheme"),
 ])
 def test_hint_for(verdict, host, port, hint):
     assert hint_for(verdict, host, port) == hint
