@@ -148,9 +148,16 @@ def decide_addresses(policy: Policy, verdict: Verdict, addresses: Iterable[str],
     """Step 5: every name in the CNAME chain and every address must pass; one bad answer refuses."""
     addresses = tuple(addresses)
     role = next((r for r in policy.roles if r.name == verdict.role), None) if verdict.role else None
+    reported: tuple[str, str, str] | None = None
     for name in cnames:
         refusal = _check_cname(policy, role, name, request)
-        if refusal:
+        if refusal and refusal[2] and policy.mode == REPORT:
+            # A deny rule reached through the alias is a host rule, which report mode relaxes (as it relaxes
+            # the same rule asked for by name); an alias that is no name egresswall accepts (refusal[2] "")
+            # and the addresses stay enforced. Reported in place of a host rule reported for the name itself:
+            # allowing the name would not let it through (and ``suggest`` must not propose it).
+            reported = reported or refusal
+        elif refusal:
             return Verdict(False, RESOLVE, refusal[0], refusal[1], role=verdict.role, addresses=addresses,
                            rule_id=refusal[2])
     if not addresses:
@@ -160,6 +167,10 @@ def decide_addresses(policy: Policy, verdict: Verdict, addresses: Iterable[str],
         if not checked.allowed:
             return Verdict(False, ADDRESS, checked.rule, checked.reason, role=verdict.role, addresses=addresses,
                            rule_id=checked.rule_id)
+    if reported is not None:
+        return Verdict(True, RESOLVE, reported[0], f"report mode: would refuse: {reported[1]}", report_only=True,
+                       role=verdict.role, addresses=addresses, pinned=_choose_pin(addresses), rule_id=reported[2],
+                       session=verdict.session)
     return replace(verdict, addresses=addresses, pinned=_choose_pin(addresses))
 
 

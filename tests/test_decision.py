@@ -492,6 +492,28 @@ def test_report_mode_never_passes_port_or_scheme_refusals() -> None:
     assert not scheme.allowed and not scheme.report_only and scheme.stage == SCHEME
 
 
+def test_report_mode_lets_an_alias_of_a_denied_host_through_as_it_lets_the_host() -> None:
+    """The deny rule reached through a CNAME is a host rule: report mode relaxes it as it relaxes the same rule
+    asked for by name (before, the alias was refused while the denied name itself was let through). An alias
+    that is no name egresswall accepts, and the addresses, stay enforced."""
+    pol = policy(REPORT)
+    alias = check(pol, "https://ok.example.com/", cnames=("bad.example.com",))
+    assert alias.allowed and alias.report_only and alias.stage == RESOLVE
+    assert alias.rule == "p.yaml:5" and alias.rule_id == "hosts.deny:bad.example.com"
+    assert alias.reason == ("report mode: would refuse: the name is an alias (CNAME) of bad.example.com, refused by "
+                            "deny rule bad.example.com")
+    assert alias.pinned == PUBLIC_V4
+    enforced = policy(REPORT.replace("mode: report", "mode: enforce"))
+    assert not check(enforced, "https://ok.example.com/", cnames=("bad.example.com",)).allowed
+    # reported in place of the host's own report: allowing the name would not let it through
+    both = check(pol, "https://unknown.example.com/", cnames=("bad.example.com",))
+    assert both.report_only and both.stage == RESOLVE and both.rule == "p.yaml:5"
+    internal = check(pol, "https://ok.example.com/", cnames=("db.internal",))
+    assert not internal.allowed and internal.rule == "cname:local-suffix"
+    bad_address = check(pol, "https://ok.example.com/", addresses=("10.0.0.1",), cnames=("bad.example.com",))
+    assert not bad_address.allowed and bad_address.stage == ADDRESS
+
+
 def test_report_mode_ip_literal_still_checked() -> None:
     verdict = precheck(policy(REPORT), url("http://127.0.0.1/"))
     assert not verdict.allowed and verdict.stage == ADDRESS

@@ -62,10 +62,11 @@ PAGE_LOAD = [
     ("co.uk:443", ("198.18.0.18",), ()),
     ("x.ads.example.com:443", ("198.18.0.19",), ()),
     ("docs.example.com:443", ("198.18.0.20",), ()),
+    ("adalias.example.org:443", ("198.18.0.22",), ("x.ads.example.com",)),  # an alias of a denied host
 ]
 SUGGESTED = {"www.example.com", "cdn.example.com", "static.example.net", "alice.github.io", "www.bbc.co.uk"}
 APART = {"tracker.example.com", "mixed.example.net", "alias.example.org", "meta.example.org", "github.io", "co.uk",
-         "x.ads.example.com"}
+         "x.ads.example.com", "adalias.example.org"}
 
 
 def page_load_records(policy, client: str = "10.1.0.5") -> list[dict]:
@@ -87,7 +88,8 @@ def suggest_text(records: list[dict], policy=None, options: Options = OPTIONS) -
 def test_the_page_load_is_what_it_says():
     records = page_load_records(lab_policy())
     assert [r["verdict"] for r in records] == ["report"] * 6 + ["refuse"] * 3 + ["refuse", "report", "report",
-                                                                                 "report", "allow"]
+                                                                                 "report", "allow", "report"]
+    assert records[-1]["stage"] == "resolve" and records[-1]["rule_id"] == "hosts.deny:*.ads.example.com"
     assert [r["stage"] for r in records[6:10]] == ["address", "address", "resolve", "address"]
 
 
@@ -154,7 +156,7 @@ def test_the_comments_count_requests_and_first_and_last_seen():
     assert ("    # www.example.com: 2 request(s), first 2026-12-01T07:00:00.000Z, last 2026-12-01T07:01:00.000Z, "
             "port(s) 443; resolved to 198.18.0.10\n    - host: \"www.example.com\"\n") in text
     assert "    # example.com: 2 name(s), 3 request(s)\n" in text
-    assert "# read: audit.jsonl (14 decision line(s), 2026-12-01T07:00:00.000Z .. 2026-12-01T07:13:00.000Z)" in text
+    assert "# read: audit.jsonl (15 decision line(s), 2026-12-01T07:00:00.000Z .. 2026-12-01T07:14:00.000Z)" in text
 
 
 def test_an_enforce_log_suggests_the_names_refused_by_default():
@@ -165,7 +167,7 @@ def test_an_enforce_log_suggests_the_names_refused_by_default():
     entries = {e["host"] for e in suggested_entries(text)}
     # Refused before any lookup, so no address is known: suggested, and the comment says so.
     assert entries == SUGGESTED | {"tracker.example.com", "mixed.example.net", "alias.example.org",
-                                   "meta.example.org"}
+                                   "meta.example.org", "adalias.example.org"}
     assert "not resolved at the time" in text
     assert set(found.listed_apart()) == {"github.io", "co.uk", "x.ads.example.com"}
     assert "refused by deny rule" in next(iter(found.listed_apart()["x.ads.example.com"]))
