@@ -375,7 +375,9 @@ def _parse_port(text: str, shown: str) -> int:
     # ASCII digits only (str.isdigit would take '٣'), and few enough of them that int() stays cheap.
     if not _DECIMAL.fullmatch(text):
         raise _refuse("port", "the port is not decimal digits", shown)
-    if len(text) > MAX_PORT_DIGITS or not 1 <= int(text) <= 65535:
+    if len(text) > MAX_PORT_DIGITS:  # leading zeros included: ':000443' is refused, ':00443' is 443
+        raise _refuse("port", f"the port has more than {MAX_PORT_DIGITS} digits", shown)
+    if not 1 <= int(text) <= 65535:
         raise _refuse("port", "the port is outside 1..65535", shown)
     return int(text)
 

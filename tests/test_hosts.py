@@ -660,3 +660,16 @@ def test_split_host_port_returns_or_raises_value_error(text: str, default: int |
     except ValueError:
         return
     assert 1 <= port <= 65535 and "]" not in host
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    ("http://example.com:000443/", "more than 5 digits"),  # 443 with zeros: not 'outside 1..65535'
+    ("http://example.com:123456/", "more than 5 digits"),
+    ("http://example.com:65536/", "outside 1..65535"),
+    ("http://example.com:0/", "outside 1..65535"),
+])
+def test_a_port_refusal_says_what_is_wrong_with_it(text: str, words: str) -> None:
+    with pytest.raises(HostFormError) as caught:
+        parse_url(text)
+    assert words in caught.value.reason, caught.value.reason
+    assert parse_url("http://example.com:00443/").port == 443  # five digits, leading zeros: the port 443
