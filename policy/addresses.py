@@ -387,6 +387,31 @@ def rfc6052_ipv4(address: netaddr.IPAddress, prefix_length: int) -> netaddr.IPAd
     return netaddr.IPAddress(out, 4)
 
 
+NAT64_PREFIX_LENGTHS = tuple(sorted(_RFC6052_LAYOUT))
+# RFC 5214: an ISATAP interface identifier is 0000:5efe or 0200:5efe (the u and g bits may be set) and then
+# an IPv4 address, under any /64, global ones included: a router of that prefix that speaks ISATAP sends the
+# packet on inside IPv4 to that address. The IPv4 must pass on its own.
+_ISATAP_MASK, _ISATAP = 0xFCFFFFFF, 0x00005EFE
+
+
+def isatap_ipv4(address: netaddr.IPAddress) -> netaddr.IPAddress | None:
+    """The IPv4 an IPv6 address's ISATAP interface identifier carries (RFC 5214), or None."""
+    value = int(address)
+    if address.version != 6 or (value >> 32) & _ISATAP_MASK != _ISATAP:
+        return None
+    return netaddr.IPAddress(_low32(value), 4)
+
+
+def parse_nat64_prefix(text: str) -> netaddr.IPNetwork:
+    """A NAT64 translator's prefix (``addresses.nat64``): IPv6, of a length RFC 6052 defines. ValueError says
+    what is wrong."""
+    network = parse_cidr(text)
+    if network.version != 6 or network.prefixlen not in _RFC6052_LAYOUT:
+        lengths = ", ".join(f"/{n}" for n in NAT64_PREFIX_LENGTHS)
+        raise ValueError(f"a NAT64 prefix is an IPv6 range of length {lengths} (RFC 6052)")
+    return network
+
+
 def _hint(address: netaddr.IPAddress) -> str:
     """How an operator who does mean to reach this address lets it through (and what does not)."""
     one = "32" if address.version == 4 else "128"
@@ -408,11 +433,20 @@ class AddressRules:
 
     def __init__(self, allow: Iterable[str] = (), deny: Iterable[str] = (),
                  refuse_cloud_metadata: bool = True,
-                 allow_labels: Mapping[str, str] | None = None, deny_labels: Mapping[str, str] | None = None):
+                 allow_labels: Mapping[str, str] | None = None, deny_labels: Mapping[str, str] | None = None,
+                 nat64: Iterable[str] = (), nat64_labels: Mapping[str, str] | None = None):
         self.refuse_cloud_metadata = refuse_cloud_metadata
         self._checked: dict[str, AddressVerdict] = {}
         self._allow = self._rules("allow", allow, allow_labels or {})
         self._deny = self._rules("deny", deny, deny_labels or {})
+        # The network's own NAT64 translators (a network-specific prefix such as 2001:db8:64::/96, or the
+        # well-known one): an address inside is the IPv4 it reaches, judged as that IPv4.
+        if isinstance(nat64, str):
+            raise TypeError("NAT64 prefixes must be a list of ranges, not one string")
+        labels = nat64_labels or {}
+        translators = [(parse_nat64_prefix(text), labels.get(text, "addresses.nat64")) for text in nat64]
+        self.nat64_prefixes = tuple(str(network) for network, _ in translators)
+        self._nat64 = _MostSpecific((network, (network, label)) for network, label in translators)
 
     @staticmethod
     def _rules(action: str, cidrs: Iterable[str], labels: Mapping[str, str]
@@ -455,12 +489,18 @@ class AddressRules:
         def verdict(allowed: bool, rule: str, reason: str, rule_id: str = "") -> AddressVerdict:
             return AddressVerdict(allowed, text, rule, reason, rule_id)
 
-        # 1. An IPv4-mapped address is the IPv4 address: judge that.
+        # 1. An IPv4-mapped address is the IPv4 address: judge that. So is an address under one of the
+        # network's NAT64 prefixes: the translator connects to the IPv4 inside.
         judged, preface = given, ""
         if given.version == 6 and given in _MAPPED:
             judged = netaddr.IPAddress(_low32(int(given)), 4)
             preface = f"{text} is IPv4-mapped (::ffff:0:0/96, RFC 4291) {judged}; "
+        elif given.version == 6 and (translator := self._nat64_of(given)) is not None:
+            network, label = translator
+            judged = rfc6052_ipv4(given, network.prefixlen)
+            preface = f"{text} is in the NAT64 prefix {network} ({label}), which reaches IPv4 {judged}; "
         wrapped = _wrapping(judged)
+        isatap = isatap_ipv4(judged) if judged.version == 6 else None
         shown = _text(judged)
 
         # Deny rules and the metadata set also see the IPv6 text of a mapped address and the IPv4
@@ -471,6 +511,9 @@ class AddressRules:
         if wrapped and wrapped[2] is not None:
             block, label, inner = wrapped
             candidates.append((inner, f"{text} is the {label} wrapping ({block.cidr}) of IPv4 {inner}; "))
+        if isatap is not None:
+            candidates.append((isatap, f"{text} carries IPv4 {isatap} in its ISATAP interface identifier "
+                                       "(RFC 5214); "))
 
         # 2. Operator deny rules; deny beats allow.
         for candidate, note in candidates:
@@ -489,6 +532,14 @@ class AddressRules:
                                    f"{note}{_text(candidate)} is in {_describe(found)}, a cloud metadata "
                                    "endpoint refused by default (no addresses.allow range re-admits it; only "
                                    "addresses.refuse_cloud_metadata: false does)")
+
+        # An ISATAP address reaches its IPv4 through the prefix's router: that IPv4 must pass on its own.
+        if isatap is not None:
+            inside = self.check(isatap)
+            if not inside.allowed:
+                return verdict(False, inside.rule, f"{text} carries IPv4 {isatap} in its ISATAP interface "
+                                                   f"identifier (RFC 5214), which a router of its prefix may "
+                                                   f"reach: {inside.reason}", inside.rule_id)
 
         # 4. Operator allow rules: the only way a non-global address is accepted. Re-admitting a wrapping
         # prefix does not re-admit the IPv4 inside it: that IPv4 must pass on its own.
@@ -532,9 +583,15 @@ class AddressRules:
         Host deny rules are held against it too (policy/decision.py), as address deny rules are: an IPv4
         literal denied by name must not be reached by writing it as a wrapping the policy re-admits."""
         given = _as_address(address)
-        wrapped = _wrapping(given) if given.version == 6 else None
-        if wrapped is None:
+        if given.version != 6:
             return None
+        translator = self._nat64_of(given)
+        if translator is not None:
+            return _text(rfc6052_ipv4(given, translator[0].prefixlen))
+        wrapped = _wrapping(given)
+        if wrapped is None:
+            isatap = isatap_ipv4(given)
+            return _text(isatap) if isatap is not None else None
         inner = wrapped[2]
         if inner is None:  # local-use NAT64: where the IPv4 sits depends on the translator prefix re-admitted
             allowed = self._allow.get(given)
@@ -543,6 +600,10 @@ class AddressRules:
                 return None
             inner = rfc6052_ipv4(given, network.prefixlen)
         return _text(inner)
+
+    def _nat64_of(self, address: netaddr.IPAddress) -> tuple[netaddr.IPNetwork, str] | None:
+        """(prefix, its label) of the network's NAT64 translator whose prefix holds this address, or None."""
+        return self._nat64.get(address) if self.nat64_prefixes else None
 
     def _wrapped_refusal(self, wrapped: tuple[AddressBlock, str, netaddr.IPAddress | None],
                          address: netaddr.IPAddress, network: netaddr.IPNetwork, rule: str, rule_id: str

@@ -27,6 +27,7 @@ from .model import ALLOW, REPORT, HostRule, Policy, Role
 from .ports import ports_text
 
 FORM, SCHEME, PORT, HOST, RESOLVE, ADDRESS = "form", "scheme", "port", "host", "resolve", "address"
+WOULD_REFUSE = "report mode: would refuse: "  # how the reason of what report mode let through begins
 SCHEMES = frozenset({"http", "https", "ws", "wss"})
 
 
@@ -127,7 +128,7 @@ def precheck(policy: Policy, request: Request) -> Verdict:
     if not verdict.allowed and policy.mode == REPORT:
         # Report mode relaxes host rules only; scheme, port and address refusals stay enforced.
         verdict = replace(verdict, allowed=True, report_only=True,
-                          reason=f"report mode: would refuse: {verdict.reason}")
+                          reason=f"{WOULD_REFUSE}{verdict.reason}")
     if verdict.allowed and target.ip is not None:
         return decide_addresses(policy, verdict, (str(target.ip),), (), request)
     return verdict
@@ -168,7 +169,7 @@ def decide_addresses(policy: Policy, verdict: Verdict, addresses: Iterable[str],
             return Verdict(False, ADDRESS, checked.rule, checked.reason, role=verdict.role, addresses=addresses,
                            rule_id=checked.rule_id)
     if reported is not None:
-        return Verdict(True, RESOLVE, reported[0], f"report mode: would refuse: {reported[1]}", report_only=True,
+        return Verdict(True, RESOLVE, reported[0], f"{WOULD_REFUSE}{reported[1]}", report_only=True,
                        role=verdict.role, addresses=addresses, pinned=_choose_pin(addresses), rule_id=reported[2],
                        session=verdict.session)
     return replace(verdict, addresses=addresses, pinned=_choose_pin(addresses))

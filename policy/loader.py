@@ -19,7 +19,7 @@ from typing import Any
 import netaddr
 
 from . import rule_ids
-from .addresses import AddressRules, parse_address, parse_cidr
+from .addresses import AddressRules, parse_address, parse_cidr, parse_nat64_prefix
 from .errors import PolicyError, PolicyProblem
 from .hosts import split_host_port
 from .model import (
@@ -218,12 +218,15 @@ class _Builder:
     def build(self) -> Policy:
         doc = self.doc
         address_rules = self.address_rules()
+        translators = self.nat64_prefixes()
         addresses = AddressRules(
             allow=[c for a, c, _ in address_rules if a == ALLOW],
             deny=[c for a, c, _ in address_rules if a == DENY],
             refuse_cloud_metadata=self.value(("addresses", "refuse_cloud_metadata"), True),
             allow_labels={c: f"address-allow {c} ({o})" for a, c, o in address_rules if a == ALLOW},
             deny_labels={c: f"address-deny {c} ({o})" for a, c, o in address_rules if a == DENY},
+            nat64=[c for c, _ in translators],
+            nat64_labels={c: f"addresses.nat64, {o}" for c, o in translators},
         )
         roles = self.roles()
         floor, ceiling = self.value(("resolver", "ttl_floor"), 0), self.value(("resolver", "ttl_ceiling"), 300)
@@ -276,6 +279,18 @@ class _Builder:
                 network = self.cidr(("addresses", action, i), cidr)
                 if network is not None:
                     out.append((action, str(network), self.doc.origin(("addresses", action, i))))
+        return out
+
+    def nat64_prefixes(self) -> list[tuple[str, Origin]]:
+        """(normalised prefix text, origin) of each of the network's NAT64 translator prefixes."""
+        out = []
+        for i, text in self.items(("addresses", "nat64"))[1]:
+            try:
+                network = parse_nat64_prefix(text)
+            except ValueError as err:
+                self.problem(("addresses", "nat64", i), f"got {text!r}; {err}")
+                continue
+            out.append((str(network), self.doc.origin(("addresses", "nat64", i))))
         return out
 
     def cidr(self, path: KeyPath, text: str) -> netaddr.IPNetwork | None:

@@ -32,7 +32,7 @@ from datetime import UTC, date, datetime, timedelta
 from publicsuffixlist import PSLFILE, PublicSuffixList, encode_idn
 
 from policy.addresses import AddressRules
-from policy.decision import HOST, precheck
+from policy.decision import HOST, WOULD_REFUSE, precheck
 from policy.hosts import HostFormError, normalise_host
 from policy.lint import lint
 from policy.loader import parse_policy
@@ -181,7 +181,11 @@ def _judge(found: Findings, record: Record, rules: AddressRules, policy: Policy 
                                   f"{checked.reason}", where)
     cname_refused = record.stage == "resolve" and not record.rule.startswith("dns:")
     if cname_refused:
-        found.set_apart(host, f"its CNAME chain is refused: {_safe(record.reason)}", where)
+        if record.verdict == "report":  # let through by report mode: enforce mode refuses it
+            found.set_apart(host, "its CNAME chain is refused in enforce mode: "
+                                  f"{_safe(record.reason.removeprefix(WOULD_REFUSE))}", where)
+        else:
+            found.set_apart(host, f"its CNAME chain is refused: {_safe(record.reason)}", where)
     if record.verdict == "refuse" and (record.stage == "address" or cname_refused):
         found.asked.add(host)  # in report mode, how an internal name shows: host rules passed it on, addresses not
     if not ((record.verdict == "refuse" and record.stage == HOST) or record.verdict == "report"):

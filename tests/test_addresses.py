@@ -588,3 +588,69 @@ def test_remembered_verdicts_are_bounded() -> None:
         rules.check(str(ipaddress.IPv4Address(0x08000000 + n)))
     assert len(rules._checked) <= CHECKED_CACHE_SIZE
     assert rules.check("10.0.0.5") == before and not before.allowed
+
+
+# --- the network's own NAT64 prefixes (addresses.nat64) and ISATAP ------------------------------------------
+
+def _embed(prefix: str, ipv4: str) -> str:
+    """RFC 6052, Section 2.2, written out for the test (the core reads it with rfc6052_ipv4): the IPv4's
+    32 bits around the "u" octet (bits 64-71, zero) after a prefix of each length."""
+    network, value = ipaddress.IPv6Network(prefix), int(ipaddress.IPv4Address(ipv4))
+    length, base = network.prefixlen, int(network.network_address)
+    if length == 96:
+        return str(ipaddress.IPv6Address(base | value))
+    before = 64 - length  # bits of the IPv4 that fit between the prefix and the u octet
+    high, low = value >> (32 - before), value & ((1 << (32 - before)) - 1)
+    return str(ipaddress.IPv6Address(base | (high << 64) | (low << (56 - (32 - before)))))
+
+
+NAT64_PREFIXES = ["2001:db8:100::/40", "2a00:1::/32", "2a00:2:3::/48", "2a00:4:5:600::/56", "2a00:7:8:9::/64",
+                  "2a00:a:b:c:d:e::/96", "64:ff9b::/96"]
+
+
+@pytest.mark.parametrize("prefix", NAT64_PREFIXES)
+@given(ipv4=st.integers(0, 2**32 - 1).map(lambda n: str(ipaddress.IPv4Address(n))))
+def test_an_address_under_a_nat64_prefix_is_judged_as_the_ipv4_it_reaches(prefix: str, ipv4: str) -> None:
+    rules = AddressRules(nat64=[prefix])
+    wrapped = _embed(prefix, ipv4)
+    inside, outside = rules.check(wrapped), rules.check(ipv4)
+    assert (inside.allowed, inside.rule) == (outside.allowed, outside.rule), (wrapped, inside.reason)
+    assert f"which reaches IPv4 {ipv4}" in inside.reason
+    assert rules.embedded_ipv4(wrapped) == ipv4
+
+
+def test_a_network_specific_nat64_prefix_is_global_ipv6_until_it_is_listed() -> None:
+    internal = "2a00:1234:64::a00:1"  # 10.0.0.1 through a translator at 2a00:1234:64::/96
+    assert AddressRules().check(internal).allowed  # nothing says it is a translator: global unicast
+    listed = AddressRules(nat64=["2a00:1234:64::/96"]).check(internal)
+    assert not listed.allowed and listed.rule == "special-purpose 10.0.0.0/8"
+    metadata = AddressRules(nat64=["2a00:1234:64::/96"]).check("2a00:1234:64::a9fe:a9fe")
+    assert not metadata.allowed and metadata.rule.startswith("cloud-metadata")
+    # deny rules see both spellings; an allow range re-admits the IPv4 it reaches
+    assert not AddressRules(deny=["2a00:1234:64::/96"], nat64=["2a00:1234:64::/96"]).check(
+        "2a00:1234:64::808:808").allowed
+    assert not AddressRules(deny=["8.8.8.8"], nat64=["2a00:1234:64::/96"]).check("2a00:1234:64::808:808").allowed
+    assert AddressRules(allow=["10.0.0.0/8"], nat64=["2a00:1234:64::/96"]).check(internal).allowed
+
+
+@pytest.mark.parametrize("text", ["2001:db8:64::/80", "10.0.0.0/8", "2001:db8::1/96", "nonsense"])
+def test_a_nat64_prefix_must_be_an_ipv6_range_of_an_rfc6052_length(text: str) -> None:
+    with pytest.raises(ValueError):
+        AddressRules(nat64=[text])
+
+
+@given(ipv4=st.integers(0, 2**32 - 1).map(lambda n: str(ipaddress.IPv4Address(n))),
+       marker=st.sampled_from(["0:5efe", "200:5efe", "100:5efe", "300:5efe"]))
+def test_an_isatap_address_passes_only_if_the_ipv4_it_carries_passes(ipv4: str, marker: str) -> None:
+    address = f"2606:4700:10::{marker}:{ipv4}"  # a global /64 with an ISATAP interface identifier
+    verdict, inside = AddressRules().check(address), AddressRules().check(ipv4)
+    assert verdict.allowed == inside.allowed, (address, verdict.reason)
+    if not inside.allowed:
+        assert verdict.rule == inside.rule and "ISATAP" in verdict.reason
+    assert AddressRules().embedded_ipv4(address) == ipv4
+
+
+def test_an_interface_identifier_that_is_not_isatap_is_no_wrapping() -> None:
+    for address in ("2606:4700:10::5eff:a00:1", "2606:4700:10::400:5efe:a00:1", "2606:4700:10::a00:1"):
+        assert AddressRules().check(address).allowed, address
+        assert AddressRules().embedded_ipv4(address) is None

@@ -67,6 +67,18 @@ def test_a_denied_ipv4_literal_is_refused_in_every_wrapping_the_policy_re_admits
     assert not verdict.allowed, (url, verdict.rule, verdict.reason)
 
 
+@pytest.mark.parametrize("url", [
+    "http://[2a00:1234:64::5db8:d822]/",       # the network's own NAT64 prefix (addresses.nat64, round 19)
+    "http://[2606:4700:10::5efe:5db8:d822]/",  # an ISATAP interface identifier (round 19)
+])
+def test_a_denied_ipv4_literal_is_refused_under_the_network_s_nat64_prefix_and_isatap(url: str) -> None:
+    pol = policy(DENIED_LITERAL + '  nat64: ["2a00:1234:64::/96"]\n')
+    verdict = decide_url(pol, url)
+    assert not verdict.allowed and "93.184.216.34" in verdict.reason, (url, verdict.rule, verdict.reason)
+    assert decide_url(policy(DENIED_LITERAL.replace("93.184.216.34", "93.184.216.35")
+                             + '  nat64: ["2a00:1234:64::/96"]\n'), url).allowed
+
+
 def test_the_wrapping_dodge_also_opens_a_tunnel() -> None:
     pol = policy(DENIED_LITERAL)
     for authority in ("93.184.216.34:443", "[64:ff9b::5db8:d822]:443"):

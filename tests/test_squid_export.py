@@ -296,3 +296,14 @@ def test_squid_reads_the_export_line_by_line_as_written(text: str, tmp_path: Pat
     assert done.returncode == 0
     written = [line for line in exported.splitlines() if line and not line.startswith("#")]
     assert processed == written, "\n".join(processed)  # each line on its own, none joined to the next
+
+
+def test_the_network_s_nat64_prefixes_are_refused_whole_in_the_export() -> None:
+    """squid cannot judge the IPv4 a NAT64 address reaches: an addresses.nat64 prefix is refused whole (never
+    more than egresswall admits), and a comment says so."""
+    policy = parse_policy("version: 1\ndefault: allow\naddresses:\n  nat64: ['2a00:1234:64::/96']\n", "p.yaml")
+    exported = export_policy(policy)
+    assert "addresses.nat64 refused whole" in exported and "2a00:1234:64::/96" in exported
+    refused = [line for line in exported.splitlines() if line.startswith("acl ew_refused_addresses dst")]
+    ranges = netaddr.IPSet(netaddr.IPNetwork(value) for line in refused for value in line.split()[3:])
+    assert netaddr.IPNetwork("2a00:1234:64::/96") in ranges and netaddr.IPAddress("2a00:1234:65::1") not in ranges

@@ -125,10 +125,15 @@ def export_policy(policy: Policy, now: datetime | None = None) -> str:
 def _prologue(policy: Policy, out: _Writer) -> None:
     allow = [cidr for action, cidr, _ in policy.address_rules_text if action == ALLOW]
     deny = [cidr for action, cidr, _ in policy.address_rules_text if action == DENY]
-    refused = addrsets.refused(allow, deny, policy.addresses.refuse_cloud_metadata)
+    # squid cannot judge the IPv4 a NAT64 address reaches: the network's translator prefixes are refused whole.
+    nat64 = list(policy.addresses.nat64_prefixes)
+    refused = addrsets.refused(allow, deny + nat64, policy.addresses.refuse_cloud_metadata)
     out.comment("Addresses egresswall refuses: every non-global range (IANA special-purpose registries),"
                 + (" cloud metadata," if policy.addresses.refuse_cloud_metadata else "")
                 + " and addresses.deny" + (", less addresses.allow" if allow else "") + ".")
+    if nat64:
+        out.comment("addresses.nat64 refused whole (egresswall judges the IPv4 each address reaches, squid cannot): "
+                    + ", ".join(nat64))
     if allow:
         out.comment("re-admitted by addresses.allow: " + ", ".join(allow)
                     + f"\n(to import this file back: egresswall squid import --readmit {' --readmit '.join(allow)})")
