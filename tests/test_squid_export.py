@@ -153,7 +153,7 @@ def test_export_comments_on_what_squid_cannot_express() -> None:
     text = text.replace("    - host: soon.example\n", "    - host: secret.example\n      paths: [/v1/]\n"
                                                        "      intercept: true\n    - host: soon.example\n")
     exported = export_policy(parse_policy(text, "p.yaml"), now=datetime(2026, 1, 1, tzinfo=UTC))
-    assert "pinning" in exported and "IPv4-mapped" in exported
+    assert "pinning" in exported and "IPv4-mapped" in exported and "ISATAP" in exported
     assert "expires 2999-01-02 00:00 UTC: squid has no date ACL" in exported
     assert "expired 2001-01-02 00:00 UTC: not written" in exported and "gone.example\n" not in exported.split(
         "not written")[1].split("\n# ")[0]
