@@ -9,20 +9,41 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
+import logging
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-from .aiohttp_web import web  # aiohttp's server without its client
+from .aiohttp_web import HttpProcessingError, web  # aiohttp's server without its client
 
-Route = Callable[[], tuple[int, str, str]]  # () -> (status, content type, body)
+Answer = tuple[int, str, str]  # (status, content type, body)
+# () -> answer, or an awaitable of one (the supervisor's routes ask its workers, which must not block its loop)
+Route = Callable[[], Answer | Awaitable[Answer]]
 MAX_BODY = 64 * 1024  # an admin request body (a session's grants) is small
 # aiohttp bounds a head's size but not how long it may take to arrive, and keeps connections alive for
 # an hour: an admin connection lives at most this long (a scraper simply reconnects), and at most this
 # many are open at once, so a client that drips a head can hold neither memory nor the port.
 CONNECTION_LIFETIME = 10.0
 MAX_CONNECTIONS = 64
+
+
+class _UnparsedRequestInOneLine(logging.Filter):
+    """aiohttp logs a request it cannot parse (answered 400) with a traceback that quotes the request's bytes: an
+    Authorization line ending in a bare LF put the admin token into the proxy's log, and any client of the port
+    could write tracebacks there at will (review round 19). Such a record becomes one line that quotes nothing
+    the client sent; a handler's own failure (a 500) keeps its traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        failure = record.exc_info[1] if record.exc_info else None
+        if isinstance(failure, HttpProcessingError):
+            record.msg, record.args = f"admin listener: answered {failure.code} to a request it could not parse", ()
+            record.exc_info = record.exc_text = record.stack_info = None
+        return True
+
+
+_UNPARSED = _UnparsedRequestInOneLine()
 
 
 class ExtraRoutes(Protocol):
@@ -41,6 +62,7 @@ class AdminServer:
         self.addresses: list[tuple[str, int]] = []
 
     def application(self) -> web.Application:
+        logging.getLogger("aiohttp.server").addFilter(_UNPARSED)  # once: a logger holds a filter at most once
         app = web.Application(client_max_size=MAX_BODY)
         for path, route in self.routes.items():
             app.router.add_get(path, _plain(route))  # HEAD too
@@ -118,7 +140,8 @@ class _Bounded(asyncio.Protocol):
 
 def _plain(route: Route):
     async def handle(request: web.Request) -> web.Response:
-        status, ctype, body = route()
+        answer = route()
+        status, ctype, body = await answer if inspect.isawaitable(answer) else answer
         return web.Response(status=status, body=body.encode(), headers={"Content-Type": ctype,
                                                                          "Cache-Control": "no-store"})
     return handle

@@ -5,7 +5,9 @@ has sent a byte or not: a client that opens sockets and stays silent holds at mo
 (``limits.max_connections_per_client``) and cannot shut other clients out. An IPv6 client is counted by
 the /64 it is in (``policy.addresses.cap_group``): one host may hold a whole /64 and take a fresh address
 for every connection. With N workers on one
-port each worker enforces 1/N of each cap (the kernel spreads connections evenly).
+port each worker enforces 1/N of each cap, rounded up (the kernel spreads connections about evenly, by a hash):
+a client may hold up to N-1 more than its cap, as README says, rather than be refused while under it by a worker
+whose share is 0.
 
 The front (``proxy/front.py``) admits every connection of ``egresswall run``; a connection it hands
 to mitmproxy keeps its admission, which the front gives back when mitmproxy has finished with it

@@ -57,5 +57,6 @@ _enter()  # before anything imports aiohttp
 _import_frozenlist_in_python()
 
 from aiohttp import web  # noqa: E402
+from aiohttp.http_exceptions import HttpProcessingError  # noqa: E402  (what aiohttp answers 400 for)
 
-__all__ = ["web"]
+__all__ = ["HttpProcessingError", "web"]

@@ -34,6 +34,10 @@ from policy.model import Policy
 # an ordinary install, which is what the CLI's --policy default needs to show).
 DEFAULT_POLICY = Path(str(resources.files("policy").joinpath("default.yaml")))
 SETTLE_SECONDS = 2.0
+# A million host names are about 28 MiB of YAML (tests/benchmarks/bench_decision.py); parsing costs many times a
+# file's size in memory. A larger file is refused unread: a reload that pointed at a 512 MiB sparse file took the
+# proxy from 76 MiB to 1.6 GiB before it was refused (review round 19), and every worker reads it.
+MAX_POLICY_BYTES = 64 << 20
 _MAX_WAIT_PERIODS = 3  # a file without a final newline that keeps changing this long is refused
 
 
@@ -124,9 +128,14 @@ def _read_once(path: Path, unsettled: Unsettled | None, settled_only: bool = Fal
         if not stat.S_ISREG(before.st_mode):
             raise PolicyError(source, 0, 0, "", f"cannot be read: {path} is not a regular file "
                                                 "(a FIFO, socket or device)")
-        chunks = []
-        while chunk := os.read(fd, 1 << 20):
+        if before.st_size > MAX_POLICY_BYTES:
+            raise PolicyError(source, 0, 0, "", _too_big(before.st_size))
+        chunks, read = [], 0
+        while read <= MAX_POLICY_BYTES and (chunk := os.read(fd, 1 << 20)):
             chunks.append(chunk)
+            read += len(chunk)
+        if read > MAX_POLICY_BYTES:  # it grew while it was read
+            raise PolicyError(source, 0, 0, "", _too_big(read))
         after = os.fstat(fd)
     except OSError as err:
         raise PolicyError(source, 0, 0, "", f"cannot be read: {err}") from None
@@ -145,6 +154,11 @@ def _read_once(path: Path, unsettled: Unsettled | None, settled_only: bool = Fal
     if not data.endswith(b"\n") or changed_while_read or settled_only:
         _check_settled(source, ident, changed_while_read, unsettled, data.endswith(b"\n"))
     return PolicyText(text, source, ident)
+
+
+def _too_big(size: int) -> str:
+    return (f"is {size / (1 << 20):.1f} MiB, more than the {MAX_POLICY_BYTES >> 20} MiB a policy file may be "
+            "(a million host names are about 28 MiB)")
 
 
 def _check_settled(source: str, ident: FileIdentity, changed_while_read: bool, unsettled: Unsettled | None,

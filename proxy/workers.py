@@ -263,10 +263,10 @@ class Supervisor:
 
     # ---- admin --------------------------------------------------------------------------------
 
-    def _readyz(self) -> tuple[int, str, str]:
+    async def _readyz(self) -> tuple[int, str, str]:
         missing = [w.index for w in self.workers if not w.ready or w.process is None
                    or w.process.returncode is not None]
-        texts = [_fetch(w.admin, "/readyz") for w in self.workers if w.admin]
+        texts = await asyncio.gather(*(_fetch(w.admin, "/readyz") for w in self.workers if w.admin))
         problems = [t.strip() for t in texts if not t.startswith("ready")]
         problems += [f"worker {w.index}: {w.report.error}" for w in self.workers
                      if w.index in missing and w.report is not None and w.report.error]
@@ -274,10 +274,10 @@ class Supervisor:
             return 503, "text/plain", f"not ready: workers down {missing}; {'; '.join(problems)}\n"
         return 200, "text/plain", f"ready; {self.count} workers\n"
 
-    def _metrics(self) -> tuple[int, str, str]:
+    async def _metrics(self) -> tuple[int, str, str]:
         texts = []
-        for worker in self.workers:
-            text = _fetch(worker.admin, "/metrics") if worker.admin else ""
+        fetched = await asyncio.gather(*(_fetch(worker.admin, "/metrics") for worker in self.workers))
+        for worker, text in zip(self.workers, fetched, strict=True):
             if is_page(text):
                 worker.last_metrics = text
             texts.append(worker.last_metrics)  # an unreachable worker counts with what it last said
@@ -334,18 +334,24 @@ def _utc_now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def _fetch(admin_socket: str | None, path: str) -> str:
-    """A blocking GET to a worker's admin listener, a Unix socket (short, bounded)."""
+FETCH_TIMEOUT = 0.5  # a worker's admin answer on this machine: anything slower is down
+
+
+async def _fetch(admin_socket: str | None, path: str) -> str:
+    """A GET to a worker's admin listener, a Unix socket, bounded in time. On the supervisor's event loop and
+    never blocking it: a worker that does not answer (stopped, its loop busy) stalled every admin route, the
+    session API included, for each scrape in flight (review round 19)."""
     if admin_socket is None:
         return ""
+    writer: asyncio.StreamWriter | None = None
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(0.5)  # this machine: anything slower is down
-            sock.connect(admin_socket)
-            sock.sendall(f"GET {path} HTTP/1.0\r\n\r\n".encode())
-            data = b""
-            while chunk := sock.recv(65536):
-                data += chunk
+        async with asyncio.timeout(FETCH_TIMEOUT):
+            reader, writer = await asyncio.open_unix_connection(admin_socket)
+            writer.write(f"GET {path} HTTP/1.0\r\n\r\n".encode())
+            data = await reader.read()  # to the end: HTTP/1.0, the worker closes
         return data.partition(b"\r\n\r\n")[2].decode(errors="replace")
-    except OSError as err:
-        return f"unreachable: {err}"
+    except (OSError, TimeoutError) as err:
+        return f"unreachable: {err or 'no answer in ' + str(FETCH_TIMEOUT) + 's'}"
+    finally:
+        if writer is not None:
+            writer.close()

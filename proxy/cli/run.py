@@ -18,7 +18,7 @@ from proxy import event_loop
 from proxy.listeners import authority
 from proxy.run_config import RunConfig
 from proxy.sessions.api import read_token_file
-from proxy.sessions.store_url import check_store_url
+from proxy.sessions.store_url import check_store_url, redacted
 
 from . import logs
 from .errors import UsageError
@@ -94,7 +94,7 @@ def _check_sessions(args: argparse.Namespace) -> None:
         try:
             check_store_url(args.session_store)
         except ValueError as err:
-            raise UsageError(f"--session-store {args.session_store}: {err}") from None
+            raise UsageError(f"--session-store {redacted(args.session_store)}: {err}") from None
     shared = args.session_store not in (None, "memory")
     if args.workers > 1 and args.admin_token_file is not None and not shared:
         raise UsageError(f"--workers {args.workers} with sessions needs a shared store: each worker's memory holds "
@@ -204,9 +204,7 @@ def startup_line(listen: tuple[str, int], admin: tuple[str, int] | None, policy:
         parts.append(upstream_words(policy))
     if config.admin_token_file or config.session_store:
         api = "session API on" if config.admin_token_file else "session API off (no --admin-token-file)"
-        store = config.session_store or "memory"
-        scheme, sep, rest = store.partition("://")
-        parts.append(f"{api}, session store {scheme}{sep}{rest.rpartition('@')[2]}")  # never a password
+        parts.append(f"{api}, session store {redacted(config.session_store or 'memory')}")  # never a password
     if any(rule.intercept for rule in policy.all_host_rules()):
         parts.append(f"interception CA {Path(confdir).expanduser() / 'mitmproxy-ca-cert.pem'}")
     return "; ".join(parts)

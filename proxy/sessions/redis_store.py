@@ -15,6 +15,7 @@ each arrives at. Every Redis error is ``StoreUnavailable`` (fail closed).
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 
@@ -25,8 +26,10 @@ from policy.decision import Verdict
 from policy.sessions import ENDED, Session, Usage, judge_budgets, refused
 
 from .store import RETAIN, StoreUnavailable, session_from_record, session_record
+from .store_url import redacted
 
 PREFIX = "egresswall:"
+log = logging.getLogger("egresswall.sessions")
 TIMEOUT = 1.0  # seconds for one Redis round trip: a request waits at most this long before it is refused
 MAX_RETRIES = 50  # charge attempts under contention before giving up (fail closed)
 
@@ -51,17 +54,25 @@ class RedisStore:
         try:
             result = await job
         except (TimeoutError, RedisError, OSError) as err:
-            self._healthy = False
-            raise StoreUnavailable(f"the session store {self.safe_url} cannot be reached: "
-                                   f"{type(err).__name__}: {err}"[:300]) from None
+            raise self._unreachable(err) from None
         self._healthy = True
         return result
 
+    def _unreachable(self, err: Exception) -> StoreUnavailable:
+        """The failure for the refusal, which a proxy client reads (its 503 and X-Egresswall-Reason) and the audit
+        record keeps: the kind of error only. Where the store is, and redis-py's words (which name its address),
+        go to the operator's log, once each time the store stops answering (review round 19: a password given as
+        ?password= was in every refusal)."""
+        if self._healthy:
+            log.warning("the session store %s cannot be reached: %s: %s", self.safe_url, type(err).__name__,
+                        str(err)[:300])
+        self._healthy = False
+        return StoreUnavailable(f"the session store cannot be reached ({type(err).__name__})")
+
     @property
     def safe_url(self) -> str:
-        """The URL without a password, for messages."""
-        scheme, sep, rest = self.url.partition("://")
-        return f"{scheme}{sep}{rest.rpartition('@')[2]}"
+        """The URL without a password or query, for messages."""
+        return redacted(self.url)
 
     async def put(self, session: Session) -> None:
         at = _expire_at(session.expires)
@@ -185,10 +196,8 @@ class RedisStore:
                 except WatchError:
                     continue  # another process counted first: judge again on the new counts
                 except (TimeoutError, RedisError, OSError) as err:
-                    self._healthy = False
-                    raise StoreUnavailable(f"the session store {self.safe_url} cannot be reached: "
-                                           f"{type(err).__name__}: {err}"[:300]) from None
-        raise StoreUnavailable(f"the session store {self.safe_url} stayed contended for {MAX_RETRIES} attempts")
+                    raise self._unreachable(err) from None
+        raise StoreUnavailable(f"the session store stayed contended for {MAX_RETRIES} attempts")
 
     async def add_bytes(self, session_id: str, up: int, down: int) -> None:
         if not (up or down):

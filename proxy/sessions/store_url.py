@@ -24,6 +24,18 @@ def check_store_url(text: str) -> str:
     return text
 
 
+def redacted(url: str) -> str:
+    """The store's URL for a message: without a password (``:password@``, ``user:password@``) and without a
+    query (redis-py reads ``?password=...`` too) or fragment."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url.split("?", 1)[0].split("#", 1)[0]
+    rest = rest.split("?", 1)[0].split("#", 1)[0]
+    if scheme != "unix":
+        rest = rest.rpartition("@")[2]
+    return f"{scheme}{sep}{rest}"
+
+
 def open_store(url: str | None) -> SessionStore:
     if url in (None, "memory"):
         return MemoryStore()
