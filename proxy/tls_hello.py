@@ -126,6 +126,9 @@ def read_client_hello(data: bytes | bytearray, scan: HelloScan | None = None) ->
         if len(data) > MAX_HELLO_BYTES:
             raise HelloError("tls:hello-too-large", f"the ClientHello is larger than {MAX_HELLO_BYTES} bytes")
         return NEED_MORE
+    size = _records_length(data, len(handshake))
+    if size > MAX_HELLO_BYTES:  # the same bound however the reads were cut (a hello that came whole, too)
+        raise HelloError("tls:hello-too-large", f"the ClientHello is larger than {MAX_HELLO_BYTES} bytes")
     if handshake[0] != HANDSHAKE_CLIENT_HELLO:
         raise HelloError("tls:invalid-hello", f"the first handshake message is type {handshake[0]}, not a ClientHello")
     try:
@@ -138,7 +141,7 @@ def read_client_hello(data: bytes | bytearray, scan: HelloScan | None = None) ->
         raise HelloError("tls:sni", "the ClientHello carries the server_name extension twice")
     sni = _server_name(names[0]) if names else None
     ech = any(kind in ENCRYPTED_NAME_EXTENSIONS for kind, _ in extensions)
-    return ClientHelloInfo(sni, ech, _records_length(data, len(handshake)))
+    return ClientHelloInfo(sni, ech, size)
 
 
 def _server_name(body: bytes) -> str:

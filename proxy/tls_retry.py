@@ -31,7 +31,7 @@ from .tls_hello import MAX_HELLO_BYTES, ClientHelloInfo, HelloError, HelloScan, 
 
 HELLO_RETRY_RANDOM: Final = hashlib.sha256(b"HelloRetryRequest").digest()
 NEED_MORE, HELLO_RETRY, NOT_RETRY = "need-more", "hello-retry", "not-retry"
-HANDSHAKE, CHANGE_CIPHER_SPEC = 0x16, 0x14
+HANDSHAKE, CHANGE_CIPHER_SPEC, ALERT = 0x16, 0x14, 0x15
 HANDSHAKE_SERVER_HELLO = 0x02
 # A ServerHello's first bytes: type (1), length (3), legacy_version (2), random (32).
 SERVER_HELLO_PREFIX: Final = 4 + 2 + 32
@@ -49,12 +49,17 @@ def classify_server_first(data: bytes) -> str:
     """``NEED_MORE``, ``HELLO_RETRY`` or ``NOT_RETRY`` for the server's first bytes; HelloError when they start
     a TLS handshake record that cannot be read (so whether it is a HelloRetryRequest cannot be told).
 
-    A HelloRetryRequest is a ServerHello in a handshake record. An answer that is not a handshake record (an
-    alert, or not TLS at all), or whose first handshake message is not a ServerHello, is not one: nothing is
-    asked again, and the tunnel goes on as the first ClientHello was judged."""
+    A HelloRetryRequest is a ServerHello in a handshake record. An alert, or a handshake whose first message is
+    not a ServerHello, is not one: nothing is asked again, and the tunnel goes on as the first ClientHello was
+    judged. An answer that is no TLS record at all is refused: a TLS server answers a ClientHello with a
+    handshake record or an alert, and a service that answers garbage and reads on (SMTP, memcached, IRC) would
+    otherwise be driven in its own protocol through a tunnel egresswall passes as TLS (review round 19)."""
     if not data:
         return NEED_MORE
-    if data[0] != HANDSHAKE:
+    if data[0] not in (HANDSHAKE, ALERT) or (data[0] == ALERT and len(data) > 1 and data[1] != 3):
+        raise HelloError(SERVER_RULE, f"the server's first answer is not TLS (it starts {data[:2].hex()}, not a "
+                                      "handshake or alert record): egresswall passes only TLS through this tunnel")
+    if data[0] == ALERT:
         return NOT_RETRY
     prefix = _handshake_prefix(data)
     if prefix[:1] and prefix[0] != HANDSHAKE_SERVER_HELLO:

@@ -388,7 +388,9 @@ class SpeakFirstUpstream(ConnectionServer):
     """A loopback upstream on the lab's public address that sends a banner the moment it accepts, then
     echoes and records everything it receives, per connection."""
 
-    BANNER = b"UPSTREAM-SPOKE-FIRST"
+    # A TLS alert record (level warning, close_notify), then text: a server's first answer must be TLS, a handshake
+    # or an alert record, for a tunnel egresswall passes as TLS (a service that answers otherwise is refused).
+    BANNER = b"\x15\x03\x03\x00\x02\x01\x00UPSTREAM-SPOKE-FIRST"
 
     def __init__(self) -> None:
         self.received: list[bytearray] = []

@@ -77,10 +77,20 @@ def test_a_server_hello_split_over_records_is_put_together(size):
     assert classify_server_first(split[:len(split) - 1]) in (NEED_MORE, HELLO_RETRY)
 
 
-@pytest.mark.parametrize("answer", [b"\x15\x03\x03\x00\x02\x02\x70", b"HTTP/1.1 400 Bad Request\r\n", b"\x17\x03\x03"],
-                         ids=["alert", "not-tls", "application-data"])
-def test_an_answer_that_is_not_a_handshake_record_asks_nothing_again(answer):
-    assert classify_server_first(answer) == NOT_RETRY
+def test_an_alert_asks_nothing_again():
+    assert classify_server_first(b"\x15\x03\x03\x00\x02\x02\x70") == NOT_RETRY
+
+
+@pytest.mark.parametrize("answer", [b"HTTP/1.1 400 Bad Request\r\n", b"220 mail.example ESMTP\r\n", b"\x17\x03\x03",
+                                    b"\x14\x03\x03\x00\x01\x01", b"\x15\x00", b"\x80\x2e\x02"],
+                         ids=["http", "smtp-greeting", "application-data", "change-cipher-spec", "alert-not-tls",
+                              "sslv2"])
+def test_an_answer_that_is_no_tls_handshake_or_alert_record_is_refused(answer):
+    """A TLS server answers a ClientHello with a handshake record or an alert; a service that answers anything
+    else (and reads on) would be driven in its own protocol through a tunnel passed as TLS (review round 19)."""
+    with pytest.raises(HelloError) as caught:
+        classify_server_first(answer)
+    assert caught.value.rule == "tls:server-hello" and "not TLS" in caught.value.reason
 
 
 def test_a_first_handshake_message_other_than_server_hello_asks_nothing_again():

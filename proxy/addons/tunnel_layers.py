@@ -20,7 +20,7 @@ from mitmproxy.proxy.utils import expect
 
 from ..byte_allowance import BUDGET_CUT, DOWN, UP, ByteAllowance
 from ..first_bytes import FirstBytes, FirstMessage
-from ..tls_hello import TLS_ALERT_UNRECOGNIZED_NAME
+from ..tls_hello import MAX_HELLO_BYTES, TLS_ALERT_UNRECOGNIZED_NAME
 from ..tls_retry import AWAIT_SERVER, Released, RetryWatch
 
 Judge = Callable[[FirstMessage, bytes], FirstBytes]  # the tunnel's first bytes so far, and the newest read
@@ -28,13 +28,19 @@ Choose = Callable[[FirstBytes], layer.Layer]
 RetryRefused = Callable[[str, str, int, int], None]  # (rule, reason, bytes up, bytes down)
 
 
+MAX_SERVER_FIRST = MAX_HELLO_BYTES  # bytes a server may send before the client's first message is judged
+
+
 class TunnelStart(layer.Layer):
     def __init__(self, context: Context, first: FirstMessage, judge: Judge, choose: Choose, timeout: float,
-                 on_timeout: Callable[[int], None], on_cut_short: Callable[[int, bool], None]) -> None:
+                 on_timeout: Callable[[int], None], on_cut_short: Callable[[int, bool], None],
+                 on_server_first: Callable[[int], None]) -> None:
         super().__init__(context)
         self.judge, self.choose, self.timeout, self.on_timeout = judge, choose, timeout, on_timeout
         self.on_cut_short = on_cut_short  # (bytes that came, by the client)
+        self.on_server_first = on_server_first  # (bytes the server sent): more than MAX_SERVER_FIRST, refused
         self.held: list[events.Event] = []
+        self.server_held = 0
         # The client's bytes so far, and where judging them stopped: each read is judged once, as it comes
         # (judging the whole buffer again on every read cost the square of a dripped head's size).
         self.first = first
@@ -62,6 +68,15 @@ class TunnelStart(layer.Layer):
             # apart only in the reason).
             self.on_cut_short(len(self.first.data), event.connection == self.context.client)
             yield from self._close()
+            return
+        if isinstance(event, events.DataReceived) and event.connection != self.context.client:
+            # mitmproxy reads the server as it sends: what it sends before the client's first message is judged
+            # is held here, so it is bounded (a flooding origin grew a worker by 200 MiB in 30 s; the fast front
+            # leaves it in the kernel's buffers). Neither TLS nor HTTP has the server speak first.
+            self.server_held += len(event.data)
+            if self.server_held > MAX_SERVER_FIRST:
+                self.on_server_first(self.server_held)
+                yield from self._close()
             return
         if isinstance(event, events.DataReceived) and event.connection == self.context.client:
             judged = self.judge(self.first, event.data)

@@ -23,7 +23,7 @@ from ..first_bytes import FirstBytes
 from ..gate import Gate, Tunnel
 from ..tls_hello import HelloError, read_client_hello
 from .connections import ConnectionTable
-from .tunnel_layers import CountedRelay, Refused, TunnelStart
+from .tunnel_layers import MAX_SERVER_FIRST, CountedRelay, Refused, TunnelStart
 
 DECIDED = "egresswall_tunnel_decided"
 
@@ -104,11 +104,18 @@ class TunnelWatch:
                 self.gate.tunnel_closed(tunnel, seen, 0, "the server closed the connection before the client's first "
                                                          "message was complete")
 
+        def server_first(sent: int) -> None:
+            self.table.tunnels.pop(server_id, None)
+            self.gate.refuse_tunnel(tunnel, "http:server-first",
+                                    f"the server sent {sent} bytes before the client's first message (a TLS "
+                                    f"ClientHello or an HTTP request head) was complete, more than {MAX_SERVER_FIRST}: "
+                                    "neither TLS nor HTTP has the server speak first")
+
         # The bound runs from the tunnel's opening (mitmproxy asks for a layer only at the first byte).
         remaining = max(0.0, self.gate.policy.limits.header_timeout - (time.monotonic() - tunnel.started))
         nextlayer.layer = TunnelStart(context, self.gate.first_message(tunnel),
                                       lambda first, chunk: self.gate.tunnel_start(tunnel, first, chunk), choose,
-                                      remaining, timed_out, cut_short)
+                                      remaining, timed_out, cut_short, server_first)
 
     def _relay_done(self, server_id: str, tunnel: Tunnel, up: int, down: int, error: str | None) -> None:
         self.table.tunnels.pop(server_id, None)
