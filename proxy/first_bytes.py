@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import h11
 
 from .head_end import HeadEnd
+from .records import parser_words
 from .tls_hello import MAX_HELLO_BYTES, HelloError, HelloScan, read_client_hello
 
 MAX_HTTP_HEAD = 64 * 1024
@@ -116,7 +117,7 @@ def _parse_http_head(data: bytes, max_head: int) -> FirstBytes:
         event = parser.next_event()
     except h11.RemoteProtocolError as err:
         return FirstBytes.refuse("http:not-http", f"the tunnel goes to a plain-HTTP port but does not carry an "
-                                                  f"HTTP/1 request: {err}")
+                                                  f"HTTP/1 request: {parser_words(err)}")
     if event is h11.NEED_DATA:
         return FirstBytes.more()
     if not isinstance(event, h11.Request):

@@ -772,11 +772,23 @@ class Gate:
         return self.sessions.bytes_would_cross(session, True, allowance.needed(UP, size))
 
     def _request_target(self, ask: HttpAsk, tunnel: Tunnel | None) -> Target:
+        if not ask.path.isascii():
+            # A request target is ASCII on the wire (RFC 9112); a client sends a URL's other characters
+            # percent-encoded. mitmproxy hands other bytes over decoded with surrogateescape, which the core would
+            # read as characters: '/secret' and a lone 0xa0 byte dodged a deny rule (review round 19).
+            raise HostFormError("url", f"the request target {safe_text(for_logs(ask.path), 60)!r} has a byte outside "
+                                       "ASCII; a client sends a URL's other characters percent-encoded")
         if tunnel is not None:
-            # Inside a tunnel the target is the tunnel's; the Host header must agree with it.
+            # Inside a tunnel the target is the tunnel's; the Host header must agree with it. The path is read by
+            # the core as a plain request's is: taken as mitmproxy split it, '/private#.json' matched the rule
+            # '/*.json' while the origin served /private, and a control byte or NBSP after '/secret' dodged a deny
+            # rule an origin's str.split() then read past (review round 19).
             plain = {"https": "wss", "http": "ws"} if ask.websocket else {"https": "https", "http": "http"}
+            scheme = plain.get(ask.scheme, ask.scheme)
+            _refuse_asterisk(ask.path)
             t = tunnel.target
-            return Target(plain.get(ask.scheme, ask.scheme), t.host, t.port, ask.path, t.ip)
+            path = parse_url(f"{scheme}://{t.authority}{ask.path}").path
+            return Target(scheme, t.host, t.port, path, t.ip)
         return plain_target(ask)
 
     def _request_refused(self, ask: HttpAsk, target: Target | None, verdict: Verdict, status: int,
@@ -851,11 +863,7 @@ def plain_target(ask: HttpAsk) -> Target:
     """The target of a plain-HTTP request (not inside a tunnel) as both transports hand it over: scheme,
     host, port and path as the transport split them, read again by policy.hosts (HostFormError: refused)."""
     scheme = {"http": "ws", "https": "wss"}.get(ask.scheme, ask.scheme) if ask.websocket else ask.scheme
-    if ask.path and not ask.path.startswith("/"):
-        # "OPTIONS * HTTP/1.1": glued to the port below it read as a port that is not decimal.
-        raise HostFormError("asterisk", f"the request target {safe_text(ask.path, 40)!r} is not a path (the asterisk "
-                                        "form asks the server it is sent to about itself); egresswall forwards "
-                                        "requests for a URL")
+    _refuse_asterisk(ask.path)
     if ask.authority is not None:
         # Absolute form: the URL as the client sent it, read by the core as ``egresswall check`` reads it. The
         # transport's own split (mitmproxy reads port 0 as the scheme's default, and drops the brackets of an
@@ -866,6 +874,15 @@ def plain_target(ask: HttpAsk) -> Target:
         return parse_origin_target(ask.host_header, scheme, ask.path)
     bracketed = f"[{ask.host}]" if ":" in ask.host else ask.host
     return parse_url(f"{scheme}://{bracketed}:{ask.port}{ask.path}")
+
+
+def _refuse_asterisk(path: str) -> None:
+    """"OPTIONS * HTTP/1.1" (or any target that is not a path): glued to a port it would read as one that is not
+    decimal, and a path rule (which begins with '/') never matches it."""
+    if path and not path.startswith("/"):
+        raise HostFormError("asterisk", f"the request target {safe_text(path, 40)!r} is not a path (the asterisk "
+                                        "form asks the server it is sent to about itself); egresswall forwards "
+                                        "requests for a URL")
 
 
 def sent_url(ask: HttpAsk) -> str:

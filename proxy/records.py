@@ -10,6 +10,7 @@ file, ``rule_id`` the stable id metrics are labelled with.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -134,3 +135,13 @@ def safe_text(text: str, limit: int = 300) -> str:
     """Text from a client, as a record or a reason quotes it: ASCII (other characters escaped), bounded."""
     text = text.encode("ascii", "backslashreplace").decode("ascii")
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+_QUOTED_BYTES = re.compile(r": (bytearray\(b|b)['\"].*", re.DOTALL)
+
+
+def parser_words(error: Exception) -> str:
+    """A parser's error for a reason, without the bytes it quotes: h11 writes "illegal request line:
+    bytearray(b'GET /x?token=... HTTP/1.1')" or a whole header line, credentials included, and a reason goes to
+    the audit log whatever log.query_strings says (review round 19)."""
+    return safe_text(_QUOTED_BYTES.sub("", str(error)), 200)
