@@ -115,8 +115,13 @@ class HostRule(NamedTuple):
         # Tomcat, Jetty and Spring drop a segment's ';' parameters ('/admin;x/secret' is /admin/secret
         # there), other servers keep them: a deny rule matches either reading, an allow rule both.
         readings = (canonical, without_parameters(canonical))
-        matched = (any(path_pattern_matches(p, reading) for p in self.paths) for reading in readings)
-        return any(matched) if self.action == DENY else all(matched)
+        if self.action == DENY:
+            # IIS, and any server on a case-insensitive file system, serves '/ADMIN' as '/admin': a deny rule
+            # matches that reading too (an allow rule needs no third reading: a path it matches exactly is the
+            # same resource to such a server).
+            return any(path_pattern_matches(p, reading) for p in self.paths for reading in readings) or any(
+                path_pattern_matches(p.lower(), reading.lower()) for p in self.paths for reading in readings)
+        return all(any(path_pattern_matches(p, reading) for p in self.paths) for reading in readings)
 
     def describe(self) -> str:
         return f"{self.action} {self.pattern.text} ({self.origin})"

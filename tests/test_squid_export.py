@@ -244,7 +244,7 @@ def test_no_exported_line_ends_with_a_backslash() -> None:
 def test_path_regexes_are_posix_literals_that_end_in_no_backslash(path: str, written: str) -> None:
     text = PATH_DENY.replace('["/admin"]', f'["{path}"]')
     exported = export_policy(parse_policy(text, "p.yaml"))
-    assert f"acl ew_paths2 urlpath_regex {written}" in squid_lines(exported)
+    assert f"acl ew_paths2 urlpath_regex -i {written}" in squid_lines(exported)  # a deny rule: any case
 
 
 @pytest.mark.parametrize("path", ["/a b", "/a\nhttp_access allow all", "/ü"])

@@ -244,7 +244,8 @@ def _path_rule(out: _Writer, action: str, paths: tuple[str, ...], conditions: li
         if not written:
             return
     name = out.name("paths")
-    out.acl(name, "urlpath_regex", written)
+    # A deny rule's paths match without regard to case too (egresswall: IIS serves /ADMIN as /admin).
+    out.acl(name, "urlpath_regex", written, "-i" if action == DENY else "")
     # A backslash is written [\] (a member of a POSIX bracket): a value ending in \ would end its line in a
     # backslash, and squid would join the next line (this rule's http_access) into the ACL.
     out.shared_acl("ew_ambiguous_path", "urlpath_regex",
