@@ -185,6 +185,16 @@ def decide_on_answer(policy: Policy, request: Request, answer: Resolution) -> Ve
     return decide_addresses(policy, verdict, answer.addresses, answer.cnames, request)
 
 
+def decides_by_request_line(policy: Policy, host: str, client: str | None) -> bool:
+    """Whether a host rule naming ``host`` (in the client's role's lists or the global ones) has ``paths`` or
+    ``methods``: then what a request asks for beyond its request line (a header asking a server for another path
+    or method) could reach what such a rule refuses."""
+    role = role_of(policy, client) if policy.roles else None
+    tables = ((role.deny, role.allow) if role else ()) + (policy.deny, policy.allow)
+    return any(rule.paths is not None or rule.methods is not None
+               for table in tables for rule in table.index.candidates(host))
+
+
 def role_of(policy: Policy, client: str | None) -> Role | None:
     """The role a client address has (None: no role, or no parsable address)."""
     return policy.role_for(_client_address(client))

@@ -52,7 +52,14 @@ from .early_response import UpstreamListener
 from .gate import Gate, HttpAsk, plain_target, refusal_for
 from .head_reader import HeadProblem, answer_then_drain, read_head
 from .http_head import PlainRequest, take_head
-from .http_hygiene import ALWAYS_HOP_BY_HOP, CONTROL_BYTE, MAX_CONTENT_LENGTH, hop_by_hop_names, tokens
+from .http_hygiene import (
+    ALWAYS_HOP_BY_HOP,
+    CONTROL_BYTE,
+    MAX_CONTENT_LENGTH,
+    hop_by_hop_names,
+    override_headers,
+    tokens,
+)
 from .refusals import OWN_HEADER_PREFIX, UNRELAYABLE_RESPONSE, Refusal, refusal_bytes
 
 Handoff = Callable[[socket.socket, bytes], None]
@@ -722,7 +729,8 @@ def ask_of(request: PlainRequest, client: str) -> HttpAsk:
     return HttpAsk(client=client, method=request.method, scheme="http", host=request.host, port=request.port,
                    path=request.path, host_header=request.values("host")[0], content_length=request.content_length,
                    chunked=request.chunked, accept=request.values("accept"), authority=request.authority,
-                   credentials=request.values("proxy-authorization"), head_size=request.size)
+                   credentials=request.values("proxy-authorization"),
+                   overrides=override_headers(name for name, _ in request.headers), head_size=request.size)
 
 
 def _forwarded_request_headers(request: PlainRequest) -> list[tuple[str, str]]:

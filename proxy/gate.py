@@ -28,7 +28,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from policy.addresses import unwrap_mapped
-from policy.decision import Request, Resolution, Verdict, decide_on_answer, refuse_form, role_of
+from policy.decision import (
+    Request,
+    Resolution,
+    Verdict,
+    decide_on_answer,
+    decides_by_request_line,
+    refuse_form,
+    role_of,
+)
 from policy.hosts import (
     HostFormError,
     Target,
@@ -50,7 +58,7 @@ from .audit import AuditLog
 from .body_budget import BodyBudget
 from .byte_allowance import UP, ByteAllowance
 from .first_bytes import FirstBytes, FirstMessage
-from .http_hygiene import CONNECT_CONTENT, UNEXPECTED_BODY, unexpected_body
+from .http_hygiene import CONNECT_CONTENT, OVERRIDE_HEADER, UNEXPECTED_BODY, unexpected_body
 from .metrics import Metrics
 from .peers import is_local_address
 from .records import DECISION, RESPONSE, TUNNEL, Recorder, safe_text
@@ -148,6 +156,7 @@ class HttpAsk:
     authority: str | None = None  # the request target's authority (absolute-form), if it had one
     accept: tuple[str, ...] = ()  # the Accept header values, as sent: a refusal is JSON when they prefer it
     credentials: tuple[str, ...] = ()  # the Proxy-Authorization header values, as sent (a session's id:secret)
+    overrides: tuple[str, ...] = ()  # headers asking for another path or method (http_hygiene.OVERRIDE_HEADERS)
     flow_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     # The head's bytes as the client sent them: its URL and headers carry data out as a body does, so a
     # session's request_bytes counts them (they are charged when the request is admitted).
@@ -655,6 +664,12 @@ class Gate:
             verdict = Verdict(False, "form", "form:host-header",
                               f"the Host header {safe_text(for_logs(ask.host_header), 100)!r} does not agree with "
                               f"the target {target.authority}")
+            return self._request_refused(ask, target, verdict, 403, tunnel=tunnel)
+        if ask.overrides and decides_by_request_line(policy, target.host, ask.client):
+            verdict = Verdict(False, "form", OVERRIDE_HEADER,
+                              f"the request carries {', '.join(ask.overrides)}, which asks a server for another path "
+                              f"or method than the request line's, and a rule for {target.host} decides by path or "
+                              "method")
             return self._request_refused(ask, target, verdict, 403, tunnel=tunnel)
         body_refused = unexpected_body(ask.method, ask.content_length, ask.chunked, policy.http.body_allowed_on)
         if body_refused:

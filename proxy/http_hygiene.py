@@ -32,6 +32,17 @@ CONTROL_BYTE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 # The largest Content-Length relayed: a client that reads one into 64 bits (unsigned, wrapping) would take
 # 2**64 + 5 for 5 and read what follows as another response.
 MAX_CONTENT_LENGTH = 2**63 - 1
+# Headers with which a client asks a server (IIS URL Rewrite, Symfony before 3.4, frameworks' method-override
+# middleware, Google's APIs) to serve another path or method than the request line's: where a rule decides by
+# path or method, such a request is refused (http:override-header), as the decision was made on the line.
+OVERRIDE_HEADERS = frozenset({"x-original-url", "x-rewrite-url", "x-http-method-override", "x-http-method",
+                              "x-method-override"})
+OVERRIDE_HEADER = "http:override-header"
+
+
+def override_headers(names: Iterable[str]) -> tuple[str, ...]:
+    """The request's headers (names as sent) that ask for another path or method, lower case, each once."""
+    return tuple(sorted({name.lower() for name in names} & OVERRIDE_HEADERS))
 
 
 def tokens(values: Iterable[str]) -> list[str]:

@@ -11,7 +11,7 @@ from mitmproxy import http
 from policy.decision import Verdict
 
 from ..gate import Gate, HttpAsk, refusal_for
-from ..http_hygiene import OTHER_UPGRADE, WEBSOCKET, connect_content, upgrade_kind
+from ..http_hygiene import OTHER_UPGRADE, WEBSOCKET, connect_content, override_headers, upgrade_kind
 from ..mitm_patches import FRAMING_REFUSED, SENT_AUTHORITY, connect_error_text, invalid_framing, refuse_before_body
 from ..peers import peer_of
 from ..refusals import Refusal, refusal_parts
@@ -139,7 +139,7 @@ class DecisionAddon:
                       content_length=int(length) if length is not None and length.isdigit() else None,
                       chunked="transfer-encoding" in request.headers,
                       accept=accept_of(flow), authority=sent_authority(request),
-                      credentials=credentials_of(flow),
+                      credentials=credentials_of(flow), overrides=override_headers(request.headers.keys()),
                       flow_id=flow.metadata[FLOW_ID], head_size=_head_size(request))
         outcome = await self.gate.decide_request(ask, tunnel)
         if outcome.refusal is not None:
