@@ -98,16 +98,18 @@ def read_policy_file(path: str | Path | None = None, *, wait: bool = True,
             if not wait:
                 raise
             if time.monotonic() + err.settles_in > deadline:
-                raise PolicyError(str(path), 0, 0, "", "does not end with a newline and kept changing for "
-                                  f"{SETTLE_SECONDS * _MAX_WAIT_PERIODS:g} s, so it may be half-written") from None
+                what = "kept changing" if settled_only else "does not end with a newline and kept changing"
+                raise PolicyError(str(path), 0, 0, "", f"{what} for {SETTLE_SECONDS * _MAX_WAIT_PERIODS:g} s, so it "
+                                                       "may be half-written") from None
             unsettled = err
             time.sleep(err.settles_in + 0.01)
 
 
 def load_policy_file(path: str | Path | None = None, overrides: Overrides | None = None, *,
-                     wait: bool = True) -> Policy:
-    """Read, validate and index a policy file (the bundled default when path is None)."""
-    read = read_policy_file(path, wait=wait)
+                     wait: bool = True, settled_only: bool = False) -> Policy:
+    """Read, validate and index a policy file (the bundled default when path is None); ``settled_only`` as for
+    ``read_policy_file``."""
+    read = read_policy_file(path, wait=wait, settled_only=settled_only)
     return parse_policy(read.text, read.source, overrides)
 
 

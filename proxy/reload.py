@@ -33,12 +33,14 @@ class PolicyHolder:
     replaces the reference in one assignment, so a decision never sees half of two policies."""
 
     def __init__(self, path: str | None, overrides: Overrides | None = None,
-                 on_reload: Callable[[bool, str], None] | None = None) -> None:
+                 on_reload: Callable[[bool, str], None] | None = None, settled_only: bool = False) -> None:
         self.path = path
         self.overrides = overrides
         self.on_reload = on_reload
-        # The first load must succeed (fail closed); a file that may be half-written is waited for.
-        self.policy: Policy = load_policy_file(path, overrides)
+        # The first load must succeed (fail closed); a file that may be half-written is waited for. A worker
+        # started again after it died (``settled_only``) holds every file to that, as the watcher's reload does:
+        # it must not enforce a half-written file its siblings' watchers are still waiting out.
+        self.policy: Policy = load_policy_file(path, overrides, settled_only=settled_only)
         self.last_error: str | None = None
         self._seen = identity(str(self.policy.source))
         self._unsettled: Unsettled | None = None  # a file still to be tried once it has settled

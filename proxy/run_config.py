@@ -34,3 +34,4 @@ class RunConfig:
     extra_self_endpoints: tuple[tuple[str, int], ...] = ()  # e.g. the supervisor's admin listener
     admin_token_file: str | None = None  # the session API's bearer token; None: the API is off
     session_store: str | None = None  # None or "memory": this process's memory; "redis://...": shared
+    restarted: bool = False  # a worker started again after it died: its first load waits for a settled file

@@ -46,7 +46,8 @@ class ProxyRunner:
     def __init__(self, config: RunConfig) -> None:
         self.config = config
         self.metrics = Metrics()
-        self.holder = PolicyHolder(config.policy_path, config.overrides, on_reload=self._on_reload)
+        self.holder = PolicyHolder(config.policy_path, config.overrides, on_reload=self._on_reload,
+                                   settled_only=config.restarted)
         self.audit = AuditLog(config.log_path, *_log_format(config.log_format))
         self.sessions = SessionService(open_store(config.session_store), self.metrics,
                                        configured=bool(config.admin_token_file or config.session_store))

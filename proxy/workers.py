@@ -240,6 +240,9 @@ class Supervisor:
                 if self.stopping:  # SIGTERM during the pause: do not start what nobody will stop
                     break
                 self._carry_over(worker)
+                # Its first load then holds the file to what a reload does (settled): a file caught half-written
+                # (one ending at a line's end) is what the other workers' watchers are still waiting out.
+                worker.config = dataclasses.replace(worker.config, restarted=True)
                 await worker.start()
 
     def _carry_over(self, worker: Worker) -> None:

@@ -174,3 +174,24 @@ def test_a_stopped_worker_does_not_stall_the_supervisors_admin_listener(lab, sta
 ])
 def test_a_store_url_is_shown_without_its_password(url: str, shown: str) -> None:
     assert redacted(url) == shown
+
+
+def test_a_restarted_worker_does_not_enforce_a_file_still_being_written(lab, start_proxy):
+    """The policy file is being rewritten (each write ends at a line's end, the deny rule gone: a file caught
+    half-written says less) when a worker dies. Its siblings' watchers wait for the file to settle and keep the
+    deny rule; the restarted worker's first load took the file as it was, and let the denied host through. It
+    now holds the file to what a reload does (a helper's suspicion, round 19)."""
+    good = lab.policy_text("hosts:\n  deny:\n    - denied.lab.example\n")
+    proxy = start_proxy(good, "--workers", "2")
+    wait_ready(proxy)
+    os.kill(children(proxy.process.pid)[0], signal.SIGKILL)
+    allowed, deadline, n = 0, time.monotonic() + 5, 0
+    while time.monotonic() < deadline:
+        n += 1
+        proxy.policy_path.write_text(lab.policy_text(f"# still being written {n}\n"))  # no deny rule, yet
+        for _ in range(3):
+            status = proxy.get(f"http://denied.lab.example:{lab.public.port}/")[0]
+            allowed += status == 200
+        time.sleep(0.1)
+    proxy.policy_path.write_text(good)
+    assert allowed == 0, f"{allowed} requests to the denied host were let through while the file was being written"
