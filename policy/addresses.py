@@ -437,8 +437,6 @@ class AddressRules:
                  nat64: Iterable[str] = (), nat64_labels: Mapping[str, str] | None = None):
         self.refuse_cloud_metadata = refuse_cloud_metadata
         self._checked: dict[str, AddressVerdict] = {}
-        self._allow = self._rules("allow", allow, allow_labels or {})
-        self._deny = self._rules("deny", deny, deny_labels or {})
         # The network's own NAT64 translators (a network-specific prefix such as 2001:db8:64::/96, or the
         # well-known one): an address inside is the IPv4 it reaches, judged as that IPv4.
         if isinstance(nat64, str):
@@ -447,18 +445,37 @@ class AddressRules:
         translators = [(parse_nat64_prefix(text), labels.get(text, "addresses.nat64")) for text in nat64]
         self.nat64_prefixes = tuple(str(network) for network, _ in translators)
         self._nat64 = _MostSpecific((network, (network, label)) for network, label in translators)
+        self._allow = self._rules("allow", allow, allow_labels or {}, self.through_nat64)
+        self._deny = self._rules("deny", deny, deny_labels or {}, self.through_nat64)
+
+    def through_nat64(self, network: netaddr.IPNetwork) -> netaddr.IPNetwork:
+        """A range written inside one of the network's NAT64 prefixes is the IPv4 range it reaches, as one written
+        inside ::ffff:0:0/96 is the IPv4 range it maps (``parse_cidr``): a deny rule on one translator's spelling
+        refuses the IPv4 itself and its other spellings (review round 19). Under a /96 prefix any range of /96
+        or longer maps; under a shorter one (whose IPv4 is split around the "u" octet, RFC 6052) one address does,
+        and a wider range stays the IPv6 range written."""
+        translator = self._nat64_of(network.ip) if network.version == 6 else None
+        if translator is None or network.prefixlen < translator[0].prefixlen:
+            return network
+        prefix_length = translator[0].prefixlen
+        if prefix_length == 96:
+            return netaddr.IPNetwork(f"{netaddr.IPAddress(_low32(int(network.ip)), 4)}/{network.prefixlen - 96}")
+        if network.prefixlen == 128:
+            return netaddr.IPNetwork(f"{rfc6052_ipv4(network.ip, prefix_length)}/32")
+        return network
 
     @staticmethod
-    def _rules(action: str, cidrs: Iterable[str], labels: Mapping[str, str]
+    def _rules(action: str, cidrs: Iterable[str], labels: Mapping[str, str],
+               normalised: Callable[[netaddr.IPNetwork], netaddr.IPNetwork]
                ) -> _MostSpecific[tuple[netaddr.IPNetwork, str, str]]:
         if isinstance(cidrs, str):
             raise TypeError(f"address {action} rules must be a list of ranges, not one string")
         rule_texts: dict[netaddr.IPNetwork, str] = {}
         for text in cidrs:
-            network = _parse_range(text)
+            network = normalised(_parse_range(text))
             rule_texts.setdefault(network, f"address-{action} {network}")
         for text, label in labels.items():
-            network = _parse_range(text)
+            network = normalised(_parse_range(text))
             if network not in rule_texts:
                 raise ValueError(f"label {label!r} names address range {text!r}, "
                                  f"which is not an {action} rule")
@@ -577,29 +594,34 @@ class AddressRules:
         # 7.
         return verdict(True, "global", f"{preface}{shown} is global unicast (in no special-purpose block)")
 
-    def embedded_ipv4(self, address: str | netaddr.IPAddress) -> str | None:
-        """The IPv4 an IPv6 address carries, as text, where its place is known (IPv4-compatible, NAT64, 6to4,
-        Teredo; local-use NAT64 under a translator prefix the policy re-admits); None for any other address.
-        Host deny rules are held against it too (policy/decision.py), as address deny rules are: an IPv4
-        literal denied by name must not be reached by writing it as a wrapping the policy re-admits."""
+    def embedded_ipv4s(self, address: str | netaddr.IPAddress) -> tuple[str, ...]:
+        """Every IPv4 an IPv6 address carries, as text, where its place is known (the network's NAT64 prefixes,
+        IPv4-compatible, NAT64, 6to4, Teredo, an ISATAP interface identifier; local-use NAT64 under a translator
+        prefix the policy re-admits); () for any other address. An ISATAP identifier under a 6to4 or Teredo
+        prefix carries two (review round 19: the ISATAP one was missed there). Host deny rules are held against
+        each (policy/decision.py), as address deny rules are: an IPv4 literal denied by name must not be reached
+        by writing it as a wrapping the policy re-admits."""
         given = _as_address(address)
         if given.version != 6:
-            return None
+            return ()
         translator = self._nat64_of(given)
         if translator is not None:
-            return _text(rfc6052_ipv4(given, translator[0].prefixlen))
+            return (_text(rfc6052_ipv4(given, translator[0].prefixlen)),)
+        found: list[netaddr.IPAddress] = []
         wrapped = _wrapping(given)
-        if wrapped is None:
-            isatap = isatap_ipv4(given)
-            return _text(isatap) if isatap is not None else None
-        inner = wrapped[2]
-        if inner is None:  # local-use NAT64: where the IPv4 sits depends on the translator prefix re-admitted
-            allowed = self._allow.get(given)
-            network = allowed[0] if allowed is not None else None
-            if network is None or network.prefixlen not in _RFC6052_LAYOUT or network not in _LOCAL_NAT64:
-                return None
-            inner = rfc6052_ipv4(given, network.prefixlen)
-        return _text(inner)
+        if wrapped is not None:
+            inner = wrapped[2]
+            if inner is None:  # local-use NAT64: where the IPv4 sits depends on the translator prefix re-admitted
+                allowed = self._allow.get(given)
+                network = allowed[0] if allowed is not None else None
+                if network is not None and network.prefixlen in _RFC6052_LAYOUT and network in _LOCAL_NAT64:
+                    inner = rfc6052_ipv4(given, network.prefixlen)
+            if inner is not None:
+                found.append(inner)
+        isatap = isatap_ipv4(given)
+        if isatap is not None:
+            found.append(isatap)
+        return tuple(dict.fromkeys(_text(inner) for inner in found))
 
     def _nat64_of(self, address: netaddr.IPAddress) -> tuple[netaddr.IPNetwork, str] | None:
         """(prefix, its label) of the network's NAT64 translator whose prefix holds this address, or None."""

@@ -205,14 +205,14 @@ def _host_rules(policy: Policy, request: Request, role: Role | None, role_name: 
     host = request.target.host
     # An IPv6 literal that wraps an IPv4 (NAT64, 6to4, ...) is held against deny rules by that IPv4 too: a
     # denied IPv4 literal is not reached by its wrapping where the policy re-admits the wrapping's prefix.
-    inner = policy.addresses.embedded_ipv4(host) if ":" in host else None
+    names = (host, *policy.addresses.embedded_ipv4s(host)) if ":" in host else (host,)
     # table.index.candidates, not table.candidates: one call fewer, on the path of every request.
     for table in ((role.deny,) if role else ()) + (policy.deny,):
-        for name in (host,) if inner is None else (host, inner):
+        for name in names:
             rule = _first_holding(table.index.candidates(name), request)
             if rule is not None:
                 why = f": {rule.reason}" if rule.reason else ""
-                carries = "" if name == host else f" (it wraps IPv4 {inner})"
+                carries = "" if name == host else f" (it wraps IPv4 {name})"
                 return Verdict(False, HOST, rule.where,
                                f"{host}{carries} is refused by deny rule {rule.pattern.text}{why}",
                                matched=rule, rule_id=rule.rule_id, role=role_name)

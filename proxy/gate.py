@@ -665,12 +665,6 @@ class Gate:
                               f"the Host header {safe_text(for_logs(ask.host_header), 100)!r} does not agree with "
                               f"the target {target.authority}")
             return self._request_refused(ask, target, verdict, 403, tunnel=tunnel)
-        if ask.overrides and decides_by_request_line(policy, target.host, ask.client):
-            verdict = Verdict(False, "form", OVERRIDE_HEADER,
-                              f"the request carries {', '.join(ask.overrides)}, which asks a server for another path "
-                              f"or method than the request line's, and a rule for {target.host} decides by path or "
-                              "method")
-            return self._request_refused(ask, target, verdict, 403, tunnel=tunnel)
         body_refused = unexpected_body(ask.method, ask.content_length, ask.chunked, policy.http.body_allowed_on)
         if body_refused:
             return self._request_refused(ask, target, Verdict(False, "form", UNEXPECTED_BODY, body_refused), 400,
@@ -699,6 +693,8 @@ class Gate:
             answer = None if tunnel is None else Resolution(tunnel.target.host, tunnel.verdict.addresses, tunnel.cnames)
             verdict, resolution = await self.decide(
                 policy, Request(target, ask.method, ask.client, tunnel=False, websocket=ask.websocket), answer)
+            if verdict.allowed and ask.overrides:
+                verdict = self._override_refused(policy, ask, target, verdict, resolution, session) or verdict
             verdict, status = await self._session_charge(session, verdict, target, ask.content_length, ask.head_size)
         elif session is not None:
             verdict = replace(verdict, session=session.id)
@@ -785,6 +781,24 @@ class Gate:
         if allowance is None or not size or allowance.reserve(UP, size):
             return None
         return self.sessions.bytes_would_cross(session, True, allowance.needed(UP, size))
+
+    @staticmethod
+    def _override_refused(policy: Policy, ask: HttpAsk, target: Target, verdict: Verdict,
+                          resolution: Resolution | None, session: Session | None) -> Verdict | None:
+        """The refusal of an allowed request that carries a header asking a server for another path or method
+        (``http_hygiene.OVERRIDE_HEADERS``), where the decision was made by path or method: a host rule for the
+        target or for a name of its CNAME chain (whose deny rules judged the request by its path too) has
+        ``paths`` or ``methods``, or the session grants exact URLs."""
+        names = (target.host, *(name.rstrip(".").lower() for name in (resolution.cnames if resolution else ())))
+        why = next((f"a rule for {name} decides by path or method" for name in names
+                    if decides_by_request_line(policy, name, ask.client)), None)
+        if why is None and session is not None and session.grants.urls:
+            why = "the session grants exact URLs"
+        if why is None:
+            return None
+        return Verdict(False, "form", OVERRIDE_HEADER,
+                       f"the request carries {', '.join(ask.overrides)}, which asks a server for another path or "
+                       f"method than the request line's, and {why}", role=verdict.role)
 
     def _request_target(self, ask: HttpAsk, tunnel: Tunnel | None) -> Target:
         if not ask.path.isascii():

@@ -62,8 +62,8 @@ def hint_for(verdict: Verdict, host: str | None = None, port: int | None = None)
         if rule == "form:host-header":
             return "the Host header must name the request's target; no policy change admits this request"
         if rule == "http:override-header":
-            return ("a rule for this host decides by path or method: send the request for the path and method it "
-                    "means, without a header that asks for another")
+            return ("this request is decided by its path or method (a host rule, or a session's URL grant): send it "
+                    "for the path and method it means, without a header that asks for another")
         if rule == "form:scheme":  # not malformed: a scheme egresswall does not speak (ftp://, file://)
             return "only http, https, ws and wss are proxied; no policy change admits another scheme"
         return f"the request is malformed ({rule}); fix the client: no policy change admits it"

@@ -41,8 +41,10 @@ OVERRIDE_HEADER = "http:override-header"
 
 
 def override_headers(names: Iterable[str]) -> tuple[str, ...]:
-    """The request's headers (names as sent) that ask for another path or method, lower case, each once."""
-    return tuple(sorted({name.lower() for name in names} & OVERRIDE_HEADERS))
+    """The request's headers (names as sent) that ask for another path or method, lower case, each once. An
+    underscore counts as a hyphen: CGI and FastCGI gateways (IIS, PHP) turn both spellings into the same
+    HTTP_X_ORIGINAL_URL, which is what the applications read (review round 19)."""
+    return tuple(sorted({name.lower().replace("_", "-") for name in names} & OVERRIDE_HEADERS))
 
 
 def tokens(values: Iterable[str]) -> list[str]:

@@ -60,7 +60,7 @@ def classify_server_first(data: bytes) -> str:
         raise HelloError(SERVER_RULE, f"the server's first answer is not TLS (it starts {data[:2].hex()}, not a "
                                       "handshake or alert record): egresswall passes only TLS through this tunnel")
     if data[0] == ALERT:
-        return NOT_RETRY
+        return NOT_RETRY if len(data) > 1 else NEED_MORE  # its version byte decides whether it is TLS at all
     prefix = _handshake_prefix(data)
     if prefix[:1] and prefix[0] != HANDSHAKE_SERVER_HELLO:
         return NOT_RETRY

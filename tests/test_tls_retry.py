@@ -79,6 +79,7 @@ def test_a_server_hello_split_over_records_is_put_together(size):
 
 def test_an_alert_asks_nothing_again():
     assert classify_server_first(b"\x15\x03\x03\x00\x02\x02\x70") == NOT_RETRY
+    assert classify_server_first(b"\x15") == NEED_MORE  # a first read of one byte: the next says if it is TLS
 
 
 @pytest.mark.parametrize("answer", [b"HTTP/1.1 400 Bad Request\r\n", b"220 mail.example ESMTP\r\n", b"\x17\x03\x03",

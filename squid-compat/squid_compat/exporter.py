@@ -127,6 +127,9 @@ def export_policy(policy: Policy, now: datetime | None = None) -> str:
 def _prologue(policy: Policy, out: _Writer) -> None:
     allow = [cidr for action, cidr, _ in policy.address_rules_text if action == ALLOW]
     deny = [cidr for action, cidr, _ in policy.address_rules_text if action == DENY]
+    # A deny range written inside one of the network's NAT64 prefixes refuses the IPv4 it reaches too.
+    deny += [str(reached) for cidr in deny
+             if (reached := policy.addresses.through_nat64(netaddr.IPNetwork(cidr))) != netaddr.IPNetwork(cidr)]
     # squid cannot judge the IPv4 a NAT64 address reaches: the network's translator prefixes are refused whole.
     nat64 = list(policy.addresses.nat64_prefixes)
     refused = addrsets.refused(allow, deny + nat64, policy.addresses.refuse_cloud_metadata)
