@@ -402,13 +402,26 @@ def isatap_ipv4(address: netaddr.IPAddress) -> netaddr.IPAddress | None:
     return netaddr.IPAddress(_low32(value), 4)
 
 
+# Where no NAT64 translator's prefix can be: blocks whose addresses already mean something else (another
+# wrapping of IPv4, link-local, multicast), which listing as a translator would re-read as IPv4 (review round 19).
+_NOT_NAT64 = (("::/96", "IPv4-compatible addresses"), ("2002::/16", "6to4"), ("2001::/32", "Teredo"),
+              ("fe80::/10", "link-local"), ("ff00::/8", "multicast"))
+
+
 def parse_nat64_prefix(text: str) -> netaddr.IPNetwork:
-    """A NAT64 translator's prefix (``addresses.nat64``): IPv6, of a length RFC 6052 defines. ValueError says
-    what is wrong."""
+    """A NAT64 translator's prefix (``addresses.nat64``): IPv6, of a length RFC 6052 defines, outside the blocks
+    whose addresses mean something else. ValueError says what is wrong."""
     network = parse_cidr(text)
+    if network.version == 4 and isinstance(text, str) and ":" in text:
+        raise ValueError("the IPv4-mapped range ::ffff:0:0/96 is no NAT64 prefix (an address there is its IPv4 "
+                         "already)")
     if network.version != 6 or network.prefixlen not in _RFC6052_LAYOUT:
         lengths = ", ".join(f"/{n}" for n in NAT64_PREFIX_LENGTHS)
         raise ValueError(f"a NAT64 prefix is an IPv6 range of length {lengths} (RFC 6052)")
+    for cidr, what in _NOT_NAT64:
+        block = netaddr.IPNetwork(cidr)
+        if network in block or block in network:
+            raise ValueError(f"{network} is in {cidr} ({what}), which no NAT64 translator's prefix can be")
     return network
 
 
@@ -547,8 +560,8 @@ class AddressRules:
                 if found is not None:
                     return verdict(False, f"cloud-metadata {found[0].cidr}",
                                    f"{note}{_text(candidate)} is in {_describe(found)}, a cloud metadata "
-                                   "endpoint refused by default (no addresses.allow range re-admits it; only "
-                                   "addresses.refuse_cloud_metadata: false does)")
+                                   "endpoint refused by default (no addresses.allow range re-admits it while "
+                                   "addresses.refuse_cloud_metadata is true)")
 
         # An ISATAP address reaches its IPv4 through the prefix's router: that IPv4 must pass on its own.
         if isatap is not None:

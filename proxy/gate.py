@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 
 from policy.addresses import unwrap_mapped
 from policy.decision import (
+    WOULD_REFUSE,
     Request,
     Resolution,
     Verdict,
@@ -47,7 +48,7 @@ from policy.hosts import (
     parse_origin_target,
     parse_url,
 )
-from policy.model import Policy, ech_allowed
+from policy.model import REPORT, Policy, ech_allowed
 from policy.resolver import DnsResolver, Resolver, resolve_and_decide
 from policy.sessions import STAGE as SESSION_STAGE
 from policy.sessions import STORE_UNAVAILABLE, Session, has_byte_budget
@@ -790,15 +791,21 @@ class Gate:
         target or for a name of its CNAME chain (whose deny rules judged the request by its path too) has
         ``paths`` or ``methods``, or the session grants exact URLs."""
         names = (target.host, *(name.rstrip(".").lower() for name in (resolution.cnames if resolution else ())))
-        why = next((f"a rule for {name} decides by path or method" for name in names
-                    if decides_by_request_line(policy, name, ask.client)), None)
-        if why is None and session is not None and session.grants.urls:
-            why = "the session grants exact URLs"
+        by_rule = next((f"a rule for {name} decides by path or method" for name in names
+                        if decides_by_request_line(policy, name, ask.client)), None)
+        by_grant = "the session grants exact URLs" if session is not None and session.grants.urls else None
+        why = by_grant or by_rule
         if why is None:
             return None
-        return Verdict(False, "form", OVERRIDE_HEADER,
-                       f"the request carries {', '.join(ask.overrides)}, which asks a server for another path or "
-                       f"method than the request line's, and {why}", role=verdict.role)
+        reason = (f"the request carries {', '.join(ask.overrides)}, which asks a server for another path or method "
+                  f"than the request line's, and {why}")
+        if by_grant is None and policy.mode == REPORT:
+            # Host rules are what it protects, and report mode relaxes them (a DELETE a methods rule refuses is
+            # let through there): reported, unless the decision is reported already. A session's grant is not.
+            return verdict if verdict.report_only else replace(verdict, report_only=True, stage="form",
+                                                               rule=OVERRIDE_HEADER, rule_id=OVERRIDE_HEADER,
+                                                               reason=f"{WOULD_REFUSE}{reason}")
+        return Verdict(False, "form", OVERRIDE_HEADER, reason, role=verdict.role)
 
     def _request_target(self, ask: HttpAsk, tunnel: Tunnel | None) -> Target:
         if not ask.path.isascii():

@@ -46,8 +46,9 @@ def hint_for(verdict: Verdict, host: str | None = None, port: int | None = None)
             return ("this is egresswall's own (a listener or its session store); a request to the proxy itself is "
                     "never forwarded")
         if rule.startswith("cloud-metadata"):
-            return ("this is a cloud metadata address, refused whatever addresses.allow says; only "
-                    "addresses.refuse_cloud_metadata: false admits it")
+            return ("this is a cloud metadata address, refused whatever addresses.allow says while "
+                    "addresses.refuse_cloud_metadata is true (with it false, a non-global one still needs an "
+                    "addresses.allow range)")
         if rule_id.startswith("addresses.deny:"):
             return f"this address is refused by the address deny rule {rule}; only editing that rule admits it"
         # special-purpose and outside-global-unicast: refused by default, and an address range is what re-admits.

@@ -159,8 +159,8 @@ def _read_once(path: Path, unsettled: Unsettled | None, settled_only: bool = Fal
 
 
 def _too_big(size: int) -> str:
-    return (f"is {size / (1 << 20):.1f} MiB, more than the {MAX_POLICY_BYTES >> 20} MiB a policy file may be "
-            "(a million host names are about 28 MiB)")
+    return (f"is {size} bytes, more than the {MAX_POLICY_BYTES >> 20} MiB ({MAX_POLICY_BYTES} bytes) a policy file "
+            "may be (a million host names are about 28 MiB)")
 
 
 def _check_settled(source: str, ident: FileIdentity, changed_while_read: bool, unsettled: Unsettled | None,

@@ -633,7 +633,10 @@ def test_a_network_specific_nat64_prefix_is_global_ipv6_until_it_is_listed() -> 
     assert AddressRules(allow=["10.0.0.0/8"], nat64=["2a00:1234:64::/96"]).check(internal).allowed
 
 
-@pytest.mark.parametrize("text", ["2001:db8:64::/80", "10.0.0.0/8", "2001:db8::1/96", "nonsense"])
+@pytest.mark.parametrize("text", ["2001:db8:64::/80", "10.0.0.0/8", "2001:db8::1/96", "nonsense",
+                                  # blocks whose addresses mean something else (review round 19)
+                                  "::ffff:0:0/96", "::/96", "2001::/32", "2002:808:808::/48", "fe80::/64",
+                                  "ff02::/96"])
 def test_a_nat64_prefix_must_be_an_ipv6_range_of_an_rfc6052_length(text: str) -> None:
     with pytest.raises(ValueError):
         AddressRules(nat64=[text])

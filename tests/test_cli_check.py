@@ -276,8 +276,8 @@ def test_address_rule_edge_cases(args: list[str], url: str, allowed: bool, rule:
      "this address is not global unicast (special-purpose fc00::/7); only an addresses.allow range re-admits it, "
      "a host allow rule cannot"),
     ("http://169.254.169.254/", "cloud-metadata 169.254.169.254/32",
-     "this is a cloud metadata address, refused whatever addresses.allow says; only "
-     "addresses.refuse_cloud_metadata: false admits it"),
+     "this is a cloud metadata address, refused whatever addresses.allow says while "
+     "addresses.refuse_cloud_metadata is true (with it false, a non-global one still needs an addresses.allow range)"),
 ])
 def test_an_address_refusal_carries_the_proxy_s_hint(url: str, rule: str, hint: str) -> None:
     result = egresswall("check", url)
