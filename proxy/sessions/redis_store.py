@@ -25,8 +25,7 @@ from redis.exceptions import RedisError, WatchError
 from policy.decision import Verdict
 from policy.sessions import ENDED, Session, Usage, judge_budgets, refused
 
-from .store import RETAIN, StoreUnavailable, session_from_record, session_record
-from .store_url import redacted
+from .store import RETAIN, StoreUnavailable, redacted, session_from_record, session_record
 
 PREFIX = "egresswall:"
 log = logging.getLogger("egresswall.sessions")

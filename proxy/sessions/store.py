@@ -161,3 +161,27 @@ class MemoryStore:
     async def close(self) -> None:
         self._entries.clear()
 
+
+def redacted(url: str) -> str:
+    """The store's URL for a message: where redis-py connects (host, port and database, or a socket's path), read by
+    redis-py's own parser, and nothing else. A password can sit in the userinfo (unix:// too), in the query
+    (``?password=``), or hold a '#' or '@' that no split of the text tells from the host: so nothing is cut out
+    of the text, the message is rebuilt from the parts that are never secret (review round 19)."""
+    if url == "memory":
+        return url
+    scheme = url.partition("://")[0] if "://" in url else ""
+    if scheme not in ("redis", "rediss", "unix"):
+        return "(not a store URL)"
+    from redis.connection import parse_url  # only a deployment that names a Redis store imports its client
+
+    try:
+        parts = parse_url(url)
+    except (ValueError, TypeError):
+        return f"{scheme}://(a URL redis-py cannot read)"
+    db = parts.get("db")
+    if "path" in parts:
+        return f"unix://{parts['path']}" + (f"?db={db}" if db is not None else "")
+    host = parts.get("host") or ""
+    shown = f"[{host}]" if ":" in host else host
+    port = f":{parts['port']}" if parts.get("port") is not None else ""
+    return f"{scheme}://{shown}{port}" + (f"/{db}" if db is not None else "")

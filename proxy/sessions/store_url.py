@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from .store import MemoryStore, SessionStore
+from .store import MemoryStore, SessionStore, redacted
+
+__all__ = ["check_store_url", "open_store", "redacted", "store_endpoint"]
 
 REDIS_PORT = 6379
 
@@ -22,31 +24,6 @@ def check_store_url(text: str) -> str:
         if not where[0] or (len(where) > 1 and where[1] and not where[1].isdigit()):
             raise ValueError("expected redis://HOST:PORT/DB with a numeric database")
     return text
-
-
-def redacted(url: str) -> str:
-    """The store's URL for a message: where redis-py connects (host, port and database, or a socket's path), read by
-    redis-py's own parser, and nothing else. A password can sit in the userinfo (unix:// too), in the query
-    (``?password=``), or hold a '#' or '@' that no split of the text tells from the host: so nothing is cut out
-    of the text, the message is rebuilt from the parts that are never secret (review round 19)."""
-    if url == "memory":
-        return url
-    scheme = url.partition("://")[0] if "://" in url else ""
-    if scheme not in ("redis", "rediss", "unix"):
-        return "(not a store URL)"
-    from redis.connection import parse_url  # only a deployment that names a Redis store imports its client
-
-    try:
-        parts = parse_url(url)
-    except (ValueError, TypeError):
-        return f"{scheme}://(a URL redis-py cannot read)"
-    db = parts.get("db")
-    if "path" in parts:
-        return f"unix://{parts['path']}" + (f"?db={db}" if db is not None else "")
-    host = parts.get("host") or ""
-    shown = f"[{host}]" if ":" in host else host
-    port = f":{parts['port']}" if parts.get("port") is not None else ""
-    return f"{scheme}://{shown}{port}" + (f"/{db}" if db is not None else "")
 
 
 def open_store(url: str | None) -> SessionStore:
