@@ -283,7 +283,7 @@ def test_the_admin_api_refuses_malformed_json_and_invalid_grants_with_reason_and
         ({"grants": {"urls": ["https://user@public.lab.example/"]}}, "grants.urls[0]", "userinfo"),
         ({"grants": {"urls": ["ftp://public.lab.example/"]}}, "grants.urls[0]", "an http or https URL"),
         ({"grants": {"urls": ["https://public.lab.example/a/../b"]}}, "grants.urls[0]", "dot segments"),
-        ({"grants": {"hosts": ["a.example"]}, "ttl": -5}, "ttl", "expected a value >= 1"),
+        ({"grants": {"hosts": ["a.example"]}, "ttl": -5}, "ttl", "expected a value > 0"),
         ({"grants": {"hosts": ["a.example"]}, "budgets": {"requests": "10"}}, "budgets.requests", "expected integer"),
         ({"grants": {"hosts": ["a.example"]}, "secret": "mine"}, "secret", "unknown key 'secret'"),
         ({"grants": {}}, "grants", "grants nothing"),
