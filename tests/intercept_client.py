@@ -12,6 +12,7 @@ import time
 
 from labnet import PUBLIC_IP
 from listening import ConnectionServer
+from rawclient import read_head
 
 
 class RecordingTlsOrigin(ConnectionServer):
@@ -92,11 +93,7 @@ def open_intercepted(proxy, host: str, port: int, alpn: list[str] | None = None,
     CONNECT answer head; raises AssertionError when the CONNECT was refused."""
     sock = socket.create_connection((proxy.host, proxy.port), timeout=timeout)
     sock.sendall(f"CONNECT {host}:{port} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode())
-    head = b""
-    while b"\r\n\r\n" not in head:
-        chunk = sock.recv(1)
-        assert chunk, head
-        head += chunk
+    head = read_head(sock)
     assert head.startswith(b"HTTP/1.1 200"), head
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.check_hostname, context.verify_mode = False, ssl.CERT_NONE

@@ -26,6 +26,7 @@ import urllib.request
 
 import pytest
 from proxyproc import ProxyProcess
+from rawclient import read_all
 from session_client import TOKEN, token_file
 from test_proxy_workers import children, wait_ready
 
@@ -37,13 +38,7 @@ pytestmark = pytest.mark.integration
 def _raw(port: int, data: bytes) -> bytes:
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         sock.sendall(data)
-        out = b""
-        try:
-            while chunk := sock.recv(65536):
-                out += chunk
-        except (TimeoutError, ConnectionError):
-            pass
-        return out
+        return read_all(sock, 5)
 
 
 def test_a_malformed_admin_request_puts_no_token_and_no_traceback_in_the_log(lab, tmp_path):

@@ -30,6 +30,7 @@ import pytest
 from intercept_client import open_intercepted, read_until_quiet, statuses
 from labnet import PUBLIC_IP, self_signed
 from proxyproc import TRANSPORTS, ProxyProcess
+from rawclient import tunnel
 
 pytestmark = pytest.mark.integration
 
@@ -182,14 +183,7 @@ def test_a_tunnel_to_a_plain_http_port_refuses_the_target_as_plain_http_does(pro
     the tunnel with its record and no answer; either way nothing reaches the origin."""
     before = len(lab.public.requests)
     authority = f"{HOST}:{lab.public.port}"
-    with socket.create_connection((proxy.host, proxy.port), timeout=10) as sock:
-        sock.sendall(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
-        head = b""
-        while b"\r\n\r\n" not in head:
-            chunk = sock.recv(1)
-            assert chunk, head
-            head += chunk
-        assert head.startswith(b"HTTP/1.1 200"), head
+    with tunnel(proxy, authority) as sock:
         sock.sendall(b"GET " + MALFORMED[name] + b" HTTP/1.1\r\nHost: " + authority.encode()
                      + b"\r\nConnection: close\r\n\r\n")
         answer = read_until_quiet(sock, 3)
