@@ -13,6 +13,8 @@ changes: the classes are mitmproxy's own.
 
 from __future__ import annotations
 
+import types
+
 from .lazy_package import enter_package_lazily
 
 # Before anything imports mitmproxy.master (which imports an addon, hence the whole package).
@@ -25,7 +27,27 @@ enter_package_lazily("ruamel.yaml")
 from mitmproxy.addons import core, disable_h2c, next_layer, proxyserver, tlsconfig  # noqa: E402
 from mitmproxy.master import Master  # noqa: E402
 
-__all__ = ["Master", "core_addons"]
+__all__ = ["DisableH2C", "Master", "core_addons", "leave_answered_flows"]
+
+
+class DisableH2C(disable_h2c.DisableH2C):
+    """mitmproxy's DisableH2C, which kills an HTTP/2 connection preface (``PRI * HTTP/2.0``) in its
+    ``request`` hook, except where egresswall has already answered the flow: inside an intercepted tunnel
+    egresswall refuses the preface ``505 http:version`` in ``requestheaders``, records it, and mitmproxy
+    then ran this hook anyway and killed the flow, so the client read nothing of the answer its record
+    named (tests/test_review_round20.py)."""
+
+    def request(self, f) -> None:
+        if f.response is None:
+            self.process_flow(f)
+
+
+def leave_answered_flows(addons) -> None:
+    """Give stock mitmdump's own DisableH2C (``addons``: its AddonManager) the hook above, for the mitmdump
+    shim, where mitmdump loads that addon before egresswall's."""
+    stock = addons.get("disableh2c")
+    if stock is not None and not isinstance(stock, DisableH2C):
+        stock.request = types.MethodType(DisableH2C.request, stock)
 
 
 def core_addons() -> list[object]:
@@ -33,4 +55,4 @@ def core_addons() -> list[object]:
     Core (options and commands), Proxyserver (the listener), NextLayer (before egresswall's own next_layer
     hook, which has the final say), TlsConfig (certificates for interception), DisableH2C."""
     return [core.Core(), proxyserver.Proxyserver(), next_layer.NextLayer(), tlsconfig.TlsConfig(),
-            disable_h2c.DisableH2C()]
+            DisableH2C()]

@@ -26,6 +26,7 @@ from proxy import mitm_patches  # noqa: E402
 from proxy.addons import egresswall_addons, patch_state_for  # noqa: E402
 from proxy.audit import AuditLog  # noqa: E402
 from proxy.gate import Gate  # noqa: E402
+from proxy.mitm_core import leave_answered_flows  # noqa: E402
 from proxy.reload import PolicyHolder  # noqa: E402
 
 
@@ -64,6 +65,7 @@ class MitmdumpShim:
     def running(self) -> None:
         assert self.gate is not None
         self.gate.holder.start_watching()
+        leave_answered_flows(ctx.master.addons)  # egresswall's refusal of an HTTP/2 preface reaches the client
         for addon in self.inner:
             if hasattr(addon, "running"):
                 addon.running()
