@@ -152,6 +152,10 @@ gate's owner builds — installing a second, different state is an error, never 
   for the writers to the other connections, and for the one to its own peer only when the proxy answered that
   peer itself (a refusal, a TLS alert: what the original's rule bounded; ``AnsweringWriter``). Tests:
   test_websocket_relay.py::test_a_large_message_to_an_origin_that_echoes_as_it_reads, test_mitm_patches_drain.py.
+* **Names only IDNA 2008 reads** (``check.is_valid_host``, ``url.parse_authority``; ``proxy/mitm_hostnames.py``):
+  mitmproxy reads hosts with Python's IDNA 2003 codec, which refuses an A-label such as ``xn--fa-hia`` (faß),
+  so its path answered 400 to names the core and the fast front decide as any other. Its readers now also take
+  an all-ASCII name the core accepts. Test: test_review_round20_idna.py.
 """
 
 from __future__ import annotations
@@ -200,6 +204,7 @@ from policy.decision import Verdict
 from policy.hosts import for_logs
 from policy.model import Limits
 
+from . import mitm_hostnames
 from .accept import prefers_json
 from .body_reasons import TRAILERS_REASON, body_line_too_long_reason, body_unparseable_reason
 from .dial import connect_failed, connect_timed_out
@@ -303,6 +308,7 @@ def install(state: PatchState) -> None:
     _state = state
     if _originals:
         return
+    mitm_hostnames.install()
     _originals.update(start_request_stream=HttpStream.start_request_stream,
                       handle_protocol_error=HttpStream.handle_protocol_error,
                       check_invalid=HttpStream.check_invalid,
@@ -357,6 +363,7 @@ def install(state: PatchState) -> None:
 def uninstall() -> None:
     """Put mitmproxy back (in-process tests)."""
     global _state
+    mitm_hostnames.uninstall()
     if _originals:
         HttpStream.start_request_stream = _originals["start_request_stream"]
         HttpStream.handle_protocol_error = _originals["handle_protocol_error"]
