@@ -420,6 +420,8 @@ class _Builder:
         else:
             count = seen.count(pattern.text, path[-1])
             rule_id = rule_ids.given_id(list_name, pattern.text, count, rule_ids.implied(list_name))
+        if action == DENY:
+            ok = self.deny_only_conditions(path, raw) and ok
         if not ok:
             return None
         paths = raw.get("paths")
@@ -438,6 +440,24 @@ class _Builder:
             owner=raw.get("owner"),
             reason=raw.get("reason"),
         )
+
+    def deny_only_conditions(self, path: KeyPath, raw: dict[str, Any]) -> bool:
+        """Two keys of an allow rule that a deny rule cannot take, because there they would quietly open what the
+        operator meant to close: ``websocket: false`` is a condition (the rule holds for requests that are not
+        upgrades), so on a deny rule it let every WebSocket upgrade to the host through; ``intercept`` decrypts
+        a host the policy allows, and a deny rule's was ignored, so its paths were still unread inside HTTPS."""
+        ok = True
+        if raw.get("websocket") is False:
+            self.problem((*path, "websocket"), "a deny rule refuses a WebSocket upgrade like any other request to its "
+                         "host, and websocket: false here would exempt upgrades from it (let them through); to keep "
+                         "WebSockets out of a host you allow, write websocket: false on its allow rule")
+            ok = False
+        if raw.get("intercept") is True:
+            self.problem((*path, "intercept"), "intercept applies to allow rules (it decrypts a host the policy "
+                         "allows); a deny rule's paths and methods are checked inside HTTPS when an allow rule for "
+                         "the host says intercept: true")
+            ok = False
+        return ok
 
     def upstream(self) -> Upstream | None:
         """The upstream proxy, only when the policy says in so many words that pinning cannot hold through it."""

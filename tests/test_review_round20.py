@@ -107,3 +107,37 @@ def test_the_mitmdump_shim_answers_the_preface_too(lab, origin, tmp_path):
     finally:
         process.terminate()
         process.wait(10)
+
+
+# ---- a deny rule's websocket and intercept keys (a helper's review, round 20) ------------------------------------
+#
+# ``websocket`` is a condition like ``ports`` (policy/decision.py ``_conditions_hold``): on a deny rule,
+# ``websocket: false`` meant "deny, except WebSocket upgrades", so an upgrade to the denied host (curl, most
+# libraries) fell to ``default: allow``, its name was looked up and it reached the host; lint said nothing.
+# ``intercept: true`` on a deny rule was ignored (only allow rules decrypt), so its paths stayed unread in HTTPS.
+# Both are load errors now, saying why.
+
+DENY_WEBSOCKET_FALSE = "hosts:\n  deny:\n    - host: denied.lab.example\n      websocket: false\n"
+
+
+def test_a_deny_rule_with_websocket_false_does_not_load_and_says_why(tmp_path):
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("version: 1\ndefault: allow\n" + DENY_WEBSOCKET_FALSE +
+                      "roles:\n  - name: r\n    clients: [10.0.0.0/8]\n    hosts:\n      deny:\n"
+                      "        - host: b.example.com\n          intercept: true\n          paths: [/admin]\n")
+    done = subprocess.run([sys.executable, "-m", "proxy.cli", "lint", str(policy)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert ":6:18: hosts.deny[0].websocket: a deny rule refuses a WebSocket upgrade" in done.stderr, done.stderr
+    assert "would exempt upgrades from it (let them through)" in done.stderr
+    assert ":13:22: roles[0].hosts.deny[0].intercept: intercept applies to allow rules" in done.stderr, done.stderr
+
+
+def test_the_proxy_does_not_start_on_a_deny_rule_with_websocket_false(lab, tmp_path):
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(lab.policy_text(DENY_WEBSOCKET_FALSE))
+    done = subprocess.run([sys.executable, "-m", "proxy.cli", "run", "--policy", str(policy), "--listen",
+                           "127.0.0.1:0", "--admin", "127.0.0.1:0"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and "hosts.deny[0].websocket" in done.stderr, (done.returncode, done.stderr)
+    assert not lab.dns.queried("denied.lab.example")
