@@ -84,6 +84,15 @@ class ByteAllowance:
         budget = self.budgets[key]
         return size if budget is None else budget - (self.left[key] or 0) + size
 
+    def used(self) -> Usage:
+        """The bytes the session has moved each way as this allowance knows them (the budget less what is left;
+        the whole budget once spent), for judging a request before its name is looked up."""
+        used = {}
+        for key in (UP, DOWN):
+            budget = self.budgets[key]
+            used[key] = 0 if budget is None else budget if self.spent else budget - (self.left[key] or 0)
+        return Usage(request_bytes=used[UP], response_bytes=used[DOWN])
+
     def _spent_way(self) -> tuple[str, int, int]:
         """(way, budget, left) of a budget this allowance has: for a refusal said after it is spent."""
         key = UP if self.budgets[UP] is not None else DOWN

@@ -733,6 +733,12 @@ class Gate:
         if refusal is not None:
             return session, refusal, 403
         refusal, status = await self.sessions.fits(session, target, sent, role_name)
+        allowance = self.allowances.get(session.id)
+        if refusal is None and allowance is not None and allowance.read:
+            # A tunnel or WebSocket of the session open in this worker: the store learns its bytes at the next
+            # sweep, the allowance already knows them (review round 20: a budget spent there still let a second
+            # of requests, each refused after its name was looked up).
+            refusal = self.sessions.fits_moved(session, allowance.used(), sent, role_name)
         return session, refusal, status or 403
 
     async def _session_charge(self, session: Session | None, verdict: Verdict, target: Target,

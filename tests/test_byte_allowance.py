@@ -67,6 +67,22 @@ def test_a_look_leaves_the_budget_less_the_stores_count_and_what_moved_since():
     assert bounded.up == 0 and not bounded.take(UP, 1)
 
 
+@given(st.integers(0, 10_000), st.one_of(st.none(), st.integers(0, 10_000)),
+       st.lists(st.tuples(st.sampled_from([UP, DOWN]), st.integers(0, 3_000)), max_size=20))
+def test_what_it_says_was_used_is_what_it_took_and_the_whole_budget_once_spent(up, down, chunks):
+    """``used`` is what ``Gate._session_first`` judges a request's budgets on before the name is looked up."""
+    bounded, _ = allowance(up, down)
+    moved = {UP: 0, DOWN: 0}
+    for way, size in chunks:
+        if bounded.take(way, size):
+            moved[way] += size
+    used = bounded.used()
+    if bounded.spent:
+        assert (used.request_bytes, used.response_bytes) == (up, down or 0)
+    else:
+        assert (used.request_bytes, used.response_bytes) == (moved[UP], moved[DOWN] if down is not None else 0)
+
+
 def test_no_budget_one_way_takes_anything_that_way():
     bounded, crossings = allowance(None, 10)
     assert bounded.take(UP, 10**12)

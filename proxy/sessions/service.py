@@ -35,6 +35,7 @@ from policy.sessions import (
     grant_refusal,
     has_any_budget,
     has_byte_budget,
+    judge_budgets,
     refused,
     secret_digest,
 )
@@ -193,6 +194,13 @@ class SessionService:
         if not has_any_budget(session):
             return None, 0
         return await self._budgets(self.store.judge, session, target, sent, role)
+
+    def fits_moved(self, session: Session, moved: Usage, sent: int | None, role: str | None) -> Verdict | None:
+        """``fits``'s byte budgets judged on ``moved``: the bytes this worker's open tunnels and WebSockets of the
+        session have moved as their allowance knows them, which the store learns only at the next sweep. The
+        refusal (counted), or None."""
+        refusal = judge_budgets(session, moved, True, sent, role)
+        return None if refusal is None else self._counted(refusal)
 
     async def _budgets(self, ask, session: Session, target: Target, sent: int | None, role: str | None
                        ) -> tuple[Verdict | None, int]:
