@@ -204,15 +204,16 @@ class Front:
             refused = gate.guard(tunnel.verdict.pinned, port) if via is None else gate.guard_upstream(via.host,
                                                                                                       via.port)
             if refused:
-                await self._connect_failed(conn, tunnel, refused, accept)
+                await self._connect_failed(conn, tunnel, refused, accept, via_upstream=via is not None)
                 return
             if via is None:
                 upstream, error = await connect_pinned(tunnel.verdict.pinned, port, gate.policy.limits.connect_timeout)
+                recorded = error
             else:  # decided on egresswall's resolution; the upstream connects, resolving the name itself
-                upstream, error = await connect_via_upstream(via, tunnel.target, self.upstream_authorization,
-                                                             gate.policy.limits.connect_timeout)
+                upstream, error, recorded = await connect_via_upstream(
+                    via, tunnel.target, self.upstream_authorization, gate.policy.limits.connect_timeout, gate.is_self)
             if upstream is None:
-                await self._connect_failed(conn, tunnel, error, accept)
+                await self._connect_failed(conn, tunnel, error, accept, recorded, via is not None)
                 return
             gate.metrics.fast_tunnel()
             await _send(conn, b"HTTP/1.1 200 Connection established\r\n\r\n")
@@ -236,11 +237,15 @@ class Front:
                 upstream.close()
 
     async def _connect_failed(self, conn: socket.socket, tunnel: Tunnel, reason: str,
-                              accept: tuple[str, ...] = ()) -> None:
+                              accept: tuple[str, ...] = (), recorded: str | None = None,
+                              via_upstream: bool = False) -> None:
+        """Answer 502 with ``reason``; the tunnel's record gets ``recorded`` (which may quote an upstream proxy's
+        answer). Through an upstream proxy the rule is ``connect:upstream``: its hint names the upstream."""
         from policy.decision import Verdict
 
-        verdict = Verdict(False, "connect", "connect", reason, role=tunnel.verdict.role)
-        self.gate.tunnel_closed(tunnel, 0, 0, f"connect failed: {reason}", 502)  # answered 502, not 200
+        rule = "connect:upstream" if via_upstream else "connect"
+        verdict = Verdict(False, "connect", rule, reason, role=tunnel.verdict.role)
+        self.gate.tunnel_closed(tunnel, 0, 0, f"connect failed: {recorded or reason}", 502)  # 502, not 200
         await _send(conn, refusal_bytes(refusal_for(502, verdict, tunnel.target, accept)))
 
     async def _first_message(self, conn: socket.socket, tunnel: Tunnel, data: bytes) -> tuple[bytes, FirstBytes] | None:

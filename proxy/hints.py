@@ -77,6 +77,8 @@ def hint_for(verdict: Verdict, host: str | None = None, port: int | None = None)
     if stage == "audit":
         return ("retry later; the operator must make the audit log writable (egresswall does not let "
                 "through what it cannot record)")
+    if stage == "connect" and rule == "connect:upstream":
+        return "the upstream proxy egresswall forwards through did not open the tunnel; retry later, or ask its owner"
     if stage == "connect":
         return "the checked address did not accept the connection; retry later"
     if stage == "http":

@@ -18,6 +18,9 @@ class ConnectionTable:
     restore: dict[str, tuple[str, int]] = field(default_factory=dict)  # server id -> (host, port) to put back
     tunnels: dict[str, Tunnel] = field(default_factory=dict)  # server connection id of a CONNECT -> its tunnel
     admitted: dict[str, str] = field(default_factory=dict)  # client connection id -> the client key it counts on
+    # Client connections whose CONNECT was answered: every request on them from then on is inside the tunnel, even
+    # after its entry in ``tunnels`` is gone (its server connection closed, and mitmproxy opens another).
+    tunneled: set[str] = field(default_factory=set)
 
     def pin_for(self, client_id: str, host: str, port: int) -> str | None:
         """The checked address a connect of this client connection to (host, port) must use, if any."""
@@ -29,6 +32,7 @@ class ConnectionTable:
     def forget_client(self, client_id: str) -> list[Tunnel]:
         """A client connection closed: drop its pins and return its tunnels (each still to be closed)."""
         self.request_pins.pop(client_id, None)
+        self.tunneled.discard(client_id)
         for key in [k for k in self.pins if k[0] == client_id]:
             del self.pins[key]
         ended = [sid for sid, t in self.tunnels.items() if t.client_conn_id == client_id]

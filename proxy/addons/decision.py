@@ -73,6 +73,7 @@ class DecisionAddon:
         self.table.request_pins.pop(flow.client_conn.id, None)
         self.table.pins[(flow.client_conn.id, tunnel.target.host, tunnel.target.port)] = tunnel.verdict.pinned
         self.table.tunnels[flow.server_conn.id] = tunnel
+        self.table.tunneled.add(flow.client_conn.id)
 
     def _refuse_form(self, flow: http.HTTPFlow, client: str, session: str | None, status: int, rule: str,
                      reason: str) -> None:

@@ -10,6 +10,7 @@ from policy.hosts import HostFormError, normalise_host, parse_authority
 
 from ..gate import Gate
 from ..peers import peer_of
+from ..upstream_connect import resolve_upstream
 from .connections import ConnectionTable
 from .decision import VERDICT
 
@@ -77,6 +78,15 @@ class Pinning:
             # (resolving the name itself: nothing to pin). The decision was made on egresswall's own
             # resolution before this; any other address here would be a connection around the upstream.
             data.server.error = self.gate.guard_upstream(host, port)
+            if data.server.error is None:
+                # Connected at the address its name resolves to now, checked not to be egresswall's own listener
+                # (the front does the same); the name goes back on once connected, for connection reuse.
+                resolved, why = await resolve_upstream(upstream, self.gate.is_self)
+                if resolved is None:
+                    data.server.error = why
+                    return
+                self.table.restore[data.server.id] = (host, port)
+                data.server.address = (str(resolved[1][0]), port)
             return
         try:
             key_host, _ = normalise_host(host)

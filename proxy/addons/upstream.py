@@ -6,7 +6,8 @@ resolution; this addon only shapes what the upstream is asked for:
 * the upstream is asked for exactly the name egresswall checked (the normalised A-label host, not the
   client's spelling of it: a trailing dot or upper case must not make the two resolve different names);
 * the upstream's credentials go only to the upstream: on the CONNECT egresswall sends it, and on a
-  plain-HTTP request sent to it in absolute form — never on a request inside a tunnel, which the
+  plain-HTTP request, which is sent to it in absolute form whatever form the client used — never on a
+  request inside a tunnel (any request on a client connection whose CONNECT was answered), which the
   upstream relays to the origin unread. Runs after ``HopByHop``, which strips the client's own
   ``Proxy-Authorization``.
 """
@@ -39,8 +40,11 @@ class UpstreamForwarding:
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None or VERDICT not in flow.metadata:
             return  # refused before anything is sent
-        if self.table.tunnels.get(flow.server_conn.id) is not None or not flow.request.data.authority:
-            return  # inside a tunnel (origin form): this goes to the origin, never the upstream's password
+        if flow.client_conn.id in self.table.tunneled or self.table.tunnels.get(flow.server_conn.id) is not None:
+            return  # inside a tunnel: this goes to the origin, never the upstream's password
+        # A plain request, in absolute form or (as a client may send it to a proxy) in origin form with a Host:
+        # both go to the upstream in absolute form, naming the host decided. Sent on in origin form, it was a
+        # request for the upstream itself (squid answers its cache manager to one), without the credentials.
         target = flow.metadata[TARGET]
         flow.request.data.host = target.host
         flow.request.authority = target.authority
