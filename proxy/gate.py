@@ -870,12 +870,14 @@ class Gate:
 
     def response_closed(self, flow_id: str, client: str, method: str, target: Target | None, verdict: Verdict,
                         started: float, up: int, down: int, status: int | None, error: str | None,
-                        charged: int = 0) -> None:
+                        charged: int = 0, charge: bool = True) -> None:
         """The exchange's closing record; its session is charged its bytes but the ``charged`` ones (a declared or
-        chunked body, charged when it was admitted or read)."""
+        chunked body, charged when it was admitted or read), unless ``charge`` is False (a WebSocket's, whose
+        bytes were charged as they moved)."""
         record = self.recorder.record(RESPONSE, flow_id, client, method, target, verdict)
         self.recorder.ended(record, started, up, down, error, status)
-        self.sessions.count_bytes(verdict.session, max(0, up - charged), down)
+        if charge:
+            self.sessions.count_bytes(verdict.session, max(0, up - charged), down)
 
     # ---- the audit log failing closed ----------------------------------------------------------------
 

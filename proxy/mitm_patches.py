@@ -136,7 +136,9 @@ gate's owner builds — installing a second, different state is an error, never 
   Each fragment but the last counts ``WEBSOCKET_FRAGMENT_COST`` beyond its payload (mitmproxy keeps one entry a
   fragment: endless empty fragments grew that list past any limit); a permessage-deflate message inflates at
   most the limit + 1 bytes a piece (``PerMessageDeflate.frame_inbound_payload_data``: 64 KiB on the wire
-  became 64 MiB before); pings' and pongs' payloads are counted on their connection
+  became 64 MiB before), and a frame cut short so is not inflated further at its end
+  (``frame_inbound_complete``: zlib refused the rest, and the WebSocket closed 1007 with no record;
+  test_review_round20_websockets.py); pings' and pongs' payloads are counted on their connection
   (``WEBSOCKET_CONTROL_BYTES``) for a session's budgets, and one that would pass a byte budget is not relayed
   (``WEBSOCKET_ALLOWANCE``). Tests: test_session_websockets.py
   (test_a_compressed_message_is_bounded_as_it_inflates, test_a_message_of_endless_empty_fragments_is_bounded,
@@ -299,6 +301,7 @@ WEBSOCKET_ALLOWANCE = "egresswall_websocket_allowance"
 # What one fragment of a held message costs beyond its payload (mitmproxy keeps a bytes object and a list slot a
 # fragment): counted against the limit, so a message of endless empty fragments is bounded too.
 WEBSOCKET_FRAGMENT_COST = 64
+_INFLATE_CUT = "_egresswall_inflate_cut"  # on a PerMessageDeflate: its last piece was cut short at the limit
 
 
 def install(state: PatchState) -> None:
@@ -326,7 +329,8 @@ def install(state: PatchState) -> None:
                       start_server_tls=ClientTLSLayer.start_server_tls, tcp_start=TCPLayer._handle_event,
                       drain_writers=mitmproxy.proxy.server.ConnectionHandler.drain_writers,
                       asyncio_module=mitmproxy.proxy.server.asyncio, websocket_events=WebsocketConnection.events,
-                      deflate_inbound=PerMessageDeflate.frame_inbound_payload_data)
+                      deflate_inbound=PerMessageDeflate.frame_inbound_payload_data,
+                      deflate_complete=PerMessageDeflate.frame_inbound_complete)
     HttpStream.start_request_stream = _start_request_stream
     HttpStream.handle_protocol_error = _handle_protocol_error
     HttpStream.check_invalid = _check_invalid
@@ -352,6 +356,7 @@ def install(state: PatchState) -> None:
     WebsocketConnection.events = _websocket_events
     WebsocketConnection.frame_buf = property(_frame_buf, _set_frame_buf)
     PerMessageDeflate.frame_inbound_payload_data = _inflate_bounded
+    PerMessageDeflate.frame_inbound_complete = _inflate_complete
     # mitmproxy's connection handler calls ``asyncio.open_connection``: give that module its own
     # asyncio namespace whose open_connection has a timeout, leaving asyncio itself untouched.
     bounded = types.ModuleType("asyncio")
@@ -391,6 +396,7 @@ def uninstall() -> None:
         WebsocketConnection.events = _originals["websocket_events"]
         del WebsocketConnection.frame_buf  # an instance attribute again
         PerMessageDeflate.frame_inbound_payload_data = _originals["deflate_inbound"]
+        PerMessageDeflate.frame_inbound_complete = _originals["deflate_complete"]
         _originals.clear()
     _state = None
 
@@ -1347,6 +1353,20 @@ def _inflate_bounded(self: PerMessageDeflate, proto, data: bytes) -> bytes | Clo
     if not self._inbound_compressed or not self._inbound_is_compressible:
         return data
     try:
-        return self._decompressor.decompress(bytes(data), state().limits().max_websocket_message + 1)
+        out = self._decompressor.decompress(bytes(data), state().limits().max_websocket_message + 1)
     except zlib.error:
         return CloseReason.INVALID_FRAME_PAYLOAD_DATA
+    if self._decompressor.unconsumed_tail:
+        self.__dict__[_INFLATE_CUT] = True  # the frame's end must not inflate the rest (``_inflate_complete``)
+    return out
+
+
+def _inflate_complete(self: PerMessageDeflate, proto, fin: bool) -> bytes | CloseReason | None:
+    """wsproto's end of a compressed frame, except after ``_inflate_bounded`` cut a piece short: wsproto then
+    inflated its end marker without the input left over, zlib refused it, and the WebSocket closed 1007 "error in
+    extension" with no refusal record, before ``_websocket_events`` could see the message over the limit (a bomb
+    whose frame came in one read; review round 20). Nothing more is inflated: the message is over the limit
+    already, and ends 1009 with its record."""
+    if self.__dict__.pop(_INFLATE_CUT, False):
+        return b""
+    return _originals["deflate_complete"](self, proto, fin)

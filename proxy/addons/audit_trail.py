@@ -2,7 +2,8 @@
 
 ``responseheaders`` strips the headers only egresswall may set, refuses a ``101 Switching Protocols``
 the decision did not allow (an upstream must not turn a plain request into a raw relay), and counts
-the response's bytes as they stream; ``response`` and ``error`` write the closing record.
+the response's bytes as they stream; ``response`` and ``error`` write the closing record (for a WebSocket,
+``websocket_end``, with the bytes its messages carried).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import time
 
 from mitmproxy import http
+from wsproto.extensions import PerMessageDeflate
+from wsproto.utilities import split_comma_header
 
 from ..gate import Gate
 from ..mitm_patches import ANSWERED, state
@@ -17,6 +20,7 @@ from ..peers import peer_of
 from ..refusals import OWN_HEADER_PREFIX
 from .byte_count import DOWN, UP, counting_stream
 from .decision import CHARGED, FLOW_ID, STARTED, TARGET, VERDICT, accept_of, to_response
+from .websocket_watch import websocket_bytes
 
 REFUSED = "egresswall_refused_response"  # a refusal that replaced an upstream's response (sent as it is)
 
@@ -31,13 +35,19 @@ class AuditTrail:
             return  # our own refusal, not an upstream response
         for name in [n for n in flow.response.headers if n.lower().startswith(OWN_HEADER_PREFIX)]:
             del flow.response.headers[name]
-        if flow.response.status_code == 101 and not _allowed_websocket(flow):
+        if flow.response.status_code == 101:
+            if not _allowed_websocket(flow):
+                rule, why = "http:unrequested-upgrade", ("the upstream answered 101 Switching Protocols to a request "
+                                                         "that was not an allowed WebSocket upgrade")
+            else:
+                rule, why = "http:websocket-extension", _extensions_problem(flow.response.headers)
+            if why is None:
+                flow.response.stream = counting_stream(flow.metadata, DOWN)
+                return
             flow.request.egresswall_no_pipe = True  # mitm_patches: the upstream connection is not made a pipe
             target = flow.metadata.get(TARGET)
             refusal = self.gate.refuse(peer_of(flow.client_conn.peername), flow.request.method, target, 502, "http",
-                                       "http:unrequested-upgrade", "the upstream answered 101 Switching Protocols "
-                                       "to a request that was not an allowed WebSocket upgrade",
-                                       accept=accept_of(flow), session=verdict.session)
+                                       rule, why, accept=accept_of(flow), session=verdict.session)
             flow.response = to_response(refusal)
             # mitmproxy still reads the upstream's body and puts it into flow.response before the response
             # hook: the refusal is set again there, so the client gets exactly our body, never the upstream's.
@@ -51,6 +61,11 @@ class AuditTrail:
         if refusal is not None:
             flow.response = to_response(refusal)
             return
+        if flow.websocket is not None:
+            return  # a WebSocket follows its 101: its record is written when it ends, with what it carried
+        self._ended(flow, None)
+
+    def websocket_end(self, flow: http.HTTPFlow) -> None:
         self._ended(flow, None)
 
     def error(self, flow: http.HTTPFlow) -> None:
@@ -65,9 +80,15 @@ class AuditTrail:
             # mitmproxy reports its own idle timeout as "Client disconnected.": say what happened.
             error = (f"nothing moved for limits.idle_timeout ({self.gate.policy.limits.idle_timeout:g}s): the "
                      "upstream sent no response, and egresswall closed the connection")
-        down = flow.metadata.get(DOWN, {}).get("bytes", 0)
-        streamed = flow.metadata.get(UP)  # a streamed body's count; a buffered one is on the flow
-        up = streamed["bytes"] if streamed is not None else len(flow.request.raw_content or b"")
+        websocket = flow.websocket is not None and flow.response is not None and flow.response.status_code == 101
+        if websocket:
+            # Its messages' bytes, pings and pongs included; its session was charged them as they moved
+            # (websocket_watch.py), so they are recorded here and not charged again.
+            up, down = websocket_bytes(flow)
+        else:
+            down = flow.metadata.get(DOWN, {}).get("bytes", 0)
+            streamed = flow.metadata.get(UP)  # a streamed body's count; a buffered one is on the flow
+            up = streamed["bytes"] if streamed is not None else len(flow.request.raw_content or b"")
         # The status the client was sent: a response whose head mitmproxy refused (framed two ways, a header
         # name it will not pass on, a control byte) is on the flow, but its client got egresswall's 502
         # instead (ANSWERED, noted by the protocol-error patch); only a head that reached
@@ -78,7 +99,24 @@ class AuditTrail:
             status = flow.metadata.get(ANSWERED)
         self.gate.response_closed(flow.metadata[FLOW_ID], peer_of(flow.client_conn.peername), flow.request.method,
                                   flow.metadata.get(TARGET), verdict, flow.metadata.get(STARTED, time.monotonic()),
-                                  up, down, status, error, flow.metadata.get(CHARGED, 0))
+                                  up, down, status, error, flow.metadata.get(CHARGED, 0), charge=not websocket)
+
+
+def _extensions_problem(headers: http.Headers) -> str | None:
+    """Why the WebSocket extensions an upstream's 101 names cannot be used, or None. mitmproxy's WebSocket layer
+    takes permessage-deflate's parameters as wsproto reads them at its start, and a value wsproto refuses
+    (``server_max_window_bits=abc``, ``=7``) raised there unguarded: a crash traceback in the log, and a client
+    holding a 101 on a connection that carried nothing until the idle timeout (review round 20). Judged here
+    the same way (mitmproxy ignores other extensions), so such a 101 is refused instead."""
+    value = headers.get("Sec-WebSocket-Extensions", "")
+    for extension in split_comma_header(value.encode("ascii", "replace")):
+        if extension.split(";", 1)[0].strip() == PerMessageDeflate.name:
+            try:
+                PerMessageDeflate().finalize(extension)
+            except (ValueError, TypeError, IndexError):  # its words quote the upstream's value: not for a reason
+                return ("the upstream's 101 names permessage-deflate with parameters egresswall cannot use (a "
+                        "window size outside 9-15, not a number, or none)")
+    return None
 
 
 def _allowed_websocket(flow: http.HTTPFlow) -> bool:

@@ -133,6 +133,10 @@ class DecisionAddon:
                               f"the request asks to upgrade to {values!r}; egresswall relays only WebSocket upgrades "
                               "(one Upgrade header naming websocket)")
             return
+        handshake = websocket_handshake_problem(request) if upgrade == WEBSOCKET else None
+        if handshake is not None:
+            self._refuse_form(flow, client, session, 400, "http:websocket-handshake", handshake)
+            return
         length = request.headers.get("content-length")
         ask = HttpAsk(client=client, method=request.method, scheme=request.scheme, host=request.data.host,
                       port=request.data.port, path=request.path, host_header=request.headers.get("host"),
@@ -175,6 +179,21 @@ def _head_size(request: http.Request) -> int:
     target = f"{request.scheme}://{authority}{request.path}" if authority else request.path
     line = len(request.method) + len(target) + len(request.http_version) + 4
     return line + sum(len(name) + len(value) + 4 for name, value in request.headers.fields) + 2
+
+
+def websocket_handshake_problem(request: http.Request) -> str | None:
+    """Why a WebSocket upgrade request cannot be relayed as one, or None (RFC 6455 4.1: a GET, without a body,
+    with Sec-WebSocket-Version 13). With a body, mitmproxy framed the WebSocket's bytes after the 101 as more of
+    that body (chunks of a chunked one): the origin read a frame egresswall wrote as a chunk header, or body bytes
+    after its early 101 as WebSocket data; with another version mitmproxy relays the 101 and then cuts the
+    connection, which was recorded as a WebSocket answered (review round 20)."""
+    if request.method != "GET":
+        return f"a WebSocket handshake is a GET (RFC 6455 4.1); this one is a {request.method[:20]}"
+    if "transfer-encoding" in request.headers or request.headers.get("content-length", "0").strip() != "0":
+        return "a WebSocket handshake carries no body (RFC 6455 4.1)"
+    if request.headers.get_all("sec-websocket-version") != ["13"]:
+        return "a WebSocket handshake carries one Sec-WebSocket-Version: 13 (RFC 6455 4.1), the one egresswall relays"
+    return None
 
 
 def _malformed(flow: http.HTTPFlow) -> tuple[str, str] | None:

@@ -29,6 +29,7 @@ from .decision import FLOW_ID, SESSION, TARGET, VERDICT
 from .tunnel_watch import close_client
 
 HELD = "egresswall_websocket_held"  # (OpenWebSocket, [bytes from the client, bytes from the server])
+COUNTS = "egresswall_websocket_counts"  # [message bytes from the client, from the server], every WebSocket
 
 
 class WebSocketWatch:
@@ -38,10 +39,10 @@ class WebSocketWatch:
     async def websocket_start(self, flow: http.HTTPFlow) -> None:
         # Awaited: mitmproxy's WebSocket layer relays nothing (a message behind the handshake neither) until this
         # hook has returned, so the first message is taken from what the store says is left.
+        counts = flow.metadata[COUNTS] = [0, 0]  # for its record (audit_trail.py), under a session or not
         session = flow.metadata.get(SESSION)
         if session is None:
             return
-        counts = [0, 0]
         client_id = flow.client_conn.id
         held = await self.gate.websocket_opened(flow.metadata[FLOW_ID], peer_of(flow.client_conn.peername),
                                           flow.metadata[TARGET], flow.metadata[VERDICT], session,
@@ -55,14 +56,16 @@ class WebSocketWatch:
         if flow.websocket is None or not flow.websocket.messages:
             return
         del flow.websocket.messages[:-1]
+        message = flow.websocket.messages[-1]
         held: tuple[OpenWebSocket, list[int]] | None = flow.metadata.get(HELD)
         if held is not None:
-            message = flow.websocket.messages[-1]
             allowance = held[0].allowance
             if allowance is not None and not allowance.take(UP if message.from_client else DOWN, len(message.content)):
                 message.drop()  # past its session's byte budget: not relayed; the gate closes the WebSocket
                 return
-            held[1][0 if message.from_client else 1] += len(message.content)
+        counts = flow.metadata.get(COUNTS)
+        if counts is not None:
+            counts[0 if message.from_client else 1] += len(message.content)
 
     def websocket_end(self, flow: http.HTTPFlow) -> None:
         verdict = flow.metadata.get(VERDICT)
@@ -76,6 +79,11 @@ class WebSocketWatch:
         held = flow.metadata.pop(HELD, None)
         if held is not None:
             self.gate.websocket_closed(held[0], *_moved(flow, held[1]))
+
+
+def websocket_bytes(flow: http.HTTPFlow) -> tuple[int, int]:
+    """What a WebSocket has carried so far each way (its record's bytes_up and bytes_down)."""
+    return _moved(flow, flow.metadata.get(COUNTS, [0, 0]))
 
 
 def _moved(flow: http.HTTPFlow, counts: list[int]) -> tuple[int, int]:
