@@ -20,8 +20,10 @@ from collections.abc import Collection, Iterable
 
 from policy.request_bodies import ALWAYS_REFUSED, REFUSED_UNLESS_ALLOWED, RFC_SECTION, SETTING
 
+# ``proxy_authorization`` too: CGI and WSGI gateways read it as the same HTTP_PROXY_AUTHORIZATION, so a client's
+# credential in that spelling reached an upstream proxy that reads it so (review round 20).
 ALWAYS_HOP_BY_HOP = frozenset({"connection", "proxy-connection", "keep-alive", "te", "trailer", "upgrade",
-                               "proxy-authorization", "proxy-authenticate"})
+                               "proxy-authorization", "proxy_authorization", "proxy-authenticate"})
 NOT_NAMED = frozenset({"transfer-encoding", "content-length", "host"})  # framing: the transport's business
 WEBSOCKET, NO_UPGRADE, OTHER_UPGRADE = "websocket", "none", "other"
 UNEXPECTED_BODY = "http:unexpected-body"
