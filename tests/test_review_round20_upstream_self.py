@@ -11,24 +11,15 @@ itself, each decided and recorded, until the per-client connection cap of 127.0.
 
 from __future__ import annotations
 
-import contextlib
 import socket
-import ssl
 import time
 
 import pytest
+from fake_upstream_proxy import client_hello
 from rawclient import read_all
 from test_squid_differential import free_port
 
 pytestmark = pytest.mark.integration
-
-
-def client_hello(name: str) -> bytes:
-    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-    tls = ssl.create_default_context().wrap_bio(incoming, outgoing, server_hostname=name)
-    with contextlib.suppress(ssl.SSLWantReadError):
-        tls.do_handshake()
-    return outgoing.read()
 
 
 # mitmproxy's path with ``localhost`` is not run: the test guard (tests/proxyproc.py) refuses a connect to a

@@ -32,6 +32,7 @@ import pytest
 from labnet import PUBLIC_IP
 from listening import ConnectionServer
 from proxyproc import both_transports
+from rawclient import read_head
 from ws_echo import WsEcho
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, CloseConnection, Message, Request
@@ -106,21 +107,12 @@ def _proxy(lab, start_proxy, port: int, limits: str = ""):
     return start_proxy(text.replace("  connect: [", f"  connect: [{port}, "))
 
 
-def _head(sock: socket.socket) -> bytes:
-    head = b""
-    while b"\r\n\r\n" not in head:
-        chunk = sock.recv(1)
-        assert chunk, head
-        head += chunk
-    return head
-
-
 def _handshake(proxy, port: int, carrier: str, method: str = "GET", extra: str = "", body: bytes = b""):
     authority = f"public.lab.example:{port}"
     sock = socket.create_connection((proxy.host, proxy.port), timeout=10)
     if carrier == "in-a-connect":
         sock.sendall(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
-        assert _head(sock).startswith(b"HTTP/1.1 200")
+        assert read_head(sock).startswith(b"HTTP/1.1 200")
         target = "/chat"
     else:
         target = f"http://{authority}/chat"
@@ -149,7 +141,7 @@ def test_an_origins_bad_deflate_parameter_does_not_crash_the_websocket_layer(lab
     origin = RawOrigin(_ws_origin(extension, hold=15))
     proxy = _proxy(lab, start_proxy, origin.port, limits="limits:\n  idle_timeout: 30\n")
     sock = _handshake(proxy, origin.port, carrier)
-    head = _head(sock)
+    head = read_head(sock)
     assert head.startswith(b"HTTP/1.1 502") and b"X-Egresswall-Rule: http:websocket-extension" in head, head
     assert parameter.encode() not in head  # the upstream's words are not quoted back
     sock.sendall(_frame(2, b"hello"))
@@ -185,7 +177,7 @@ def test_websocket_frames_after_a_chunked_upgrade_request_are_not_chunk_wrapped(
     sock = _handshake(proxy, origin.port, carrier, method="POST", extra="Transfer-Encoding: chunked\r\n")
     time.sleep(1)  # the origin has answered 101 meanwhile (egresswall holds it until the body is done)
     sock.sendall(b"a\r\nAAAAAAAAAA\r\n0\r\n\r\n")
-    head = _head(sock)
+    head = read_head(sock)
     assert head.startswith(b"HTTP/1.1 400") and b"X-Egresswall-Rule: http:websocket-handshake" in head, head
     sock.close()
     time.sleep(0.3)
@@ -253,7 +245,7 @@ def test_a_websockets_bytes_are_recorded(lab, start_proxy, carrier):
         sock = socket.create_connection((proxy.host, proxy.port), timeout=10)
         if carrier == "in-a-connect":
             sock.sendall(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
-            assert _head(sock).startswith(b"HTTP/1.1 200")
+            assert read_head(sock).startswith(b"HTTP/1.1 200")
             sock.sendall(ws.send(Request(host=authority, target="/chat")))
         else:
             sock.sendall(ws.send(Request(host=authority, target=f"http://{authority}/chat")))
@@ -291,7 +283,7 @@ def test_a_handshake_that_is_not_a_bodyless_get_of_version_13_is_refused_before_
     proxy = _proxy(lab, start_proxy, origin.port)
     sock = _handshake(proxy, origin.port, "absolute-form", method=method, extra=extra,
                       body=b"hello" if "Content-Length" in extra else b"")
-    head = _head(sock)
+    head = read_head(sock)
     sock.close()
     assert head.startswith(b"HTTP/1.1 400") and why in head, head
     assert not b"".join(origin.got), origin.got
