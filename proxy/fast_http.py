@@ -60,7 +60,7 @@ from .http_hygiene import (
     override_headers,
     tokens,
 )
-from .refusals import OWN_HEADER_PREFIX, UNRELAYABLE_RESPONSE, Refusal, refusal_bytes
+from .refusals import OWN_HEADER_PREFIX, UNRELAYABLE_RESPONSE, Refusal, failed_connect, refusal_bytes
 
 Handoff = Callable[[socket.socket, bytes], None]
 READ = 65536
@@ -415,7 +415,7 @@ class FastHttp:
         return task, 0
 
     def _connect_refusal(self, reason: str, verdict: Verdict, target: Target, accept: tuple[str, ...]) -> Refusal:
-        return refusal_for(502, Verdict(False, "connect", "connect", reason, role=verdict.role), target, accept)
+        return refusal_for(502, failed_connect(reason, verdict.role), target, accept)
 
     async def _read_chunked(self, conn: socket.socket, client: str, server: h11.Connection, request: PlainRequest,
                             target: Target, accept: tuple[str, ...], body: list[bytes], flow_id: str,
@@ -773,7 +773,7 @@ def _not_relayed(error: str, target: Target, accept: tuple[str, ...], answer: st
     """An upstream response egresswall does not relay: ``error`` for the record, and the client's 502 saying
     ``answer`` (``error`` itself unless it quotes the upstream's bytes)."""
     answer = error if answer is None else answer
-    return Ended(error, refusal_for(502, Verdict(False, "connect", "connect", answer), target, accept))
+    return Ended(error, refusal_for(502, failed_connect(answer), target, accept))
 
 def _client_stalled(idle: float) -> str:
     return (f"nothing moved for limits.idle_timeout ({idle:g}s): the client stopped reading its response, and "

@@ -40,7 +40,7 @@ from .first_bytes import FirstBytes
 from .gate import Gate, Tunnel, refusal_for
 from .head_reader import HeadProblem, answer_then_drain, read_head
 from .peers import client_key
-from .refusals import refusal_bytes
+from .refusals import failed_connect, refusal_bytes
 from .tls_hello import MAX_HELLO_BYTES, TLS_ALERT_UNRECOGNIZED_NAME
 from .tls_retry import RetryWatch
 from .tunnel_relay import DOWN, UP, relay
@@ -65,6 +65,7 @@ class Front:
         self.listener: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
         self._over_cap_pending = 0
+        self._open: set[socket.socket] = set()  # client connections served here, not handed to mitmproxy
 
     async def start(self, host: str, port: int, reuse_port: bool = False) -> tuple[str, int]:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -82,6 +83,13 @@ class Front:
         self.listener = listener
         self._accepting = asyncio.get_running_loop().create_task(self._accept_loop())
         return listener.getsockname()[:2]
+
+    def cut_open(self) -> None:
+        """A stop's end of the grace period: shut every client connection still served here, so that each
+        tunnel's and exchange's loop ends and writes its closing record before the process goes."""
+        for conn in list(self._open):
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
 
     def stop_accepting(self) -> None:
         if self._accepting is not None:
@@ -116,6 +124,7 @@ class Front:
             await self._refuse_over_cap(conn, client, cap)
             return
         handed_off = False
+        self._open.add(conn)
         try:
             try:
                 head, rest = await self._read_head(conn)
@@ -132,6 +141,7 @@ class Front:
                 # it: passed along, not matched up again by peer address (read after a reset, there is none).
                 nonlocal handed_off
                 handed_off = True
+                self._open.discard(conn)
                 self.handoff(sock, data, _once(lambda: self.gate.release(client)))
 
             if self.fast_http is not None and not head.startswith(b"CONNECT "):
@@ -154,6 +164,7 @@ class Front:
         except (OSError, TimeoutError, asyncio.IncompleteReadError):
             pass
         finally:
+            self._open.discard(conn)
             if not handed_off:
                 self.gate.release(client)
                 conn.close()
@@ -241,10 +252,7 @@ class Front:
                               via_upstream: bool = False) -> None:
         """Answer 502 with ``reason``; the tunnel's record gets ``recorded`` (which may quote an upstream proxy's
         answer). Through an upstream proxy the rule is ``connect:upstream``: its hint names the upstream."""
-        from policy.decision import Verdict
-
-        rule = "connect:upstream" if via_upstream else "connect"
-        verdict = Verdict(False, "connect", rule, reason, role=tunnel.verdict.role)
+        verdict = failed_connect(reason, tunnel.verdict.role, via_upstream)
         self.gate.tunnel_closed(tunnel, 0, 0, f"connect failed: {recorded or reason}", 502)  # 502, not 200
         await _send(conn, refusal_bytes(refusal_for(502, verdict, tunnel.target, accept)))
 

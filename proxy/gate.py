@@ -77,6 +77,9 @@ SESSION_SWEEP = 1.0  # seconds between looks at the sessions of open tunnels (an
 SESSION_STORE_GRACE = 5.0
 
 
+# The error of a tunnel's, a WebSocket's or an exchange's closing record when a stop closed it (README: stopping).
+STOP_CUT = "egresswall stopped: still open at the end of limits.tunnel_grace, and closed"
+
 @dataclass(eq=False, kw_only=True)
 class UnderSession:
     """What stays open under a session with bytes that are no requests egresswall sees: a passed-through TLS
@@ -173,6 +176,8 @@ class Gate:
         self.sessions = sessions or SessionService(metrics=self.metrics)
         self.recorder = Recorder(audit, self.metrics, lambda: self.holder.policy, self._start_audit_probe)
         self.admission = Admission(share)
+        # Set when a stop cuts what is still open at the end of limits.tunnel_grace: their closing records say so.
+        self.stopping_cut = False
         self.body_budget = BodyBudget(share, on_change=self.metrics.buffered_request_bodies)
         self.self_endpoints: set[tuple[str, int]] = set()  # (ip or "*", port) egresswall itself listens on
         # (ip, port) of the shared session store: a client that reached it could grant itself sessions
@@ -384,6 +389,8 @@ class Gate:
         self._unwatch_session(tunnel.id, tunnel)
         if tunnel.cut_by is not None:
             error = f"{tunnel.cut_by.reason} ({tunnel.cut_by.rule}): egresswall closed the tunnel"
+        elif self.stopping_cut:
+            error = STOP_CUT
         self.metrics.tunnel_closed()
         record = self.recorder.record(TUNNEL, tunnel.id, tunnel.client, "CONNECT", tunnel.target, tunnel.verdict,
                                       tunnel.cnames)
@@ -874,6 +881,8 @@ class Gate:
         """The exchange's closing record; its session is charged its bytes but the ``charged`` ones (a declared or
         chunked body, charged when it was admitted or read), unless ``charge`` is False (a WebSocket's, whose
         bytes were charged as they moved)."""
+        if self.stopping_cut:
+            error = STOP_CUT
         record = self.recorder.record(RESPONSE, flow_id, client, method, target, verdict)
         self.recorder.ended(record, started, up, down, error, status)
         if charge:

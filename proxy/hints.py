@@ -77,8 +77,11 @@ def hint_for(verdict: Verdict, host: str | None = None, port: int | None = None)
     if stage == "audit":
         return ("retry later; the operator must make the audit log writable (egresswall does not let "
                 "through what it cannot record)")
-    if stage == "connect" and rule == "connect:upstream":
-        return "the upstream proxy egresswall forwards through did not open the tunnel; retry later, or ask its owner"
+    if stage == "connect" and rule == "connect:upstream":  # refusals.CONNECT_UPSTREAM
+        if "refused the tunnel: 407" in verdict.reason:  # upstream_connect's words for the upstream's 407
+            return "the upstream proxy refused egresswall's credentials: check upstream.credentials_file in the policy"
+        return ("the upstream proxy egresswall forwards through did not answer or refused (the reason names it); "
+                "retry later, or ask its owner")
     if stage == "connect":
         return "the checked address did not accept the connection; retry later"
     if stage == "http":

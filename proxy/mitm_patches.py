@@ -213,7 +213,7 @@ from .dial import connect_failed, connect_timed_out
 from .head_end import HEAD_END  # what h11's ReceiveBuffer accepts as the end of a head
 from .head_reader import LINGER_BYTES, LINGER_SECONDS
 from .http_hygiene import CONTROL_BYTE, MAX_CONTENT_LENGTH
-from .refusals import UNRELAYABLE_RESPONSE, Refusal, refusal_bytes
+from .refusals import UNRELAYABLE_RESPONSE, Refusal, failed_connect, refusal_bytes
 
 REFUSE_BEFORE_BODY = "egresswall_refuse_before_body"
 BODY_LIMIT = "egresswall_body_limit"  # flow.metadata: bytes a buffered (chunked) body may have
@@ -275,6 +275,7 @@ class PatchState:
         lambda conn, method, target, host, accept: None)
     idle_closed: RecentIds = field(default_factory=RecentIds)  # client connections mitmproxy's watchdog closed
     first_byte_timer: bool = True  # False when the front already enforced limits.first_byte_timeout
+    via_upstream: Callable[[], bool] = lambda: False  # the policy sends every connection through an upstream proxy
 
 
 _state: PatchState | None = None
@@ -987,12 +988,13 @@ def _answer_to_seen(request: http.Request, status: int, code: ErrorCode, message
     "Refusals an agent can read": the record has them); or a framing mitmproxy refused (its decision
     record's reason)."""
     target, role, accept = getattr(request, "egresswall_answer_context", (None, None, ()))
+    via_upstream = _state is not None and _state.via_upstream()
     if code is ErrorCode.CONNECT_FAILED:
-        verdict = Verdict(False, "connect", "connect", connect_error_text(message), role=role)
+        verdict = failed_connect(connect_error_text(message), role, via_upstream)
     elif own:
-        verdict = Verdict(False, "connect", "connect", message, role=role)
+        verdict = failed_connect(message, role, via_upstream)
     elif status == 502:
-        verdict = Verdict(False, "connect", "connect", UNRELAYABLE_RESPONSE, role=role)
+        verdict = failed_connect(UNRELAYABLE_RESPONSE, role)
     else:
         verdict = invalid_framing(message)
     host, port = (target.host, target.port) if target is not None else (None, None)

@@ -54,6 +54,15 @@ def one_line(text: str, limit: int = 400) -> str:
 
 # The reason a response that cannot be read is refused with, on both transports: its parser's words quote the
 # upstream's bytes, so they go to the record only (nothing an upstream sent reaches a refusal).
+CONNECT_UPSTREAM = "connect:upstream"  # a connect through the policy's upstream proxy failed (its own hint)
+
+
+def failed_connect(reason: str, role: str | None = None, via_upstream: bool = False) -> Verdict:
+    """The verdict of a connect that failed: to the checked address (``connect``), or, where the policy names an
+    upstream proxy, to that proxy (``connect:upstream``: no checked address was connected to, and the hint says so)."""
+    return Verdict(False, "connect", CONNECT_UPSTREAM if via_upstream else "connect", reason, role=role)
+
+
 UNRELAYABLE_RESPONSE = "egresswall could not relay the upstream's response (the audit record's error says why)"
 ERROR_CODES = {"form": "malformed", "limits": "limited", "audit": "unavailable", "connect": "unavailable"}
 PROXY_AUTHENTICATE = 'Basic realm="egresswall", charset="UTF-8"'  # with every 407: present a session

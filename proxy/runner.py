@@ -24,6 +24,7 @@ from policy.addresses import unwrap_mapped
 
 from . import mitm_patches
 from .addons import egresswall_addons, patch_state_for
+from .addons.tunnel_watch import close_every_client
 from .admin import AdminServer
 from .audit import AuditLog, json_line
 from .front import Front
@@ -292,6 +293,16 @@ class ProxyRunner:
         while self.gate.admission.total > 0 and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
         cut = self.gate.admission.total
+        if cut:
+            # Close what is still open, here, so that each tunnel, WebSocket and exchange writes its closing record
+            # (error: egresswall stopped) while the audit log is open; shutting mitmproxy down cut them unrecorded.
+            self.gate.stopping_cut = True
+            if self.front is not None:
+                self.front.cut_open()
+            close_every_client()
+            recorded_by = asyncio.get_running_loop().time() + 2
+            while self.gate.admission.total > 0 and asyncio.get_running_loop().time() < recorded_by:
+                await asyncio.sleep(0.05)
         took = asyncio.get_running_loop().time() - started
         if not self.ready.is_set():
             log.info("stopped during start-up, at %s", _utc_now())

@@ -49,7 +49,7 @@ def patch_state_for(gate: Gate, first_byte_timer: bool) -> mitm_patches.PatchSta
         on_body_over_limit=lambda flow, limit: refuse_body_over_limit(gate, flow, limit),
         on_body_buffered=lambda flow, size: reserve_body(gate, flow, size),
         on_bad_body=lambda flow, rule, reason: refuse_bad_body(gate, flow, rule, reason),
-        first_byte_timer=first_byte_timer)
+        first_byte_timer=first_byte_timer, via_upstream=lambda: gate.policy.upstream is not None)
 
 
 __all__ = ["egresswall_addons", "patch_state_for", "ConnectionTable"]

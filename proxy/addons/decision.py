@@ -8,13 +8,11 @@ import uuid
 
 from mitmproxy import http
 
-from policy.decision import Verdict
-
 from ..gate import Gate, HttpAsk, refusal_for
 from ..http_hygiene import OTHER_UPGRADE, WEBSOCKET, connect_content, override_headers, upgrade_kind
 from ..mitm_patches import FRAMING_REFUSED, SENT_AUTHORITY, connect_error_text, invalid_framing, refuse_before_body
 from ..peers import peer_of
-from ..refusals import Refusal, refusal_parts
+from ..refusals import Refusal, failed_connect, refusal_parts
 from .connections import ConnectionTable
 from .tunnel_watch import close_client
 
@@ -90,8 +88,8 @@ class DecisionAddon:
             return  # refused before any connect (mitmproxy calls this for every CONNECT not answered 2xx)
         target, role, accept = flow.metadata[CONNECT_ANSWER]
         reason = connect_error_text(flow.server_conn.error)
-        flow.response = to_response(refusal_for(502, Verdict(False, "connect", "connect", reason, role=role), target,
-                                                accept))
+        verdict = failed_connect(reason, role, self.gate.policy.upstream is not None)
+        flow.response = to_response(refusal_for(502, verdict, target, accept))
 
     def http_connected(self, flow: http.HTTPFlow) -> None:
         """The CONNECT was answered 2xx: a connect that fails from now on fails inside an open tunnel."""

@@ -154,6 +154,13 @@ class TunnelWatch:
             self.gate.tunnel_closed(tunnel, 0, 0, None)
 
 
+def close_every_client() -> None:
+    """A stop's end of the grace period: close every client connection mitmproxy holds, as ``close_client`` does
+    one, so that each tunnel's and WebSocket's end is seen and recorded before the process goes."""
+    for client_id in list(ctx.master.addons.get("proxyserver").connections):
+        close_client(client_id)
+
+
 def close_client(client_id: str) -> None:
     """Close a client connection from outside mitmproxy's layers (its session ended): its socket is closed,
     mitmproxy sees the end as a client that went, and the relay reports (``Gate.tunnel_closed``)."""
