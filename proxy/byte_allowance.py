@@ -37,6 +37,7 @@ class ByteAllowance:
         self.left = dict(self.budgets)
         self.crossed = crossed
         self.spent = False
+        self.spent_way: str | None = None  # the way whose budget a chunk would have passed (UP or DOWN)
         self.holders = 0  # open tunnels and WebSockets sharing it (the gate drops it at 0)
         # The store's usage has been read into it (``refresh``). The gate makes one unread and lets nothing
         # under it relay until a look has read it (``Gate._allowance_known``); an unread one takes nothing.
@@ -60,7 +61,8 @@ class ByteAllowance:
         if left is None and not self.spent:
             return True
         if self.spent or size > (left or 0):
-            self.spent = True
+            if not self.spent:
+                self.spent, self.spent_way = True, key
             budget = self.budgets[key]
             if budget is None:  # spent the other way: no count to report this way
                 key, budget, left = self._spent_way()
@@ -86,11 +88,12 @@ class ByteAllowance:
 
     def used(self) -> Usage:
         """The bytes the session has moved each way as this allowance knows them (the budget less what is left;
-        the whole budget once spent), for judging a request before its name is looked up."""
+        the whole budget the way it was spent), for judging a request before its name is looked up."""
         used = {}
         for key in (UP, DOWN):
             budget = self.budgets[key]
-            used[key] = 0 if budget is None else budget if self.spent else budget - (self.left[key] or 0)
+            spent = self.spent and key == self.spent_way
+            used[key] = 0 if budget is None else budget if spent else budget - (self.left[key] or 0)
         return Usage(request_bytes=used[UP], response_bytes=used[DOWN])
 
     def _spent_way(self) -> tuple[str, int, int]:

@@ -70,17 +70,18 @@ def test_a_look_leaves_the_budget_less_the_stores_count_and_what_moved_since():
 @given(st.integers(0, 10_000), st.one_of(st.none(), st.integers(0, 10_000)),
        st.lists(st.tuples(st.sampled_from([UP, DOWN]), st.integers(0, 3_000)), max_size=20))
 def test_what_it_says_was_used_is_what_it_took_and_the_whole_budget_once_spent(up, down, chunks):
-    """``used`` is what ``Gate._session_first`` judges a request's budgets on before the name is looked up."""
+    """``used`` is what ``Gate._session_first`` judges a request's budgets on before the name is looked up: a
+    session that crossed only its response budget is refused by that one, not by its request budget."""
     bounded, _ = allowance(up, down)
     moved = {UP: 0, DOWN: 0}
     for way, size in chunks:
         if bounded.take(way, size):
             moved[way] += size
     used = bounded.used()
-    if bounded.spent:
-        assert (used.request_bytes, used.response_bytes) == (up, down or 0)
-    else:
-        assert (used.request_bytes, used.response_bytes) == (moved[UP], moved[DOWN] if down is not None else 0)
+    expected = {UP: moved[UP], DOWN: moved[DOWN] if down is not None else 0}
+    if bounded.spent:  # the way that was spent is at its budget (its next request is refused by that budget)
+        expected[bounded.spent_way] = up if bounded.spent_way == UP else down
+    assert (used.request_bytes, used.response_bytes) == (expected[UP], expected[DOWN])
 
 
 def test_no_budget_one_way_takes_anything_that_way():
