@@ -371,6 +371,13 @@ class FastHttp:
                                         _pipelined_reason(gate.policy.limits.max_header_bytes))
             await ended_early(ended.answer, ended.error)
             return False, b"", None
+        except asyncio.CancelledError:
+            # A stop past its grace (Front.end_open): the record is written before the task goes.
+            gate.response_closed(ask.flow_id, client, request.method, target, verdict, started, relayed.up,
+                                 relayed.down, relayed.status, "cancelled", charged)
+            if upstream is not None:
+                upstream.close()
+            raise
         except (OSError, TimeoutError) as err:
             error = f"the exchange failed: {getattr(err, 'strerror', None) or err}"
             # Nothing of a response reached the client (the origin reset the connection): it is told with a

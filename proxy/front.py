@@ -66,6 +66,7 @@ class Front:
         self._accepting: asyncio.Task | None = None
         self._over_cap_pending = 0
         self._open: set[socket.socket] = set()  # client connections served here, not handed to mitmproxy
+        self._serving: set[asyncio.Task] = set()  # their tasks
 
     async def start(self, host: str, port: int, reuse_port: bool = False) -> tuple[str, int]:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -91,6 +92,15 @@ class Front:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
 
+    async def end_open(self, timeout: float) -> None:
+        """A stop, after ``cut_open``: what has still not ended (a connect that hangs, an exchange waiting on its
+        origin) is cancelled, and each writes its record as it goes (error: egresswall stopped)."""
+        tasks = list(self._serving)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
+
     def stop_accepting(self) -> None:
         if self._accepting is not None:
             self._accepting.cancel()
@@ -108,7 +118,9 @@ class Front:
                 continue
             conn.setblocking(False)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            loop.create_task(self._serve(conn))
+            task = loop.create_task(self._serve(conn))
+            self._serving.add(task)
+            task.add_done_callback(self._serving.discard)
 
     # ---- one connection -----------------------------------------------------------------------
 

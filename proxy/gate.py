@@ -389,7 +389,7 @@ class Gate:
         self._unwatch_session(tunnel.id, tunnel)
         if tunnel.cut_by is not None:
             error = f"{tunnel.cut_by.reason} ({tunnel.cut_by.rule}): egresswall closed the tunnel"
-        elif self.stopping_cut:
+        elif self.stopping_cut:  # whatever it saw, the stop's cut ended it
             error = STOP_CUT
         self.metrics.tunnel_closed()
         record = self.recorder.record(TUNNEL, tunnel.id, tunnel.client, "CONNECT", tunnel.target, tunnel.verdict,

@@ -24,7 +24,7 @@ from policy.addresses import unwrap_mapped
 
 from . import mitm_patches
 from .addons import egresswall_addons, patch_state_for
-from .addons.tunnel_watch import close_every_client
+from .addons.tunnel_watch import close_every_client, record_open
 from .admin import AdminServer
 from .audit import AuditLog, json_line
 from .front import Front
@@ -99,6 +99,7 @@ class ProxyRunner:
     # ---- lifecycle ----------------------------------------------------------------------------
 
     async def run(self) -> None:
+        outside = asyncio.all_tasks()  # the caller's tasks (its own, awaiting this one): never cancelled here
         if self.config.reuse_port:
             _listen_with_reuse_port()
         mitm_patches.install(self.patch_state)
@@ -170,6 +171,7 @@ class ProxyRunner:
             await self.admin.stop()
             with contextlib.suppress(Exception):
                 await self.sessions.store.close()
+            await _end_own_tasks(outside, 1.0)
             self.audit.close()
             mitm_patches.uninstall()
 
@@ -257,7 +259,9 @@ class ProxyRunner:
         async def handled(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             try:
                 await instance.handle_stream(reader, writer)
-            finally:
+            except asyncio.CancelledError:
+                writer.transport.abort()  # a stop ended it (_end_own_tasks): asyncio's stream callback would log
+            finally:                      # the cancellation as an error
                 done()
 
         async def attach() -> None:
@@ -303,6 +307,10 @@ class ProxyRunner:
             recorded_by = asyncio.get_running_loop().time() + 2
             while self.gate.admission.total > 0 and asyncio.get_running_loop().time() < recorded_by:
                 await asyncio.sleep(0.05)
+            if self.gate.admission.total > 0:  # a connect that hangs, an exchange waiting on its origin
+                if self.front is not None:
+                    await self.front.end_open(1.0)
+                record_open()
         took = asyncio.get_running_loop().time() - started
         if not self.ready.is_set():
             log.info("stopped during start-up, at %s", _utc_now())
@@ -312,6 +320,19 @@ class ProxyRunner:
         else:
             log.info("stopped at %s after %.1fs; every connection had finished", _utc_now(), took)
         self.master.shutdown()
+
+
+async def _end_own_tasks(outside: set[asyncio.Task], timeout: float) -> None:
+    """Before the audit log closes and mitmproxy's patches come off: every task the proxy started that is still
+    running (a connection mitmproxy's shutdown left going) is cancelled and given ``timeout`` to end, so that a
+    record it writes as it goes finds the log open and the patches it runs through still in place. ``outside``:
+    the tasks that were running before the proxy started (its caller's), left alone."""
+    current = asyncio.current_task()
+    tasks = [task for task in asyncio.all_tasks() if task is not current and task not in outside and not task.done()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout)
 
 
 def _logged(sig: signal.Signals, handler):

@@ -28,6 +28,17 @@ REFUSED = "egresswall_refused_response"  # a refusal that replaced an upstream's
 class AuditTrail:
     def __init__(self, gate: Gate) -> None:
         self.gate = gate
+        self.live: dict[str, http.HTTPFlow] = {}  # allowed exchanges (WebSockets too) whose record is still to come
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        if VERDICT in flow.metadata:  # allowed (DecisionAddon's hook ran before this one)
+            self.live[flow.id] = flow
+
+    def record_open(self) -> None:
+        """A stop: each exchange and WebSocket still open when the connections were closed gets its record now
+        (error: egresswall stopped), while the audit log is open, rather than none once mitmproxy is shut down."""
+        for flow in list(self.live.values()):
+            self._ended(flow, "stopped")
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         verdict = flow.metadata.get(VERDICT)
@@ -72,6 +83,7 @@ class AuditTrail:
         self._ended(flow, flow.error.msg if flow.error else "error")
 
     def _ended(self, flow: http.HTTPFlow, error: str | None) -> None:
+        self.live.pop(flow.id, None)
         verdict = flow.metadata.get(VERDICT)
         if verdict is None or flow.metadata.get("egresswall_ended"):
             return  # refused (its decision record says so) or already recorded

@@ -155,10 +155,22 @@ class TunnelWatch:
 
 
 def close_every_client() -> None:
-    """A stop's end of the grace period: close every client connection mitmproxy holds, as ``close_client`` does
-    one, so that each tunnel's and WebSocket's end is seen and recorded before the process goes."""
-    for client_id in list(ctx.master.addons.get("proxyserver").connections):
-        close_client(client_id)
+    """A stop's end of the grace period: close every client connection mitmproxy holds, at once (aborted: a
+    client that does not read must not hold its close), so that each tunnel's and WebSocket's end is seen and
+    recorded before the process goes."""
+    for handler in list(ctx.master.addons.get("proxyserver").connections.values()):
+        io = handler.transports.get(handler.client)
+        if io is not None and io.writer is not None:
+            io.writer.transport.abort()
+
+
+def record_open() -> None:
+    """A stop: what mitmproxy has not ended since ``close_every_client`` gets its record now, while the audit log
+    is open: exchanges and WebSockets (``AuditTrail.record_open``) and tunnels (bytes unknown here: 0)."""
+    ctx.master.addons.get("audittrail").record_open()
+    watch = ctx.master.addons.get("tunnelwatch")
+    for tunnel in list(watch.table.tunnels.values()):
+        watch.gate.tunnel_closed(tunnel, 0, 0, "stopped")
 
 
 def close_client(client_id: str) -> None:
