@@ -11,17 +11,11 @@ import time
 import pytest
 from labnet import PUBLIC_IP
 from proxyproc import both_transports
+from ws_client import await_accept, proxy_for_port, read_until_close, records_of_rule, send_deflate_handshake
 from ws_echo import WsEcho
-from wsproto import ConnectionType, WSConnection
-from wsproto.events import AcceptConnection, CloseConnection, Message, Request
-from wsproto.extensions import PerMessageDeflate
+from wsproto.events import Message
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("internal_saw_nothing")]
-
-
-def _proxy(lab, start_proxy, port: int, limits: str = ""):
-    text = lab.policy_text(limits=limits).replace("  http: [", f"  http: [{port}, ")
-    return start_proxy(text.replace("  connect: [", f"  connect: [{port}, "))
 
 
 @both_transports
@@ -29,17 +23,9 @@ def _proxy(lab, start_proxy, port: int, limits: str = ""):
 def test_a_compressed_bomb_split_is_refused_as_too_big_with_its_record(lab, start_proxy, shape):
     echo = WsEcho(PUBLIC_IP, deflate=True)
     try:
-        proxy = _proxy(lab, start_proxy, echo.port, limits="limits:\n  max_websocket_message: 1000\n")
-        authority = f"public.lab.example:{echo.port}"
-        ws = WSConnection(ConnectionType.CLIENT)
-        sock = socket.create_connection((proxy.host, proxy.port), timeout=10)
-        sock.sendall(ws.send(Request(host=authority, target=f"http://{authority}/chat",
-                                     extensions=[PerMessageDeflate()])))
-        accepted = None
-        while accepted is None:
-            ws.receive_data(sock.recv(65536))
-            accepted = next((e for e in ws.events() if isinstance(e, AcceptConnection)), None)
-        assert accepted.extensions, "permessage-deflate was not negotiated"
+        proxy = proxy_for_port(lab, start_proxy, echo.port, limits="limits:\n  max_websocket_message: 1000\n")
+        ws, sock = send_deflate_handshake(proxy, f"public.lab.example:{echo.port}")
+        assert await_accept(ws, sock).extensions, "permessage-deflate was not negotiated"
         data = bytes(range(256)) * 4 + bytes(5_000_000)  # a little that does not compress, then zeros
         if shape == "fragments":
             wire = b"".join(ws.send(Message(data=data[i:i + 500_000], message_finished=i + 500_000 >= len(data)))
@@ -56,23 +42,8 @@ def test_a_compressed_bomb_split_is_refused_as_too_big_with_its_record(lab, star
             except OSError:
                 break
             time.sleep(0.15)
-        closed = None
-        sock.settimeout(5)
-        while closed is None:
-            try:
-                got = sock.recv(65536)
-            except OSError:
-                break
-            ws.receive_data(got or None)
-            closed = next((e for e in ws.events() if isinstance(e, CloseConnection)), None)
-            if not got:
-                break
-        sock.close()
-        deadline = time.monotonic() + 3
-        while not (lines := [r for r in proxy.audit() if r.get("rule") == "limits.max_websocket_message"]):
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
+        closed, _ = read_until_close(ws, sock, timeout=5)
+        lines = records_of_rule(proxy, "limits.max_websocket_message")
         assert closed is not None and closed.code == 1009, (closed, proxy.audit()[-3:])
         assert len(lines) == 1, proxy.audit()
     finally:
@@ -131,30 +102,10 @@ class BombOrigin(ConnectionServer):
 def test_a_compressed_bomb_from_the_origin_is_refused_as_too_big_with_its_record(lab, start_proxy, pieces):
     origin = BombOrigin(pieces)
     try:
-        proxy = _proxy(lab, start_proxy, origin.port, limits="limits:\n  max_websocket_message: 1000\n")
-        authority = f"public.lab.example:{origin.port}"
-        ws = WSConnection(ConnectionType.CLIENT)
-        sock = socket.create_connection((proxy.host, proxy.port), timeout=10)
-        sock.sendall(ws.send(Request(host=authority, target=f"http://{authority}/chat",
-                                     extensions=[PerMessageDeflate()])))
-        closed, events = None, []
-        sock.settimeout(6)
-        while closed is None:
-            try:
-                got = sock.recv(65536)
-            except OSError:
-                break
-            ws.receive_data(got or None)
-            events += list(ws.events())
-            closed = next((e for e in events if isinstance(e, CloseConnection)), None)
-            if not got:
-                break
-        sock.close()
-        deadline = time.monotonic() + 3
-        while not (lines := [r for r in proxy.audit() if r.get("rule") == "limits.max_websocket_message"]):
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
+        proxy = proxy_for_port(lab, start_proxy, origin.port, limits="limits:\n  max_websocket_message: 1000\n")
+        ws, sock = send_deflate_handshake(proxy, f"public.lab.example:{origin.port}")
+        closed, events = read_until_close(ws, sock, timeout=6)
+        lines = records_of_rule(proxy, "limits.max_websocket_message")
         assert closed is not None and closed.code == 1009, (closed, events[:3], proxy.audit()[-3:])
         assert len(lines) == 1, proxy.audit()
     finally:

@@ -17,46 +17,23 @@ import ssl
 
 import pytest
 from dnslab import Record
-from intercept_client import RecordingTlsOrigin, open_intercepted, read_until_quiet
-from labnet import PUBLIC_IP, self_signed
-from proxyproc import TRANSPORTS, ProxyProcess, parse_response, read_response
+from idna_lab import ALLOWED, INTERNAL, REFUSED, proxy_on, tls_origin
+from intercept_client import open_intercepted, read_until_quiet
+from labnet import PUBLIC_IP
+from proxyproc import TRANSPORTS, parse_response, read_response
 from rawclient import read_all, tunnel
 
 pytestmark = pytest.mark.integration
 
-ALLOWED = "xn--fa-hia.lab.example"      # faß.lab.example
-REFUSED = "xn--strae-oqa.lab.example"   # straße.lab.example, denied by name
-INTERNAL = "xn--gro-7ka.lab.example"    # groß.lab.example, resolves to the internal stand-in
-
 
 @pytest.fixture(scope="module")
 def origin(tmp_path_factory):
-    context, cert = self_signed([ALLOWED, f"intercepted.{ALLOWED}"], str(tmp_path_factory.mktemp("r20idnacert")))
-    server = RecordingTlsOrigin(context)
-    server.cert = cert
-    yield server
-    server.close()
+    yield from tls_origin(str(tmp_path_factory.mktemp("r20idnacert")))
 
 
 @pytest.fixture(scope="module", params=list(TRANSPORTS))
 def proxy(lab, origin, tmp_path_factory, request):
-    lab.dns.set(ALLOWED, [Record("A", PUBLIC_IP)])
-    lab.dns.set(REFUSED, [Record("A", PUBLIC_IP)])
-    lab.dns.set(INTERNAL, [Record("A", "127.0.0.3")])
-    folder = tmp_path_factory.mktemp("r20idna")
-    policy = folder / "policy.yaml"
-    policy.write_text(lab.policy_text(
-        f"hosts:\n  deny:\n    - host: {REFUSED}\n  allow:\n    - host: intercepted.{ALLOWED}\n"
-        "      intercept: true\n").replace(f"connect: [443, {lab.public_tls.port}]",
-                                          f"connect: [443, {lab.public_tls.port}, {origin.port}, {lab.public.port}]"))
-    lab.dns.set(f"intercepted.{ALLOWED}", [Record("A", PUBLIC_IP)])
-    process = ProxyProcess(["--policy", str(policy), "--confdir", str(folder / "ca"), "--upstream-ca",
-                            str(origin.cert), *TRANSPORTS[request.param]], folder / "audit.jsonl")
-    process.transport = request.param
-    yield process
-    process.stop()
-    assert "Traceback" not in process.stderr, process.stderr[-2000:]
-    assert not [e for e in process.outbound() if e["host"] != PUBLIC_IP], process.outbound()
+    yield from proxy_on(lab, origin, tmp_path_factory.mktemp("r20idna"), request.param)
 
 
 def _last_decision(proxy, host: str) -> dict:

@@ -16,9 +16,6 @@ objects to it (``/squid-internal-mgr/...``, its cache manager; Debian's default 
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,60 +23,19 @@ import pytest
 from fake_upstream_proxy import FakeUpstream, header
 from labnet import PUBLIC_IP
 from proxyproc import TRANSPORTS
-from squid_files import hand_to_squid_user
-from test_squid_differential import SQUID, Squid, _guard, free_port
-from test_upstream_proxy import NCSA_AUTH, PASSWORD, USER, credentials_file
+from test_upstream_proxy import ONLY_AUTHED, credentials_file, start_squid_with_auth
 
 pytestmark = pytest.mark.integration
 
-SQUID_CONF = """\
-http_port 127.0.0.1:{port}
-pid_filename {dir}/squid.pid
-cache_log {dir}/cache.log
-access_log stdio:{dir}/access.log
-buffered_logs off
-cache deny all
-visible_hostname squid-r20.lab.example
-cache_mem 8 MB
-coredump_dir {dir}
-dns_nameservers 127.0.0.1
-hosts_file {dir}/hosts
-pinger_enable off
-netdb_filename none
-icp_port 0
-htcp_port 0
-shutdown_lifetime 0 seconds
-connect_timeout 5 seconds
-auth_param basic program {auth} {dir}/passwd
-auth_param basic realm egresswall-lab
-{guard}acl authed proxy_auth REQUIRED
 # Debian's default order: the cache manager from localhost, then the proxy's own users.
-http_access allow localhost manager
-http_access deny manager
-http_access allow authed
-http_access deny all
-"""
+MANAGER_FIRST = "http_access allow localhost manager\nhttp_access deny manager\n" + ONLY_AUTHED
 
 
 @pytest.fixture(scope="module")
 def squid_with_manager():
-    if SQUID is None or not Path(NCSA_AUTH).exists() or shutil.which("openssl") is None:
-        pytest.skip("needs Debian's squid with basic_ncsa_auth, and openssl")
-    workdir = Path(tempfile.mkdtemp(prefix="ew-squid-r20-"))
-    hashed = subprocess.run(["openssl", "passwd", "-apr1", PASSWORD], capture_output=True, text=True,
-                            check=True).stdout.strip()
-    (workdir / "passwd").write_text(f"{USER}:{hashed}\n")
-    (workdir / "hosts").write_text(f"{PUBLIC_IP} public.lab.example\n127.0.0.1 squid-r20.lab.example\n")
-    for name in ("cache.log", "access.log"):
-        (workdir / name).touch()
-    port = free_port()
-    conf = workdir / "squid.conf"
-    conf.write_text(SQUID_CONF.format(port=port, dir=workdir, auth=NCSA_AUTH, guard=_guard()))
-    hand_to_squid_user(workdir)
-    running = Squid(conf, port, workdir)
-    yield running
-    running.stop()
-    shutil.rmtree(workdir, ignore_errors=True)
+    yield from start_squid_with_auth(
+        "ew-squid-r20-", f"{PUBLIC_IP} public.lab.example\n127.0.0.1 squid-r20.lab.example\n", MANAGER_FIRST,
+        extra="visible_hostname squid-r20.lab.example\n")
 
 
 def _policy(lab, port: int, credentials: Path) -> str:

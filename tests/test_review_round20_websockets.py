@@ -33,10 +33,10 @@ from labnet import PUBLIC_IP
 from listening import ConnectionServer
 from proxyproc import both_transports
 from rawclient import read_head
+from ws_client import await_accept, proxy_for_port, read_until_close, records_of_rule, send_deflate_handshake
 from ws_echo import WsEcho
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, CloseConnection, Message, Request
-from wsproto.extensions import PerMessageDeflate
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("internal_saw_nothing")]
 
@@ -102,11 +102,6 @@ def _ws_origin(extension: bytes = b"", chunked_body: bool = False, hold: float =
     return script
 
 
-def _proxy(lab, start_proxy, port: int, limits: str = ""):
-    text = lab.policy_text(limits=limits).replace("  http: [", f"  http: [{port}, ")
-    return start_proxy(text.replace("  connect: [", f"  connect: [{port}, "))
-
-
 def _handshake(proxy, port: int, carrier: str, method: str = "GET", extra: str = "", body: bytes = b""):
     authority = f"public.lab.example:{port}"
     sock = socket.create_connection((proxy.host, proxy.port), timeout=10)
@@ -139,7 +134,7 @@ def test_an_origins_bad_deflate_parameter_does_not_crash_the_websocket_layer(lab
     limits.idle_timeout (30 s here), and the response record says 101, no error."""
     extension = f"Sec-WebSocket-Extensions: permessage-deflate; {parameter}\r\n".encode()
     origin = RawOrigin(_ws_origin(extension, hold=15))
-    proxy = _proxy(lab, start_proxy, origin.port, limits="limits:\n  idle_timeout: 30\n")
+    proxy = proxy_for_port(lab, start_proxy, origin.port, limits="limits:\n  idle_timeout: 30\n")
     sock = _handshake(proxy, origin.port, carrier)
     head = read_head(sock)
     assert head.startswith(b"HTTP/1.1 502") and b"X-Egresswall-Rule: http:websocket-extension" in head, head
@@ -173,7 +168,7 @@ def test_websocket_frames_after_a_chunked_upgrade_request_are_not_chunk_wrapped(
     every RequestData of a request whose Transfer-Encoding is chunked, and after a 101 the WebSocket layer's
     bytes to the origin go out as RequestData."""
     origin = RawOrigin(_ws_origin(chunked_body=True, early=True))
-    proxy = _proxy(lab, start_proxy, origin.port)
+    proxy = proxy_for_port(lab, start_proxy, origin.port)
     sock = _handshake(proxy, origin.port, carrier, method="POST", extra="Transfer-Encoding: chunked\r\n")
     time.sleep(1)  # the origin has answered 101 meanwhile (egresswall holds it until the body is done)
     sock.sendall(b"a\r\nAAAAAAAAAA\r\n0\r\n\r\n")
@@ -198,32 +193,12 @@ def test_a_compressed_message_in_one_read_over_the_limit_is_refused_as_too_big(l
     get 1009 and the record; the outcome depends on where zlib stops in the input.)"""
     echo = WsEcho(PUBLIC_IP, deflate=True)
     try:
-        proxy = _proxy(lab, start_proxy, echo.port, limits="limits:\n  max_websocket_message: 1000\n")
-        authority = f"public.lab.example:{echo.port}"
-        ws = WSConnection(ConnectionType.CLIENT)
-        sock = socket.create_connection((proxy.host, proxy.port), timeout=10)
-        sock.sendall(ws.send(Request(host=authority, target=f"http://{authority}/chat",
-                                     extensions=[PerMessageDeflate()])))
-        accepted = None
-        while accepted is None:
-            ws.receive_data(sock.recv(65536))
-            accepted = next((e for e in ws.events() if isinstance(e, AcceptConnection)), None)
-        assert accepted.extensions, "permessage-deflate was not negotiated"
+        proxy = proxy_for_port(lab, start_proxy, echo.port, limits="limits:\n  max_websocket_message: 1000\n")
+        ws, sock = send_deflate_handshake(proxy, f"public.lab.example:{echo.port}")
+        assert await_accept(ws, sock).extensions, "permessage-deflate was not negotiated"
         sock.sendall(ws.send(Message(data=bytes(size))))
-        closed = None
-        sock.settimeout(5)
-        while closed is None:
-            data = sock.recv(65536)
-            ws.receive_data(data or None)
-            closed = next((e for e in ws.events() if isinstance(e, CloseConnection)), None)
-            if not data:
-                break
-        sock.close()
-        deadline = time.monotonic() + 3
-        while not (lines := [r for r in proxy.audit() if r.get("rule") == "limits.max_websocket_message"]):
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
+        closed, _ = read_until_close(ws, sock, timeout=5)
+        lines = records_of_rule(proxy, "limits.max_websocket_message")
         assert closed is not None and closed.code == 1009, closed
         assert len(lines) == 1, proxy.audit()
     finally:
@@ -239,7 +214,7 @@ def test_a_websockets_bytes_are_recorded(lab, start_proxy, carrier):
     what it carried; a WebSocket's bytes are in no record unless a session is charged them."""
     echo = WsEcho(PUBLIC_IP)
     try:
-        proxy = _proxy(lab, start_proxy, echo.port)
+        proxy = proxy_for_port(lab, start_proxy, echo.port)
         authority = f"public.lab.example:{echo.port}"
         ws = WSConnection(ConnectionType.CLIENT)
         sock = socket.create_connection((proxy.host, proxy.port), timeout=10)
@@ -280,7 +255,7 @@ def test_a_handshake_that_is_not_a_bodyless_get_of_version_13_is_refused_before_
     """A second Sec-WebSocket-Version (8 beside 13) is one mitmproxy cannot relay either: it sent the 101 on and
     then cut the connection ("no protocol is enabled to upgrade to"), recorded as a WebSocket answered."""
     origin = RawOrigin(_ws_origin())
-    proxy = _proxy(lab, start_proxy, origin.port)
+    proxy = proxy_for_port(lab, start_proxy, origin.port)
     sock = _handshake(proxy, origin.port, "absolute-form", method=method, extra=extra,
                       body=b"hello" if "Content-Length" in extra else b"")
     head = read_head(sock)

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,7 @@ cache_log {dir}/cache.log
 access_log stdio:{dir}/access.log
 buffered_logs off
 cache deny all
-cache_mem 8 MB
+{extra}cache_mem 8 MB
 coredump_dir {dir}
 dns_nameservers 127.0.0.1
 hosts_file {dir}/hosts
@@ -55,31 +56,37 @@ connect_timeout 5 seconds
 auth_param basic program {auth} {dir}/passwd
 auth_param basic realm egresswall-lab
 {guard}acl authed proxy_auth REQUIRED
-http_access allow authed
-http_access deny all
-"""
+{access}"""
+ONLY_AUTHED = "http_access allow authed\nhttp_access deny all\n"
 
 
-@pytest.fixture(scope="module")
-def squid(tmp_path_factory):
-    """A squid on 127.0.0.1 that answers only after Basic authentication as USER."""
+def start_squid_with_auth(prefix: str, hosts: str, access: str = ONLY_AUTHED, extra: str = "") -> Iterator[Squid]:
+    """A squid on 127.0.0.1 that asks for Basic authentication as USER, names resolved from ``hosts`` (a hosts
+    file's text), ``access`` its http_access lines; stopped and removed on the way out."""
     if SQUID is None or not Path(NCSA_AUTH).exists() or shutil.which("openssl") is None:
         pytest.skip("needs Debian's squid with basic_ncsa_auth, and openssl (make test installs them)")
-    workdir = Path(tempfile.mkdtemp(prefix="ew-squid-upstream-"))
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
     hashed = subprocess.run(["openssl", "passwd", "-apr1", PASSWORD], capture_output=True, text=True,
                             check=True).stdout.strip()
     (workdir / "passwd").write_text(f"{USER}:{hashed}\n")
-    (workdir / "hosts").write_text("".join(f"{PUBLIC_IP} {name}\n" for name in LAB_NAMES))
+    (workdir / "hosts").write_text(hosts)
     for name in ("cache.log", "access.log"):
         (workdir / name).touch()
     port = free_port()
     conf = workdir / "squid.conf"
-    conf.write_text(SQUID_CONF.format(port=port, dir=workdir, auth=NCSA_AUTH, guard=_guard()))
+    conf.write_text(SQUID_CONF.format(port=port, dir=workdir, auth=NCSA_AUTH, guard=_guard(), access=access,
+                                      extra=extra))
     hand_to_squid_user(workdir)
     running = Squid(conf, port, workdir)
     yield running
     running.stop()
     shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def squid(tmp_path_factory):
+    """A squid on 127.0.0.1 that answers only after Basic authentication as USER."""
+    yield from start_squid_with_auth("ew-squid-upstream-", "".join(f"{PUBLIC_IP} {name}\n" for name in LAB_NAMES))
 
 
 def access_log(squid: Squid) -> list[str]:
