@@ -158,6 +158,10 @@ gate's owner builds — installing a second, different state is an error, never 
   mitmproxy reads hosts with Python's IDNA 2003 codec, which refuses an A-label such as ``xn--fa-hia`` (faß),
   so its path answered 400 to names the core and the fast front decide as any other. Its readers now also take
   an all-ASCII name the core accepts. Test: test_review_round20_idna.py.
+* **An upstream proxy's answer to the CONNECT** (``HttpUpstreamProxy``; ``proxy/mitm_upstream_wait.py``): in
+  upstream mode mitmproxy waited for it with no bound but ``limits.idle_timeout``, and the record blamed the
+  client; it is bounded by ``limits.connect_timeout``, as on the fast front, and the record names the upstream.
+  Test: test_review_round20_upstream_stall.py.
 """
 
 from __future__ import annotations
@@ -206,7 +210,7 @@ from policy.decision import Verdict
 from policy.hosts import for_logs
 from policy.model import Limits
 
-from . import mitm_hostnames
+from . import mitm_hostnames, mitm_upstream_wait
 from .accept import prefers_json
 from .body_reasons import TRAILERS_REASON, body_line_too_long_reason, body_unparseable_reason
 from .dial import connect_failed, connect_timed_out
@@ -313,6 +317,7 @@ def install(state: PatchState) -> None:
     if _originals:
         return
     mitm_hostnames.install()
+    mitm_upstream_wait.install(lambda: state.limits().connect_timeout)
     _originals.update(start_request_stream=HttpStream.start_request_stream,
                       handle_protocol_error=HttpStream.handle_protocol_error,
                       check_invalid=HttpStream.check_invalid,
@@ -370,6 +375,7 @@ def uninstall() -> None:
     """Put mitmproxy back (in-process tests)."""
     global _state
     mitm_hostnames.uninstall()
+    mitm_upstream_wait.uninstall()
     if _originals:
         HttpStream.start_request_stream = _originals["start_request_stream"]
         HttpStream.handle_protocol_error = _originals["handle_protocol_error"]

@@ -10,7 +10,8 @@ import pytest
 from fake_upstream_proxy import FakeUpstream, creds_file, upstream_policy
 from proxyproc import both_transports
 from rawclient import read_head
-from test_review_round20_websockets import RawOrigin, _handshake, _proxy, _ws_origin
+from test_review_round20_websockets import RawOrigin, _handshake, _ws_origin
+from ws_client import proxy_for_port
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, Message, Request
 
@@ -43,7 +44,7 @@ def _open_ws(proxy, port):
 def test_handshake_shapes(lab, start_proxy, name, extra):
     """What the README's 'a GET without a body carrying one Sec-WebSocket-Version: 13' means at the edges."""
     origin = RawOrigin(_ws_origin(hold=1))
-    proxy = _proxy(lab, start_proxy, origin.port)
+    proxy = proxy_for_port(lab, start_proxy, origin.port)
     if extra is None:
         authority = f"public.lab.example:{origin.port}"
         sock = socket.create_connection((proxy.host, proxy.port), timeout=10)
@@ -60,7 +61,7 @@ def test_handshake_shapes(lab, start_proxy, name, extra):
 @both_transports
 def test_head_upgrade_is_refused(lab, start_proxy):
     origin = RawOrigin(_ws_origin(hold=1))
-    proxy = _proxy(lab, start_proxy, origin.port)
+    proxy = proxy_for_port(lab, start_proxy, origin.port)
     sock = _handshake(proxy, origin.port, "absolute-form", method="HEAD")
     head = read_head(sock)
     sock.close()

@@ -1,10 +1,10 @@
 """Review round 20 (a helper's: upstream proxy): an upstream proxy that stalls or breaks off its answer to the
 CONNECT.
 
-Both transports bound it (fast: limits.connect_timeout, 502; mitmproxy's upstream mode: limits.idle_timeout,
-after its 200). On mitmproxy's path the tunnel's record then says "the client connection closed": egresswall
-closed it because the upstream never answered its CONNECT, and README says the record names the upstream's
-answer ("the tunnel's record names the upstream's status"). A record-accuracy defect, mitmproxy's path only.
+Both transports bound it by limits.connect_timeout (the fast front answers 502; mitmproxy's upstream mode has
+answered 200 itself and closes the tunnel), and the tunnel's record names the upstream, not the client. Until
+proxy/mitm_upstream_wait.py, mitmproxy's path waited until limits.idle_timeout and its record said "the client
+connection closed" (two strict xfails here, review round 20).
 """
 from __future__ import annotations
 
@@ -37,11 +37,7 @@ class Breaking(FakeUpstream):
 @pytest.mark.parametrize(("first", "close"), [(b"HTTP/1.1 200 Conn", True), (b"HTTP/1.1 200 OK\r\nX: y\r\n", False),
                                               (b"", False)])
 def test_a_stalled_or_broken_connect_answer_is_bounded_and_recorded(lab, start_proxy, transport, first, close,
-                                                                    request) -> None:
-    if transport == "mitmproxy" and not close:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "open: mitmproxy's upstream mode answers the CONNECT 200 itself and waits for the upstream's answer "
-            "with no bound but limits.idle_timeout; the record then says the client connection closed (README)")))
+                                                                    ) -> None:
     up = Breaking(first, close)
     try:
         policy = lab.policy_text(f"upstream:\n  proxy: http://127.0.0.1:{up.port}\n  resolution: upstream\n",
@@ -62,5 +58,7 @@ def test_a_stalled_or_broken_connect_answer_is_bounded_and_recorded(lab, start_p
         assert took < 6.5  # connect_timeout (2 s) on the fast path; idle_timeout (4 s) would do
         assert closed, proxy.audit()
         assert "client connection closed" not in (closed[0]["error"] or ""), closed[0]  # it was the upstream
+        if transport == "mitmproxy" and not first.startswith(b"HTTP/1.1 200 Conn"):  # a head it never finished
+            assert f"the upstream proxy http://127.0.0.1:{up.port} " in closed[0]["error"], closed[0]
     finally:
         up.close()
