@@ -143,6 +143,15 @@ def _never_matches(policy: Policy, rule: HostRule, now: datetime) -> list[str]:
                   else "; with only https/wss schemes it can never match")
         out.append(f"{rule.pattern.text}: methods/paths cannot be checked inside a TLS tunnel without "
                    f"intercept: true{suffix}")
+    intercepted = rule.intercept if rule.action == ALLOW else any(
+        r.intercept for r in policy.allow.candidates(rule.pattern.name))
+    if rule.schemes is not None and "wss" in rule.schemes and "https" not in rule.schemes and not intercepted:
+        # A browser's wss:// is a CONNECT, decided as https before any request inside it is seen (review round 21).
+        out.append(f"{rule.action} {rule.pattern.text}: its scheme wss is never seen in a passed-through TLS tunnel "
+                   "(a wss:// connection is a CONNECT, decided as https), so "
+                   + ("wss:// to this host is not refused; add https, or intercept the host (intercept: true) on an "
+                      "allow rule" if rule.action == DENY else
+                      "it lets no wss:// through; add https, or intercept: true"))
     if rule.needs_visible_request and rule.action == DENY and not plain_only and not any(
             r.intercept for r in policy.allow.candidates(rule.pattern.name)):
         out.append(f"deny {rule.pattern.text}: its methods/paths are checked only in plain HTTP; HTTPS to this host "

@@ -14,7 +14,12 @@ MIN_PORT, MAX_PORT = 1, 65535
 
 def parse_port_list(values: Iterable[int | str]) -> frozenset[int]:
     """``[80, 443, "1025-65535"]`` → the set of ports; ValueError names the bad entry."""
-    return _expand(tuple(values))
+    values = tuple(values)
+    for value in values:
+        if type(value) not in (int, str):  # the cache's key: 443.0 == 443 (and True == 1) would find 443's set
+            _bounds(value)
+            raise ValueError(f"got {value!r}; expected a port number or a range such as '1025-65535'")
+    return _expand(values)
 
 
 @cache

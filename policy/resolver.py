@@ -92,8 +92,15 @@ class DnsResolver:
         return cls(settings.nameservers, settings.timeout, settings.ttl_floor, settings.ttl_ceiling)
 
     @property
-    def nameservers(self) -> list[str]:
-        return [str(ns) for ns in self._resolver.nameservers]
+    def nameservers(self) -> list[tuple[str, int]]:
+        """(address, port) of each server asked (dnspython's objects print as ``Do53:10.0.0.53@53``)."""
+        found = []
+        for ns in self._resolver.nameservers:
+            if isinstance(ns, str):
+                found.append((ns, self._resolver.port))
+            else:
+                found.append((ns.address, getattr(ns, "port", self._resolver.port)))
+        return found
 
     async def resolve(self, name: str) -> Resolution:
         cached = self._cache.get(name)

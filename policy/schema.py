@@ -9,6 +9,7 @@ time after that. Its validators are built on first use and kept.
 from __future__ import annotations
 
 import json
+import math
 import reprlib
 from collections.abc import Iterable
 from functools import cache
@@ -71,14 +72,31 @@ def _collect(doc: YamlDocument, errors: Iterable[jsonschema.ValidationError], pr
             bad.append(path)
 
 
+def _is_integer(checker: object, value: object) -> bool:
+    return type(value) is int  # not a bool, and not 443.0, which JSON Schema counts as an integer
+
+
+def _is_number(checker: object, value: object) -> bool:
+    return type(value) is int or (type(value) is float and math.isfinite(value))  # NaN passes every bound
+
+
+# JSON Schema's types, strict: a port, a count or a size is an int (443.0 reached the port lists, which read
+# it as text), and a number is finite (a policy's YAML refuses .nan and .inf; json.loads, for the admin API,
+# reads NaN and Infinity).
+_Validator = jsonschema.validators.extend(
+    jsonschema.Draft202012Validator,
+    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine_many({"integer": _is_integer,
+                                                                             "number": _is_number}))
+
+
 @cache
 def _document_validator() -> jsonschema.Draft202012Validator:
-    return jsonschema.Draft202012Validator(SCHEMA)
+    return _Validator(SCHEMA)
 
 
 @cache
 def _entry_validator() -> jsonschema.Draft202012Validator:
-    return jsonschema.Draft202012Validator({"$ref": "#/$defs/hostEntry", "$defs": SCHEMA["$defs"]})
+    return _Validator({"$ref": "#/$defs/hostEntry", "$defs": SCHEMA["$defs"]})
 
 
 def definition_problems(data: Any, definition: str) -> list[tuple[KeyPath, str]]:
@@ -99,7 +117,7 @@ def definition_problems(data: Any, definition: str) -> list[tuple[KeyPath, str]]
 
 @cache
 def _definition_validator(definition: str) -> jsonschema.Draft202012Validator:
-    return jsonschema.Draft202012Validator({"$ref": f"#/$defs/{definition}", "$defs": SCHEMA["$defs"]})
+    return _Validator({"$ref": f"#/$defs/{definition}", "$defs": SCHEMA["$defs"]})
 
 
 def _without_host_entries(data: Any) -> tuple[Any, list[tuple[KeyPath, list[Any]]]]:
@@ -157,6 +175,8 @@ def _explain(err: jsonschema.ValidationError) -> str:
         if type(err.instance) is not type(expected):  # version: "1" — the text "1", not the number 1
             return f"got {_json_type(err.instance)} {found!r}; expected {_json_type(expected)} {expected!r}"
         return f"got {found!r}; expected {expected!r}"
+    if kind == "type" and expected == "integer" and type(err.instance) is float:
+        return f"got {found!r}; expected a whole number, written without a fraction or an exponent"
     if kind == "type":
         return f"got {type(err.instance).__name__} {found!r}; expected {expected}"
     if kind == "oneOf":
@@ -166,11 +186,15 @@ def _explain(err: jsonschema.ValidationError) -> str:
     if kind == "pattern":
         what = err.schema.get("title")
         return f"got {found!r}; expected text matching {expected}" + (f" ({what})" if what else "")
+    if kind == "minItems" and expected == 1 and err.absolute_path and err.absolute_path[-1] in _CONDITIONS:
+        return ("got an empty list; expected at least one item (a condition that lists nothing matches nothing: "
+                "on a deny rule it would refuse nothing; leave the key out to match every value)")
     if kind in ("minimum", "maximum", "exclusiveMinimum"):
         return f"got {found!r}; expected a value {_BOUND_WORDS[kind]} {expected}"
     return err.message if len(err.message) <= _MESSAGE_MAX else err.message[:_MESSAGE_MAX] + "..."
 
 
+_CONDITIONS = frozenset({"ports", "schemes", "methods", "paths"})  # a host rule's conditions
 _SHORT = reprlib.Repr(maxlevel=2, maxlist=4, maxdict=4, maxstring=80, maxother=80)
 _MESSAGE_MAX = 400
 

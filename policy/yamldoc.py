@@ -7,6 +7,7 @@ value), so that each problem found later can point at the line to fix.
 
 from __future__ import annotations
 
+import math
 import operator
 import re
 from collections.abc import Iterable
@@ -49,15 +50,63 @@ class _StrictLoader(yaml.SafeLoader):
 
 
 _STR = "tag:yaml.org,2002:str"
-_YAML11_ONLY = {"tag:yaml.org,2002:timestamp", "tag:yaml.org,2002:bool", "tag:yaml.org,2002:int"}
+_BOOL_TAG, _INT_TAG, _FLOAT_TAG = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_YAML11_ONLY = {"tag:yaml.org,2002:timestamp", _BOOL_TAG, _INT_TAG, _FLOAT_TAG}
+# YAML 1.2's core schema, less what a policy has no use for and would only mislead: a leading zero (YAML 1.1
+# reads 0443 as octal 291), ``1_000`` and ``1:30`` (1.1's separators and sexagesimal), and ``.inf`` / ``.nan``
+# (no bound of the schema holds against NaN: ``resolver.timeout: .nan`` loaded and refused every name).
+_BOOLS = {"true": True, "True": True, "TRUE": True, "false": False, "False": False, "FALSE": False}
+_INT = re.compile(r"[-+]?(?:0|[1-9][0-9]*)")
+_FLOAT = re.compile(r"[-+]?(?:(?:0|[1-9][0-9]*)(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")  # an integer too
+MAX_DIGITS = 20  # an integer's digits at most: more than any count, size or port a policy holds
 _StrictLoader.yaml_implicit_resolvers = {
     first: [(tag, rx) for tag, rx in resolvers if tag not in _YAML11_ONLY]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
-_StrictLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
-                                    list("tTfF"))
-_StrictLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?(?:0|[1-9][0-9]*)$"),
-                                    list("-+0123456789"))
+_StrictLoader.add_implicit_resolver(_BOOL_TAG, re.compile(f"^(?:{'|'.join(_BOOLS)})$"), list("tTfF"))
+_StrictLoader.add_implicit_resolver(_INT_TAG, re.compile(f"^{_INT.pattern}$"), list("-+0123456789"))
+_StrictLoader.add_implicit_resolver(_FLOAT_TAG, re.compile(f"^(?:{_FLOAT.pattern})$"), list("-+.0123456789"))
+
+
+def _scalar_error(node: yaml.ScalarNode, message: str) -> yaml.constructor.ConstructorError:
+    return yaml.constructor.ConstructorError(None, None, message, node.start_mark)
+
+
+def _construct_bool(loader: yaml.constructor.SafeConstructor, node: yaml.ScalarNode) -> bool:
+    """A boolean, written plainly or tagged ``!!bool``: true or false only (``!!bool yes`` is YAML 1.1's)."""
+    value = loader.construct_scalar(node)
+    if value not in _BOOLS:
+        raise _scalar_error(node, f"got {value!r} as a boolean; expected true or false")
+    return _BOOLS[value]
+
+
+def _construct_int(loader: yaml.constructor.SafeConstructor, node: yaml.ScalarNode) -> int:
+    """An integer, written plainly or tagged ``!!int``: decimal digits without a leading zero, at most
+    MAX_DIGITS of them (Python refuses to read one of over 4,300 digits, which was an internal error)."""
+    value = loader.construct_scalar(node)
+    if not _INT.fullmatch(value):
+        raise _scalar_error(node, f"got {value!r} as an integer; expected decimal digits without a leading zero "
+                                  "(YAML 1.1 would read 0443 as octal, 1:20 as sexagesimal)")
+    if len(value.lstrip("+-")) > MAX_DIGITS:
+        raise _scalar_error(node, f"got an integer of {len(value.lstrip('+-'))} digits; expected at most {MAX_DIGITS}")
+    return int(value)
+
+
+def _construct_float(loader: yaml.constructor.SafeConstructor, node: yaml.ScalarNode) -> float:
+    """A number with a fraction or an exponent, written plainly or tagged ``!!float``: finite only (``.nan``,
+    ``.inf`` and ``1e999`` are refused: no bound of the schema holds against them)."""
+    value = loader.construct_scalar(node)
+    if not _FLOAT.fullmatch(value):
+        raise _scalar_error(node, f"got {value!r} as a number; expected a decimal number such as 2 or 0.5")
+    number = float(value)
+    if not math.isfinite(number):
+        raise _scalar_error(node, f"got {value!r}, which is not a finite number; expected a decimal number such as "
+                                  "2 or 0.5")
+    return number
+
+
+for _tag, _construct in ((_BOOL_TAG, _construct_bool), (_INT_TAG, _construct_int), (_FLOAT_TAG, _construct_float)):
+    _StrictLoader.add_constructor(_tag, _construct)
 
 # The implicit resolvers by a plain scalar's first character ('' for the empty scalar), each list with the
 # wildcard resolvers (key None, tried after the others) behind it, as BaseResolver.resolve tries them.

@@ -129,14 +129,14 @@ def test_cname_chain_is_reported(dns: DnsLab) -> None:
 
 
 def test_nameservers_are_the_ones_given(dns: DnsLab) -> None:
-    assert resolver(dns).nameservers == [f"Do53:127.0.0.1@{dns.port}"]
+    assert resolver(dns).nameservers == [("127.0.0.1", dns.port)]
 
 
 def test_for_policy_uses_the_policy_settings(dns: DnsLab) -> None:
     pol = parse_policy("version: 1\nresolver:\n  timeout: 0.7\n  ttl_floor: 5\n  ttl_ceiling: 50\n", "p.yaml",
                        Overrides(nameservers=[dns.address]))
     res = DnsResolver.for_policy(pol)
-    assert res.nameservers == [f"Do53:127.0.0.1@{dns.port}"]
+    assert res.nameservers == [("127.0.0.1", dns.port)]
     assert (res.timeout, res.ttl_floor, res.ttl_ceiling) == (0.7, 5, 50)
 
 
