@@ -1335,3 +1335,204 @@ def test_shared_shape_check_catches(case):
     docs = shared_docs()
     mutate(docs)
     assert any(expected in p for p in shared_problems(docs)), shared_problems(docs)
+
+
+# -- the stop: open tunnels get the policy's tunnel_grace, and the deployment waits for it ------------------
+
+# After limits.tunnel_grace egresswall closes what is still open and records it within about 3 s more (README,
+# the start-up paragraph; proxy/runner.py ``stop``: 2 s for the closing records, 1 s for the fast front), then
+# shuts down. The deployment must wait at least this much longer than tunnel_grace before its SIGKILL.
+STOP_MARGIN = 5
+COMPOSE_README = COMPOSE_DIR / "README.md"
+DEPLOYED_POLICY = COMPOSE_DIR / "policy" / "policy.yaml"
+
+
+def duration_seconds(value: str | int | float | None, default: float) -> float:
+    """A compose duration (``60s``, ``1m30s``, ``500ms``) in seconds; ``default`` when unset."""
+    if value is None:
+        return default
+    if isinstance(value, int | float):
+        return float(value)
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001, "us": 1e-6}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|us|h|m|s)", value)
+    assert parts and "".join(n + u for n, u in parts) == value, f"not a compose duration: {value!r}"
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def deployed_tunnel_grace(text: str) -> float:
+    from policy.loader import parse_policy
+
+    return parse_policy(text, "policy.yaml").limits.tunnel_grace
+
+
+def stop_grace_problems(compose_doc: dict, docs: list[dict], tunnel_grace: float) -> list[str]:
+    """Every deployment of the proxy waits for tunnel_grace and the stop's own seconds before SIGKILL."""
+    problems = []
+    name, proxy = find_service(compose_doc, "run")
+    wait = duration_seconds(proxy.get("stop_grace_period"), 10)  # Docker's default
+    if wait < tunnel_grace + STOP_MARGIN:
+        problems.append(f"compose {name}: stop_grace_period {wait:g} s is less than limits.tunnel_grace "
+                        f"{tunnel_grace:g} s + {STOP_MARGIN} s: Docker kills the proxy before it has closed and "
+                        "recorded the open tunnels")
+    for deployment in (d for d in docs if d["kind"] == "Deployment"):
+        pod = deployment["spec"]["template"]["spec"]
+        if not any(egresswall_role(c) == "run" for c in pod.get("containers") or []):
+            continue
+        wait = pod.get("terminationGracePeriodSeconds", 30)  # Kubernetes' default
+        if wait < tunnel_grace + STOP_MARGIN:
+            problems.append(f"{deployment['metadata']['name']}: terminationGracePeriodSeconds {wait} is less than "
+                            f"limits.tunnel_grace {tunnel_grace:g} s + {STOP_MARGIN} s: the kubelet kills the "
+                            "proxy before it has closed and recorded the open tunnels")
+    return problems
+
+
+def test_every_deployment_waits_for_the_proxys_stop():
+    """The policy gives open tunnels limits.tunnel_grace on SIGTERM; docker compose and the kubelet must not
+    SIGKILL the proxy before it has closed and recorded them (compose/README.md, "Stopping")."""
+    (configmap,) = [d for d in k8s_docs() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == POLICY_CM]
+    grace = deployed_tunnel_grace(configmap["data"]["policy.yaml"])
+    assert grace >= 30, "the deployments promise open tunnels most of their 60 s grace period"
+    assert stop_grace_problems(load_compose(), k8s_docs(), grace) == []
+
+
+def test_compose_readme_states_the_stop_numbers_the_files_hold():
+    text = " ".join(COMPOSE_README.read_text().split())
+    grace = deployed_tunnel_grace(DEPLOYED_POLICY.read_text())
+    _, proxy = find_service(load_compose(), "run")
+    assert f"tunnel_grace: {grace:g}" in text
+    assert f"stop_grace_period: {proxy['stop_grace_period']}" in text
+    for deployment in (d for d in k8s_docs() if d["kind"] == "Deployment"):
+        pod = deployment["spec"]["template"]["spec"]
+        if any(egresswall_role(c) == "run" for c in pod["containers"]):
+            assert f"terminationGracePeriodSeconds: {pod['terminationGracePeriodSeconds']}" in text
+
+
+@pytest.mark.parametrize("case", ["compose default", "compose short", "sidecar default", "shared short",
+                                  "long tunnel_grace"])
+def test_stop_grace_check_catches(case):
+    compose_doc, docs, grace = copy.deepcopy(load_compose()), copy.deepcopy(k8s_docs()), 50.0
+    _, proxy = find_service(compose_doc, "run")
+    if case == "compose default":
+        proxy.pop("stop_grace_period")
+    elif case == "compose short":
+        proxy["stop_grace_period"] = "52s"
+    elif case == "sidecar default":
+        _deployment(docs, "link-reader")["spec"]["template"]["spec"].pop("terminationGracePeriodSeconds")
+    elif case == "shared short":
+        _deployment(docs, "egresswall")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = 54
+    else:
+        grace = 58.0
+    assert stop_grace_problems(compose_doc, docs, grace), case
+
+
+# -- the deployed policy is the bundled default, but for the changes it names ------------------------------
+
+def _flatten(value, path=()) -> dict[tuple, object]:
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in _flatten(item, (*path, key)).items()}
+    return {path: value}
+
+
+def test_deployed_policy_is_the_bundled_default_but_for_the_changes_it_names():
+    """compose/policy/policy.yaml says it "starts as the bundled default (policy/default.yaml)" and names how it
+    differs: every other key is the default's, and each difference is named in its comments and in
+    compose/README.md."""
+    deployed = _flatten(yaml.safe_load(DEPLOYED_POLICY.read_text()))
+    bundled = _flatten(yaml.safe_load((ROOT / "policy" / "default.yaml").read_text()))
+    differ = sorted(k for k in deployed.keys() | bundled.keys() if deployed.get(k, ...) != bundled.get(k, ...))
+    assert differ == [("limits", "tunnel_grace")]
+    comments = " ".join(re.findall(r"#(.*)", DEPLOYED_POLICY.read_text()))
+    readme = " ".join(COMPOSE_README.read_text().split())
+    for key in differ:
+        assert ".".join(key) in comments and f"`{'.'.join(key)}`" in readme, key
+
+
+# -- the compose README's Kubernetes instructions against the manifests ----------------------------------
+
+def test_compose_readme_reads_the_audit_log_of_each_shapes_proxy():
+    """Each shape's proxy Deployment and container have a `kubectl exec` line in compose/README.md."""
+    shown = set(re.findall(r"kubectl exec -n egresswall deploy/([\w-]+) -c ([\w-]+) -- tail -f (\S+)",
+                           COMPOSE_README.read_text()))
+    wanted = set()
+    for deployment in (d for d in k8s_docs() if d["kind"] == "Deployment"):
+        for c in deployment["spec"]["template"]["spec"]["containers"]:
+            if egresswall_role(c) == "run":
+                wanted.add((deployment["metadata"]["name"], c["name"], option(argv_of(c), "--log")))
+    assert len(wanted) == 2 and shown == wanted
+
+
+def browser_client_problems(policy: dict) -> list[str]:
+    """Who reaches the unauthenticated browser servers: every ingress peer requires the client pod label, and
+    a peer in another namespace is one the namespace's label selects too (never every namespace)."""
+    problems = []
+    for rule in policy["spec"].get("ingress") or []:
+        peers = rule.get("from")
+        if not peers:
+            problems.append("an ingress rule open to every peer")
+        for peer in peers or []:
+            pods = (peer.get("podSelector") or {}).get("matchLabels") or {}
+            if pods.get("egresswall.io/browser-client") != "true" or set(peer) - {"podSelector", "namespaceSelector"}:
+                problems.append(f"peer {peer} does not require the egresswall.io/browser-client pod label")
+            if "namespaceSelector" in peer and not (peer["namespaceSelector"] or {}).get("matchLabels"):
+                problems.append(f"peer {peer} admits every namespace")
+    return problems
+
+
+def test_browser_pool_admits_labelled_clients_of_labelled_namespaces_only():
+    (policy,) = [d for d in k8s_docs() if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "browser-pool"]
+    assert browser_client_problems(policy) == []
+    peers = policy["spec"]["ingress"][0]["from"]
+    assert any("namespaceSelector" in p for p in peers), "callers in another namespace are never admitted"
+    label = "kubectl label namespace my-app egresswall.io/browser-client=true"
+    assert label in COMPOSE_README.read_text()
+
+
+@pytest.mark.parametrize("peer", [{"namespaceSelector": {}},
+                                  {"namespaceSelector": {},
+                                   "podSelector": {"matchLabels": {"egresswall.io/browser-client": "true"}}},
+                                  {"podSelector": {}},
+                                  {"ipBlock": {"cidr": "0.0.0.0/0"}}])
+def test_browser_client_check_catches(peer):
+    (policy,) = [copy.deepcopy(d) for d in k8s_docs()
+                 if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "browser-pool"]
+    policy["spec"]["ingress"][0]["from"].append(peer)
+    assert browser_client_problems(policy)
+
+
+def _readme_images_overlay() -> str:
+    block = re.search(r"```yaml\n(apiVersion: kustomize\.config\.k8s\.io/v1beta1\nkind: Kustomization\n.*?)```",
+                      COMPOSE_README.read_text(), re.S)
+    assert block, "compose/README.md shows no kustomization with an images: override"
+    return block.group(1)
+
+
+@pytest.mark.parametrize("source", ["readme overlay", "kustomization comment"])
+@pytest.mark.parametrize("shape", ["sidecar", "shared"])
+def test_the_images_override_points_every_shipped_image_at_your_registry(shape, source, tmp_path):
+    """Nothing publishes egresswall/proxy, /browser or /netlock, nor the sidecar's placeholder app image:
+    compose/README.md's `images:` override (as an overlay, or uncommented in compose/k8s/kustomization.yaml)
+    replaces every one of them in what kustomize renders for either shape."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl not installed: the rendered output is not checked here")
+    tree = tmp_path / "egresswall" / "compose" / "k8s"
+    shutil.copytree(K8S_DIR, tree)
+    root = tree / "kustomization.yaml"
+    text = re.sub(r"^components:\n(\s+#?\s*- \w+\n)+", f"components:\n  - {shape}\n", root.read_text(), flags=re.M)
+    if source == "readme overlay":
+        root.write_text(text)
+        overlay = tmp_path / "overlay"
+        overlay.mkdir()
+        (overlay / "kustomization.yaml").write_text(_readme_images_overlay())
+        target = overlay
+    else:
+        commented = re.search(r"^# images:\n(?:#   .*\n)+", text, re.M)
+        assert commented, "compose/k8s/kustomization.yaml has no commented images: override"
+        root.write_text(text.replace(commented.group(0), re.sub(r"^# ?", "", commented.group(0), flags=re.M)))
+        target = tree
+    out = subprocess.run([kubectl, "kustomize", str(target)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    images = {c["image"] for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "Deployment"
+              for kind in ("initContainers", "containers") for c in d["spec"]["template"]["spec"].get(kind) or []}
+    ours = {i for i in images if not i.startswith("redis:")}
+    assert ours and all(i.startswith("registry.example.com/") for i in ours), images

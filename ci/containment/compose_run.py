@@ -325,7 +325,8 @@ def run_compose(name: str, images: Path, workdir: Path, *, browser_on_egress: bo
             attempts = json.loads(direct.stdout) if direct.returncode == 0 else []
             result.details["direct"] = attempts
             browser.stop()
-            proxy.stop()  # before the evidence is read: its audit log is then complete
+            proxy.stop(timeout=60)  # before the evidence is read: its audit log is then complete (the
+            # deployed policy gives open tunnels limits.tunnel_grace, 50 s, and docker-compose.yml waits 60)
             evidence = lab.finish()
             browser_counters = evidence.browser_counters
         judgement = judge(report, evidence, targets=T.TARGETS, routes=routes, own_policy=True,

@@ -8,7 +8,7 @@ import asyncio
 import errno
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -221,9 +221,13 @@ def upstream_words(policy: Policy) -> str:
 
 def _nameservers(policy: Policy) -> str:
     if policy.resolver.nameservers:
-        return ", ".join(ip if port == 53 else authority(ip, port) for ip, port in policy.resolver.nameservers)
+        return _servers_text(policy.resolver.nameservers)
     found = DnsResolver.for_policy(policy).nameservers  # what the proxy will ask: /etc/resolv.conf's
-    return f"{', '.join(found) or 'none'} (from /etc/resolv.conf)"
+    return f"{_servers_text(found) or 'none'} (from /etc/resolv.conf)"
+
+
+def _servers_text(servers: Iterable[tuple[str, int]]) -> str:
+    return ", ".join(ip if port == 53 else authority(ip, port) for ip, port in servers)
 
 
 def say(line: str) -> None:
