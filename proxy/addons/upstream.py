@@ -4,7 +4,8 @@ egresswall has decided the request or the CONNECT before this runs (``DecisionAd
 resolution; this addon only shapes what the upstream is asked for:
 
 * the upstream is asked for exactly the name egresswall checked (the normalised A-label host, not the
-  client's spelling of it: a trailing dot or upper case must not make the two resolve different names);
+  client's spelling of it: a trailing dot or upper case must not make the two resolve different names), in
+  the request line and in the Host header;
 * the upstream's credentials go only to the upstream: on the CONNECT egresswall sends it, and on a
   plain-HTTP request, which is sent to it in absolute form whatever form the client used — never on a
   request inside a tunnel (any request on a client connection whose CONNECT was answered), which the
@@ -48,5 +49,7 @@ class UpstreamForwarding:
         target = flow.metadata[TARGET]
         flow.request.data.host = target.host
         flow.request.authority = target.authority
+        if "host" in flow.request.headers:  # the same name there: an upstream may route by Host (one, checked)
+            flow.request.headers["Host"] = target.authority
         if self.authorization:
             flow.request.headers["Proxy-Authorization"] = self.authorization
