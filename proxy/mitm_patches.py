@@ -62,15 +62,19 @@ gate's owner builds — installing a second, different state is an error, never 
 * **Pipelined bytes** (``Http1Server.wait``): bytes a client sends while its request waits for a response
   are buffered without limit; more than ``limits.max_header_bytes`` closes the connection. Test:
   test_hardening_adversarial.py::test_bytes_pipelined_behind_a_waiting_request_are_bounded.
-* **Unparseable heads**: mitmproxy answers 400 and no hook runs; ``on_refusal`` gives it its record. Test:
-  test_hardening_adversarial.py::test_request_smuggling_shapes_are_refused_and_not_forwarded.
+* **Unparseable heads**: mitmproxy answers 400 and no hook runs; ``on_head_refusal`` (else ``on_refusal``) gives
+  it its record, and the head's Accept its body: JSON where it prefers JSON, as for every refusal made after a
+  head was whole (``_core_answers``). Tests:
+  test_hardening_adversarial.py::test_request_smuggling_shapes_are_refused_and_not_forwarded,
+  test_review_round21_records_json.py.
 * **mitmproxy's own error answers** (``Http1Server.send``, ``_http1.make_error_response``): a request
   mitmproxy refuses after reading its head but before any hook (no Host and origin form, a Host it cannot
   parse, an invalid request) got mitmproxy's 400 and no record; the patch records every such error answer
   for a request egresswall's ``requestheaders`` never saw. Each of mitmproxy's own answers — those, a head
   it cannot parse, a connect that failed — was its HTML page (``Server: mitmproxy``, no ``X-Egresswall-*``
   headers, an upstream's unparseable bytes quoted): it is egresswall's refusal, with its record's rule and
-  reason, as the fast path answers, and its response record says that status (``handle_protocol_error``
+  reason (JSON where the Accept prefers it; two Host headers are the core's ``form:host-header``, where mitmproxy
+  said there was none), as the fast path answers, and its response record says that status (``handle_protocol_error``
   and, for a response head mitmproxy's header validation refuses, ``check_invalid`` note it before the
   error hook writes the record). mitmproxy's connects fail with the fast front's
   wording (``_open_connection``). Tests: test_hardening_proxy_security.py::test_mitmproxys_own_400_is_recorded,
@@ -217,6 +221,7 @@ from .dial import connect_failed, connect_timed_out
 from .head_end import HEAD_END  # what h11's ReceiveBuffer accepts as the end of a head
 from .head_reader import LINGER_BYTES, LINGER_SECONDS
 from .http_hygiene import CONTROL_BYTE, MAX_CONTENT_LENGTH
+from .records import safe_text
 from .refusals import UNRELAYABLE_RESPONSE, Refusal, failed_connect, refusal_bytes
 
 REFUSE_BEFORE_BODY = "egresswall_refuse_before_body"
@@ -277,6 +282,11 @@ class PatchState:
     # Accept values) -> the core's refusal of the host it names, recorded, or None (mitmproxy's 400 stands).
     on_unread_target: Callable[[connection.Connection, str, str, str | None, tuple[str, ...]], Refusal | None] = (
         lambda conn, method, target, host, accept: None)
+    # A whole request head refused before any flow (a head mitmproxy cannot parse, an origin-form request with no
+    # Host it can read, or two): (client connection, status, rule, reason, Accept values) -> the refusal, recorded
+    # with the size of the body its Accept chooses (``Gate.refuse``). None: ``on_refusal`` records it, and its
+    # bytes_down counts the text body even where the answer is JSON (``_refuse_whole_head``).
+    on_head_refusal: Callable[[connection.Connection, int, str, str, tuple[str, ...]], Refusal] | None = None
     idle_closed: RecentIds = field(default_factory=RecentIds)  # client connections mitmproxy's watchdog closed
     first_byte_timer: bool = True  # False when the front already enforced limits.first_byte_timeout
     via_upstream: Callable[[], bool] = lambda: False  # the policy sends every connection through an upstream proxy
@@ -724,7 +734,7 @@ def _server_read_headers(self: Http1Server, event: events.Event):
         state().on_refusal(self.conn, 0, rule, f"the connection was closed {by}, {waited:.1f}s into a request "
                                                f"head that never ended ({len(self.buf)} bytes)")
     logs: list[str] = []
-    kept = _KeptHead(self.buf) if isinstance(event, events.DataReceived) and _outside_tunnel(self) else None
+    kept = _KeptHead(self.buf) if isinstance(event, events.DataReceived) else None
     sent = _note_sent_authority(self, _originals["server_read_headers"](self, event))
     try:
         yield from _watch_logs(_core_answers(self, sent, kept), logs)
@@ -771,7 +781,8 @@ def _note_sent_authority(self: Http1Server, generator: Generator) -> Generator:
 
 class _KeptHead:
     """The head lines mitmproxy's request reader takes out of its buffer (``maybe_extract_lines``), kept while it
-    reads them: when it refuses the request line, the core judges the target in it (``_core_answers``)."""
+    reads them: when it refuses the head, the core judges the target in it and its Accept chooses the answer's body
+    (``_core_answers``)."""
 
     def __init__(self, buf: ReceiveBuffer) -> None:
         self.buf, self.lines, self.answered = buf, None, False
@@ -793,10 +804,12 @@ def _outside_tunnel(layer: Http1Server) -> bool:
 
 
 def _core_answers(self: Http1Server, generator: Generator, kept: _KeptHead | None) -> Generator:
-    """mitmproxy's request-head reader, but for its 400 to a request line it cannot parse: when the core
-    refuses the host or port the line names (``GET http://a..b/``, ``CONNECT a..b:443``, a port of 0), the
-    answer is the core's refusal (``PatchState.on_unread_target``), as on the fast path, where mitmproxy's
-    parser is never asked. Test: test_host_form_parity.py."""
+    """mitmproxy's request-head reader, but for its 400 to a head it cannot parse: when the core refuses the host
+    or port the request line names (``GET http://a..b/``, ``CONNECT a..b:443``, a port of 0), the answer is the
+    core's refusal (``PatchState.on_unread_target``), as on the fast path, where mitmproxy's parser is never asked
+    (test_host_form_parity.py); else egresswall's ``http:malformed`` refusal, recorded here. Either way in JSON
+    when the head's Accept prefers it: the head was whole, so the client said what it reads (README, *Refusals an
+    agent can read*; test_review_round21_records_json.py)."""
     def answer(command: object) -> object:
         if not (isinstance(command, commands.SendData) and isinstance(command.data, _ErrorAnswer)):
             return command
@@ -804,17 +817,18 @@ def _core_answers(self: Http1Server, generator: Generator, kept: _KeptHead | Non
             # The head parsed and its framing did not (``Content-Length: 003``, CL beside TE): the decision
             # hook records it as ``invalid_framing`` words it, and the answer says the same (it said
             # http:malformed, "cannot be parsed", while the record said http:invalid-request).
-            accept = tuple(self.request.headers.get_all("accept"))
             setattr(self.request, FRAMING_REFUSED, command.data.message)  # the record's words: the same
             return commands.SendData(self.conn, refusal_bytes(Refusal(400, invalid_framing(command.data.message),
-                                                                      json=prefers_json(accept))))
-        if kept is not None and kept.lines:
-            parts = _request_line(kept.lines)
-            refusal = state().on_unread_target(self.conn, *parts) if parts is not None else None
-            if refusal is not None:
-                kept.answered = True
-                return commands.SendData(self.conn, refusal_bytes(refusal))
-        return command
+                                                                      json=prefers_json(_accept_of(self.request)))))
+        if kept is None or not kept.lines:
+            return command
+        parts = _request_line(kept.lines) if _outside_tunnel(self) else None
+        refusal = state().on_unread_target(self.conn, *parts) if parts is not None else None
+        if refusal is None:
+            refusal = _refuse_whole_head(self.conn, command.data.status, "http:malformed",
+                                         _unparseable(command.data.message), _head_values(kept.lines, b"accept"))
+        kept.answered = True  # recorded: _server_read_headers does not record it again
+        return commands.SendData(self.conn, refusal_bytes(refusal))
     return _tap(generator, answer)
 
 
@@ -828,12 +842,37 @@ def _request_line(lines) -> tuple[str, str, str | None, tuple[str, ...]] | None:
         method, target = words[0].decode("ascii"), words[1].decode("ascii")
     except UnicodeDecodeError:
         return None
-    hosts, accept = [], []
+    hosts = _head_values(lines, b"host")
+    return method, target, hosts[0] if len(hosts) == 1 else None, _head_values(lines, b"accept")
+
+
+def _head_values(lines, name: bytes) -> tuple[str, ...]:
+    """Every value of one header (``name``, lower case) in a head's lines as mitmproxy's reader split them, read as
+    the fast path and h11 read a field: ``name:value`` with the name exactly (no space before the colon, and not a
+    folded line, which continues the field before it), the value without the SP/HTAB around it, latin-1 as sent.
+    Several fields of the name all count (``prefers_json`` reads them as one list)."""
+    values = []
     for line in lines[1:]:
-        name, colon, value = bytes(line).partition(b":")
-        if colon and name.strip().lower() in (b"host", b"accept"):
-            (hosts if name.strip().lower() == b"host" else accept).append(value.strip().decode("latin-1"))
-    return method, target, hosts[0] if len(hosts) == 1 else None, tuple(accept)
+        field_name, colon, value = bytes(line).partition(b":")
+        if colon and field_name.lower() == name:
+            values.append(value.strip(b" \t").decode("latin-1"))
+    return tuple(values)
+
+
+def _accept_of(request: http.Request | None) -> tuple[str, ...]:
+    """The Accept values of a head mitmproxy parsed (each field's, as its reader split them)."""
+    return () if request is None else tuple(request.headers.get_all("accept"))
+
+
+def _refuse_whole_head(conn: connection.Connection, status: int, rule: str, reason: str,
+                       accept: tuple[str, ...]) -> Refusal:
+    """A whole request head refused before any flow: recorded, and the refusal to answer, in JSON when its
+    ``accept`` prefers it (only a head that was never whole, 408 and 431, has no Accept to read)."""
+    refuse = state().on_head_refusal
+    if refuse is not None:
+        return refuse(conn, status, rule, reason, accept)
+    state().on_refusal(conn, status, rule, reason)
+    return Refusal(status, Verdict(False, "form", rule, reason), json=prefers_json(accept))
 
 
 def _server_wait(self: Http1Server, event: events.Event):
@@ -967,24 +1006,36 @@ def _server_send(self: Http1Server, event):
             refusal = _answer_to_seen(self.request, status, event.code, event.message,
                                       isinstance(event, OwnResponseError))
         else:
-            refusal = _unread_host_refusal(self) if event.code is ErrorCode.DESTINATION_UNKNOWN else None
+            refusal = _unread_host_refusal(self, status) if event.code is ErrorCode.DESTINATION_UNKNOWN else None
             if refusal is None:
                 reason = f"mitmproxy refused the request before any decision: {event.message}"[:400]
-                state().on_refusal(self.conn, status, "http:invalid-request", reason)
-                refusal = Refusal(status, Verdict(False, "form", "http:invalid-request", reason))
+                refusal = _refuse_whole_head(self.conn, status, "http:invalid-request", reason,
+                                             _accept_of(self.request))
         yield commands.SendData(self.conn, refusal_bytes(refusal))
     yield commands.CloseConnection(self.conn)
 
 
-def _unread_host_refusal(self: Http1Server) -> Refusal | None:
-    """An origin-form request whose Host header mitmproxy cannot read ("destination unknown"): the core's
-    refusal of the host it names (``Host: a..b``), recorded, or None (mitmproxy's 400 stands)."""
+def _unread_host_refusal(self: Http1Server, status: int) -> Refusal | None:
+    """An origin-form request whose Host header mitmproxy cannot read ("destination unknown"), recorded: with two
+    or more, the core's ``form:host-header`` (mitmproxy said "no host header", the opposite of what was sent);
+    with one, the core's refusal of the host it names (``Host: a..b``), or None (mitmproxy's 400 stands)."""
     request = self.request
     if request is None or request.authority or not _outside_tunnel(self):
         return None
     hosts = request.headers.get_all("host")
-    return state().on_unread_target(self.conn, request.method, request.path, hosts[0] if len(hosts) == 1 else None,
-                                    tuple(request.headers.get_all("accept")))
+    if len(hosts) > 1:
+        return _refuse_whole_head(self.conn, status, "form:host-header", _hosts_reason(hosts), _accept_of(request))
+    return state().on_unread_target(self.conn, request.method, request.path, hosts[0] if hosts else None,
+                                    _accept_of(request))
+
+
+def _hosts_reason(hosts: list[str]) -> str:
+    """Why a request with several Host headers is refused, quoting them as the core quotes a Host header that
+    disagrees with the target (``Gate.decide_request``: an absolute-form request with two gets that, the values
+    joined as here). 400, as RFC 9112 3.2 has it: each header may name another host, and which one a server
+    reads is its own choice."""
+    sent = safe_text(for_logs(", ".join(hosts)), 100)
+    return f"the request has {len(hosts)} Host headers ({sent!r}); a request names its host in exactly one"[:400]
 
 
 def _answer_to_seen(request: http.Request, status: int, code: ErrorCode, message: str, own: bool) -> Refusal:
@@ -1014,9 +1065,10 @@ def connect_error_text(message: str) -> str:
 
 
 class _ErrorAnswer(bytes):
-    """The bytes of mitmproxy's answer to a head it cannot parse (``_core_answers`` knows them by their type), and
-    mitmproxy's ``message``."""
+    """The bytes of mitmproxy's answer to a head it cannot parse (``_core_answers`` knows them by their type, and
+    answers in their place), its ``status`` and mitmproxy's ``message``."""
 
+    status: int = 400
     message: str = ""
 
 
@@ -1027,11 +1079,12 @@ def invalid_framing(message: str) -> Verdict:
 
 
 def _error_answer(status: int, message: str) -> bytes:
-    """``_http1.make_error_response``, which mitmproxy's request-head reader calls for a head it cannot parse
-    (``_server_read_headers`` records it): egresswall's refusal, with the record's rule and reason."""
+    """``_http1.make_error_response``, which mitmproxy's request-head reader calls for a head it cannot parse:
+    egresswall's text refusal, with the record's rule and reason. ``_core_answers`` records it and answers in its
+    place (in JSON where the head's Accept prefers it); ``_server_read_headers`` records what it did not see."""
     verdict = Verdict(False, "form", "http:malformed", _unparseable(message))
     answer = _ErrorAnswer(refusal_bytes(Refusal(status, verdict)))
-    answer.message = message
+    answer.status, answer.message = status, message
     return answer
 
 

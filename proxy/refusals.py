@@ -14,6 +14,7 @@ the target egresswall parsed and the hint (``proxy/hints.py``) — nothing an up
 from __future__ import annotations
 
 import json as jsonlib
+import re
 from dataclasses import dataclass
 from http import HTTPStatus
 
@@ -46,9 +47,15 @@ class Refusal:
         return len(refusal_bytes(self))
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
 def one_line(text: str, limit: int = 400) -> str:
+    """Text for a refusal's header or body line: one line of printable ASCII (whitespace runs become one space,
+    other characters escaped, a control byte too: a NUL or an escape sequence a verdict quotes stays inert)."""
     text = " ".join(text.split())
     text = text.encode("ascii", "backslashreplace").decode("ascii")
+    text = _CONTROL.sub(lambda found: f"\\x{ord(found.group()):02x}", text)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -91,8 +98,11 @@ def refusal_parts(refusal: Refusal) -> tuple[int, list[tuple[str, str]], bytes]:
         body = (jsonlib.dumps(refusal_json(refusal), ensure_ascii=True) + "\n").encode()
         kind = "application/json"
     else:
-        body = (f"egresswall refused this request.\nrule: {verdict.rule}\nreason: {verdict.reason}\n"
-                f"hint: {one_line(refusal.hint)}\n").encode()
+        # Each line as its header has it (``one_line``): the rule and reason may quote what a client sent (a line
+        # end would add a line of its own, a lone surrogate of a byte mitmproxy decoded could not be encoded).
+        lines = ("egresswall refused this request.", f"rule: {one_line(verdict.rule, 200)}",
+                 f"reason: {one_line(verdict.reason)}", f"hint: {one_line(refusal.hint)}")
+        body = "".join(f"{line}\n" for line in lines).encode("ascii", "backslashreplace")
         kind = "text/plain; charset=utf-8"
     headers = [("Content-Type", kind), ("Cache-Control", "no-store"),
                ("Connection", "close"), (REASON_HEADER, one_line(verdict.reason)),

@@ -46,6 +46,8 @@ def patch_state_for(gate: Gate, first_byte_timer: bool) -> mitm_patches.PatchSta
                                                                                rule, reason),
         on_unread_target=lambda conn, method, target, host, accept: gate.refuse_unread_target(
             peer_of(conn.peername), method, target, host, accept),
+        on_head_refusal=lambda conn, status, rule, reason, accept: gate.refuse(
+            peer_of(conn.peername), None, None, status, "form", rule, reason, accept=accept),
         on_body_over_limit=lambda flow, limit: refuse_body_over_limit(gate, flow, limit),
         on_body_buffered=lambda flow, size: reserve_body(gate, flow, size),
         on_bad_body=lambda flow, rule, reason: refuse_bad_body(gate, flow, rule, reason),
