@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import reprlib
 from collections.abc import Iterable
 from functools import cache
@@ -177,6 +178,13 @@ def _explain(err: jsonschema.ValidationError) -> str:
         return f"got {found!r}; expected {expected!r}"
     if kind == "type" and expected == "integer" and type(err.instance) is float:
         return f"got {found!r}; expected a whole number, written without a fraction or an exponent"
+    if kind == "type" and type(err.instance) is float and not math.isfinite(err.instance):
+        return f"got {found!r}; expected a finite number"
+    if kind == "type" and isinstance(err.instance, str) and err.instance.lstrip("+-").lower() in (".nan", ".inf"):
+        return f"got {found!r}; expected a finite number (a policy reads .nan and .inf as text: no bound holds)"
+    if kind in ("type", "pattern") and isinstance(err.instance, str) and _LEADING_ZERO.fullmatch(err.instance):
+        return (f"got {found!r}; expected a number without a leading zero (YAML 1.1 would read {err.instance} as "
+                "octal, so a policy refuses it)")
     if kind == "type":
         return f"got {type(err.instance).__name__} {found!r}; expected {expected}"
     if kind == "oneOf":
@@ -194,6 +202,7 @@ def _explain(err: jsonschema.ValidationError) -> str:
     return err.message if len(err.message) <= _MESSAGE_MAX else err.message[:_MESSAGE_MAX] + "..."
 
 
+_LEADING_ZERO = re.compile(r"[-+]?0[0-9]+")  # 0443: a number YAML 1.2 reads as text, 1.1 as octal
 _CONDITIONS = frozenset({"ports", "schemes", "methods", "paths"})  # a host rule's conditions
 _SHORT = reprlib.Repr(maxlevel=2, maxlist=4, maxdict=4, maxstring=80, maxother=80)
 _MESSAGE_MAX = 400

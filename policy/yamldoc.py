@@ -136,6 +136,12 @@ def _resolve(self: yaml.resolver.BaseResolver, kind: type[yaml.Node], value: Any
     return None
 
 
+def plain_reads_as_text(scalar: str) -> bool:
+    """Whether ``scalar``, written unquoted, is read as text by a policy's YAML (not a number, a boolean or null):
+    for tools that write policies (``squid import``), which quote what is not."""
+    return _resolve(None, yaml.ScalarNode, scalar, (True, False)) == _STR  # type: ignore[arg-type]
+
+
 _StrictLoader.resolve = _resolve  # type: ignore[method-assign]
 _StrictLoader.add_constructor("tag:yaml.org,2002:seq", _StrictLoader.construct_list)
 

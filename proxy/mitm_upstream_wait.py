@@ -10,10 +10,16 @@ sent, the layer asks mitmproxy's connection handler for a wake-up after the time
 being established then, the layer ends its handshake with the fast front's words, which mitmproxy reports as
 the connect's error (the tunnel's closing record, a plain request's 502), and closes the upstream connection.
 Test: tests/test_review_round20_upstream_stall.py.
+
+Its reading of the answer is the fast front's too: a 1xx answer before the final one is skipped (mitmproxy took
+it for the answer and refused the tunnel, "100 Continue"), and the answer's head is bounded by
+``MAX_RESPONSE_HEAD`` (mitmproxy buffered an endless head for as long as the wait lasted). Test:
+tests/test_review_round21_upstream_wait.py.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 
@@ -23,7 +29,12 @@ from mitmproxy.proxy.layers.http._upstream_proxy import HttpUpstreamProxy
 from mitmproxy.proxy.tunnel import TunnelState
 from mitmproxy.utils import human
 
+from .head_end import HEAD_END
+from .upstream_connect import MAX_RESPONSE_HEAD
+
 _TIMER = "_egresswall_upstream_timer"  # on an HttpUpstreamProxy: its wake-up request
+_HELD = "_egresswall_answer_held"  # on an HttpUpstreamProxy: (bytes of its answer held back, bytes read in all)
+_INTERIM = re.compile(rb"HTTP/1\.[01] 1(?!01)[0-9]{2}[ \r\n]")  # a 1xx status line, not 101 Switching Protocols
 _originals: dict[str, Callable] = {}
 _timeout: Callable[[], float] = float  # replaced by install(); float() is 0.0
 
@@ -69,6 +80,25 @@ def _fail(self: HttpUpstreamProxy, why: str) -> layer.CommandGenerator[None]:
     yield from self._handshake_finished(why)  # tells the layer that opened the tunnel why it failed
 
 
+def _receive_handshake_data(self: HttpUpstreamProxy, data: bytes) -> layer.CommandGenerator[tuple[bool, str | None]]:
+    """The upstream's answer to the CONNECT, handed to mitmproxy's reader a whole head at a time, without the 1xx
+    heads before the final one; over MAX_RESPONSE_HEAD bytes read before it, the tunnel fails."""
+    if not self.send_connect:
+        return (yield from _originals["receive_handshake_data"](self, data))
+    held, seen = self.__dict__.get(_HELD, (b"", 0))
+    held, seen = held + data, seen + len(data)
+    while (end := HEAD_END.search(held)) is not None and _INTERIM.match(held):
+        held = held[end.end():]  # an interim answer: the final one is still to come
+    if end is None:
+        if seen > MAX_RESPONSE_HEAD:
+            return False, (f"the upstream proxy {_upstream(self)} failed: its answer head is over {MAX_RESPONSE_HEAD} "
+                           "bytes")
+        self.__dict__[_HELD] = (held, seen)
+        return False, None
+    self.__dict__.pop(_HELD, None)
+    return (yield from _originals["receive_handshake_data"](self, held))
+
+
 def install(timeout: Callable[[], float]) -> None:
     """``timeout``: the connect timeout in force, read each time a CONNECT is sent (a reload applies)."""
     global _timeout
@@ -76,13 +106,16 @@ def install(timeout: Callable[[], float]) -> None:
     if _originals:
         return
     assert "_handle_event" not in HttpUpstreamProxy.__dict__, "mitmproxy's HttpUpstreamProxy changed: see this module"
-    _originals.update(start_handshake=HttpUpstreamProxy.start_handshake, handle_event=HttpUpstreamProxy._handle_event)
+    _originals.update(start_handshake=HttpUpstreamProxy.start_handshake, handle_event=HttpUpstreamProxy._handle_event,
+                      receive_handshake_data=HttpUpstreamProxy.receive_handshake_data)
     HttpUpstreamProxy.start_handshake = _start_handshake
     HttpUpstreamProxy._handle_event = _handle_event
+    HttpUpstreamProxy.receive_handshake_data = _receive_handshake_data
 
 
 def uninstall() -> None:
     if _originals:
         HttpUpstreamProxy.start_handshake = _originals["start_handshake"]
+        HttpUpstreamProxy.receive_handshake_data = _originals["receive_handshake_data"]
         del HttpUpstreamProxy._handle_event  # TunnelLayer's again
         _originals.clear()

@@ -11,6 +11,7 @@ from policy.addresses import AddressRules
 from policy.model import ALLOW, DENY, HostRule, HostTable, Origin, Policy
 from policy.patterns import HostPattern
 from policy.ports import port_runs
+from policy.yamldoc import plain_reads_as_text
 
 from .report import printable
 
@@ -95,7 +96,9 @@ _PLAIN = re.compile(r"^[A-Za-z0-9.][A-Za-z0-9._/-]*$")
 
 
 def _scalar(text: str) -> str:
-    return text if _PLAIN.match(text) and text not in ("true", "false", "null", "yes", "no") else json.dumps(text)
+    """``text`` as a YAML scalar the policy loader reads back as that text: plain where it is a plain name the
+    loader reads as text (``1e5``, ``10``, ``true`` and ``null`` are not), else quoted."""
+    return text if _PLAIN.match(text) and plain_reads_as_text(text) else json.dumps(text)
 
 
 def comment_lines(text: str, indent: str = "") -> list[str]:
