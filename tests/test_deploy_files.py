@@ -1461,18 +1461,20 @@ def test_compose_readme_reads_the_audit_log_of_each_shapes_proxy():
     assert len(wanted) == 2 and shown == wanted
 
 
-def browser_client_problems(policy: dict) -> list[str]:
-    """Who reaches the unauthenticated browser servers: every ingress peer requires the client pod label, and
-    a peer in another namespace is one the namespace's label selects too (never every namespace)."""
+def browser_client_problems(policy: dict, label: str = "egresswall.io/browser-client",
+                            rules: list[dict] | None = None) -> list[str]:
+    """Who reaches the unauthenticated browser servers (or, with ``label`` and ``rules``, another port): every
+    ingress peer requires the client pod label, and a peer in another namespace is one the namespace's label
+    selects too (never every namespace)."""
     problems = []
-    for rule in policy["spec"].get("ingress") or []:
+    for rule in policy["spec"].get("ingress") or [] if rules is None else rules:
         peers = rule.get("from")
         if not peers:
             problems.append("an ingress rule open to every peer")
         for peer in peers or []:
             pods = (peer.get("podSelector") or {}).get("matchLabels") or {}
-            if pods.get("egresswall.io/browser-client") != "true" or set(peer) - {"podSelector", "namespaceSelector"}:
-                problems.append(f"peer {peer} does not require the egresswall.io/browser-client pod label")
+            if pods.get(label) != "true" or set(peer) - {"podSelector", "namespaceSelector"}:
+                problems.append(f"peer {peer} does not require the {label} pod label")
             if "namespaceSelector" in peer and not (peer["namespaceSelector"] or {}).get("matchLabels"):
                 problems.append(f"peer {peer} admits every namespace")
     return problems
@@ -1485,6 +1487,14 @@ def test_browser_pool_admits_labelled_clients_of_labelled_namespaces_only():
     assert any("namespaceSelector" in p for p in peers), "callers in another namespace are never admitted"
     label = "kubectl label namespace my-app egresswall.io/browser-client=true"
     assert label in COMPOSE_README.read_text()
+
+
+def test_the_sidecars_app_port_admits_labelled_callers_of_labelled_namespaces_only():
+    (policy,) = [d for d in k8s_docs() if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "link-reader"]
+    app = [rule for rule in policy["spec"]["ingress"] if {"protocol": "TCP", "port": 8080} in rule.get("ports", [])]
+    assert len(app) == 1 and browser_client_problems(policy, "egresswall.io/link-reader-client", app) == []
+    assert any("namespaceSelector" in p for p in app[0]["from"]), "callers in another namespace are never admitted"
+    assert "kubectl label namespace my-app egresswall.io/link-reader-client=true" in COMPOSE_README.read_text()
 
 
 @pytest.mark.parametrize("peer", [{"namespaceSelector": {}},
