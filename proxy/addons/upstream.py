@@ -9,8 +9,8 @@ resolution; this addon only shapes what the upstream is asked for:
 * the upstream's credentials go only to the upstream: on the CONNECT egresswall sends it, and on a
   plain-HTTP request, which is sent to it in absolute form whatever form the client used — never on a
   request inside a tunnel (any request on a client connection whose CONNECT was answered), which the
-  upstream relays to the origin unread. Runs after ``HopByHop``, which strips the client's own
-  ``Proxy-Authorization``.
+  upstream relays to the origin unread, and never on a TRACE, whose answer echoes what was sent. Runs after
+  ``HopByHop``, which strips the client's own ``Proxy-Authorization``.
 """
 
 from __future__ import annotations
@@ -51,5 +51,8 @@ class UpstreamForwarding:
         flow.request.authority = target.authority
         if "host" in flow.request.headers:  # the same name there: an upstream may route by Host (one, checked)
             flow.request.headers["Host"] = target.authority
-        if self.authorization:
+        if self.authorization and flow.request.method.upper() != "TRACE":
+            # RFC 9110 9.3.8: a client must not put stored credentials in a TRACE, whose answer echoes the
+            # request (an upstream answers one itself at Max-Forwards: 0): without them the upstream may refuse
+            # it (407), never echo them to the client.
             flow.request.headers["Proxy-Authorization"] = self.authorization
