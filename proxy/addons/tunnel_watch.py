@@ -16,6 +16,7 @@ from mitmproxy import ctx, http
 from mitmproxy.proxy import layer as mlayer
 from mitmproxy.proxy.layers import HttpLayer
 from mitmproxy.proxy.layers.http import HTTPMode
+from mitmproxy.proxy.layers.tls import HTTP_ALPNS
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 from mitmproxy.tls import ClientHelloData
 
@@ -126,7 +127,8 @@ class TunnelWatch:
         self.gate.refuse_tunnel(tunnel, rule, reason, up, down)
 
     def tls_clienthello(self, data: ClientHelloData) -> None:
-        """Intercepted tunnels: the SNI must name the CONNECT host here too (read strictly)."""
+        """Intercepted tunnels: the SNI must name the CONNECT host here too (read strictly), and the origin is
+        offered HTTP's ALPN protocols only."""
         tunnel = self.table.tunnels.get(data.context.server.id)
         if tunnel is None:
             return
@@ -142,6 +144,11 @@ class TunnelWatch:
             self.gate.refuse_tunnel(tunnel, rule, problem)
             data.context.client.error = problem  # mitmproxy closes the connection
             data.ignore_connection = False
+            return
+        # mitmproxy offers the origin what the client offered: any protocol names a client chooses, bytes to the
+        # granted origin that no budget is charged. Only HTTP's go on (egresswall reads only HTTP inside).
+        client = data.context.client
+        client.alpn_offers = [offer for offer in client.alpn_offers if offer in HTTP_ALPNS]
 
     def server_disconnected(self, data: ServerConnectionHookData) -> None:
         # A tunnel that never reached the relay (intercepted, HTTP inside) gets its closing line here. It stays
