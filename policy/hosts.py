@@ -75,6 +75,13 @@ class Target:
             return f"[{self.host}]:{self.port}"
         return f"{self.host}:{self.port}"
 
+    @property
+    def host_header(self) -> str:
+        """The authority as a Host header names it: without the scheme's default port (RFC 3986 6.2.3)."""
+        if DEFAULT_PORTS.get(self.scheme) != self.port:
+            return self.authority
+        return f"[{self.host}]" if isinstance(self.ip, ipaddress.IPv6Address) else self.host
+
     def url(self) -> str:
         return f"{self.scheme}://{self.authority}{self.path}"
 

@@ -89,10 +89,10 @@ def _receive_handshake_data(self: HttpUpstreamProxy, data: bytes) -> layer.Comma
     held, seen = held + data, seen + len(data)
     while (end := HEAD_END.search(held)) is not None and _INTERIM.match(held):
         held = held[end.end():]  # an interim answer: the final one is still to come
+    read_to_the_end = seen if end is None else seen - (len(held) - end.end())  # the bytes before the final head's end
+    if read_to_the_end > MAX_RESPONSE_HEAD:  # counted as the front counts them: 1xx heads included
+        return False, f"the upstream proxy {_upstream(self)} failed: its answer head is over {MAX_RESPONSE_HEAD} bytes"
     if end is None:
-        if seen > MAX_RESPONSE_HEAD:
-            return False, (f"the upstream proxy {_upstream(self)} failed: its answer head is over {MAX_RESPONSE_HEAD} "
-                           "bytes")
         self.__dict__[_HELD] = (held, seen)
         return False, None
     self.__dict__.pop(_HELD, None)

@@ -127,8 +127,8 @@ class TunnelWatch:
         self.gate.refuse_tunnel(tunnel, rule, reason, up, down)
 
     def tls_clienthello(self, data: ClientHelloData) -> None:
-        """Intercepted tunnels: the SNI must name the CONNECT host here too (read strictly), and the origin is
-        offered HTTP's ALPN protocols only."""
+        """Intercepted tunnels: the SNI must name the CONNECT host here too (read strictly); the origin is
+        offered HTTP's ALPN protocols only, and the decided host as its SNI."""
         tunnel = self.table.tunnels.get(data.context.server.id)
         if tunnel is None:
             return
@@ -145,10 +145,13 @@ class TunnelWatch:
             data.context.client.error = problem  # mitmproxy closes the connection
             data.ignore_connection = False
             return
-        # mitmproxy offers the origin what the client offered: any protocol names a client chooses, bytes to the
-        # granted origin that no budget is charged. Only HTTP's go on (egresswall reads only HTTP inside).
+        # mitmproxy offers the origin what the client offered, and names it as the client spelled it: client-chosen
+        # bytes to the granted origin that no budget is charged. Only HTTP's offers go on (egresswall reads only
+        # HTTP inside).
         client = data.context.client
         client.alpn_offers = [offer for offer in client.alpn_offers if offer in HTTP_ALPNS]
+        if not tunnel.target.is_ip:  # and its SNI names the decided host, not the client's spelling (PuBlIc.)
+            data.context.server.sni = tunnel.target.host
 
     def server_disconnected(self, data: ServerConnectionHookData) -> None:
         # A tunnel that never reached the relay (intercepted, HTTP inside) gets its closing line here. It stays

@@ -50,7 +50,7 @@ class UpstreamForwarding:
         flow.request.data.host = target.host
         flow.request.authority = target.authority
         if "host" in flow.request.headers:  # the same name there: an upstream may route by Host (one, checked)
-            flow.request.headers["Host"] = target.authority
+            flow.request.headers["Host"] = target.host_header  # no :80 the client did not write
         if self.authorization and flow.request.method.upper() != "TRACE":
             # RFC 9110 9.3.8: a client must not put stored credentials in a TRACE, whose answer echoes the
             # request (an upstream answers one itself at Max-Forwards: 0): without them the upstream may refuse

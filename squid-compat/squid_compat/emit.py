@@ -98,7 +98,20 @@ _PLAIN = re.compile(r"^[A-Za-z0-9.][A-Za-z0-9._/-]*$")
 def _scalar(text: str) -> str:
     """``text`` as a YAML scalar the policy loader reads back as that text: plain where it is a plain name the
     loader reads as text (``1e5``, ``10``, ``true`` and ``null`` are not), else quoted."""
-    return text if _PLAIN.match(text) and plain_reads_as_text(text) else json.dumps(text)
+    if _PLAIN.match(text) and plain_reads_as_text(text):
+        return text
+    # JSON's escapes are YAML's but for a character beyond U+FFFF, which JSON writes as two \u escapes (a
+    # surrogate pair) and YAML reads as two lone surrogates: it gets YAML's \U escape.
+    return _SURROGATE_PAIR.sub(_astral, json.dumps(text))
+
+
+# A \u escape pair (not an escaped backslash followed by "u": an even run of backslashes before it).
+_SURROGATE_PAIR = re.compile(r"(?<!\\)((?:\\\\)*)\\u(d[89ab][0-9a-f]{2})\\u(d[c-f][0-9a-f]{2})")
+
+
+def _astral(pair: re.Match[str]) -> str:
+    high, low = int(pair[2], 16), int(pair[3], 16)
+    return f"{pair[1]}\\U{0x10000 + ((high - 0xD800) << 10) + (low - 0xDC00):08x}"
 
 
 def comment_lines(text: str, indent: str = "") -> list[str]:
