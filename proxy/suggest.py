@@ -249,8 +249,9 @@ def _candidate_role(found: Findings, record: Record, policy: Policy | None) -> s
     return verdict.role
 
 
-# "...denies by default); rule api.example.com (policy.yaml:7) allows only methods ['GET']" (``_near_miss``)
-_NEAR_MISS = re.compile(r"denies by default\); rule (\S+ \([^)]*\)) ")
+# "...denies by default); rule api.example.com (policy.yaml:7) allows only methods ['GET']" (``_near_miss``): the
+# origin is read up to the ") " before the rule's words, as a file name may hold parentheses ("policy (copy).yaml").
+_NEAR_MISS = re.compile(r"denies by default\); rule (\S+ \(.*\)) (?:expired |allows only |does not allow )")
 
 
 def _default_deny(record: Record) -> bool:

@@ -9,6 +9,7 @@ export refuses more than the policy, never less.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from policy.patterns import PatternKind
 from policy.ports import port_runs
 
 from . import addrsets
+from .acls import SQUID_METHODS
 from .report import printable
 
 VALUES_PER_LINE = 8
@@ -219,9 +221,15 @@ def _rule(out: _Writer, action: str, rule: HostRule, src: str | None, now: datet
         if rule.schemes <= {"ws", "wss"}:
             notes.append("schemes ws/wss only: squid cannot tell a WebSocket upgrade apart; written for http/https")
     if methods:
-        name = out.name("methods")
-        out.acl(name, "method", methods)
-        conditions.append(name)
+        values = _method_values(methods) if action == DENY else methods
+        if values is None:
+            notes.append(f"methods {', '.join(methods)}: squid compares an extension method as written, case "
+                         "included, and egresswall in any case; too many spellings to list, so this deny rule "
+                         "refuses every method")
+        else:
+            name = out.name("methods")
+            out.acl(name, "method", values)
+            conditions.append(name)
     if not rule.websocket:
         conditions.append("!" + out.shared_acl("ew_websocket", "req_header", ["Upgrade", "-i", "^websocket$"]))
     for note in notes:
@@ -234,12 +242,11 @@ def _rule(out: _Writer, action: str, rule: HostRule, src: str | None, now: datet
 
 def _path_rule(out: _Writer, action: str, paths: tuple[str, ...], conditions: list[str]) -> None:
     """A rule with a path condition: urlpath_regex, never admitting a path a server may read as another."""
-    regexes = {path: _path_regex(path) for path in paths}
-    unwritable = [path for path, regex in regexes.items() if regex is None]
-    written = [regex for regex in regexes.values() if regex is not None]
+    regexes = {path: _path_regex(path, action) for path in paths}
+    unwritable = {path: why for path, (regex, why) in regexes.items() if regex is None}
+    written = [regex for regex, _ in regexes.values() if regex is not None]
     if unwritable:
-        out.comment(f"paths {', '.join(json.dumps(p) for p in unwritable)}: a character squid.conf cannot carry in a "
-                    "regex (a space, a control or non-ASCII character); "
+        out.comment("; ".join(f"path {json.dumps(path)}: {why}" for path, why in unwritable.items()) + "; "
                     + ("this deny rule refuses every path" if action == DENY else "left out of this allow rule"))
         if action == DENY:
             out.access(action, *conditions)
@@ -250,15 +257,36 @@ def _path_rule(out: _Writer, action: str, paths: tuple[str, ...], conditions: li
     # A deny rule's paths match without regard to case too (egresswall: IIS serves /ADMIN as /admin).
     out.acl(name, "urlpath_regex", written, "-i" if action == DENY else "")
     # A backslash is written [\] (a member of a POSIX bracket): a value ending in \ would end its line in a
-    # backslash, and squid would join the next line (this rule's http_access) into the ACL.
+    # backslash, and squid would join the next line (this rule's http_access) into the ACL. squid matches a
+    # urlpath_regex against the path and the query: the last two look at the path only (an empty segment, as in
+    # //admin, and a segment's ';' parameters, which Tomcat drops: /admin;x/secret is /admin/secret there).
     out.shared_acl("ew_ambiguous_path", "urlpath_regex",
-                   [r"(^|/)(\.|%2[eE]){1,2}(/|;|$)", r"%2[fF]", r"%5[cC]", r"[\]"])
+                   [r"(^|/)(\.|%2[eE]){1,2}(/|;|$)", r"%2[fF]", r"%5[cC]", r"^[^?]*//", r"^[^?]*;", r"[\]"])
     if action == ALLOW:
         # egresswall admits no path a server may read as another one (/docs/../admin).
         out.access(action, *conditions, name, "!ew_ambiguous_path")
     else:
         out.access(action, *conditions, name)
         out.access(action, *conditions, "ew_ambiguous_path")
+
+
+MAX_METHOD_SPELLINGS = 256
+
+
+def _method_values(methods: list[str]) -> list[str] | None:
+    """A deny rule's methods as squid must list them: egresswall matches a method in any case, squid an extension
+    method (PATCH) only as written, so every spelling of it is listed (squid reads its own methods in any case);
+    None when there would be more than MAX_METHOD_SPELLINGS."""
+    values: list[str] = []
+    for method in methods:
+        if method in SQUID_METHODS:
+            values.append(method)
+            continue
+        if 2 ** sum(ch.isalpha() for ch in method) > MAX_METHOD_SPELLINGS:
+            return None
+        values.extend("".join(spelling) for spelling in itertools.product(*({ch.upper(), ch.lower()}
+                                                                              for ch in method)))
+    return sorted(set(values))
 
 
 def _host_acl(out: _Writer, rule: HostRule) -> str:
@@ -286,15 +314,28 @@ def _spellings(name: str) -> list[str]:
     return [name] if unicode == name else [name, unicode]
 
 
-def _path_regex(pattern: str) -> str | None:
-    """egresswall path patterns: a prefix, or a glob over the whole path when it has '*'. None when a character
-    cannot be written in squid.conf."""
-    parts = [_posix_literal(part) for part in pattern.split("*")]
-    if any(part is None for part in parts):
-        return None
-    if "*" in pattern:
-        return "^" + ".*".join(part or "" for part in parts) + "$"
-    return "^" + (parts[0] or "")
+def _path_regex(pattern: str, action: str) -> tuple[str | None, str]:
+    """(a regex squid matches against the path and query, "") for an egresswall path pattern — a prefix, or an
+    fnmatch glob over the whole path when it has '*' —, or (None, why not). egresswall matches the path without
+    its query: a glob's '*' and '?' stop at the '?' and any query may follow; a prefix with a '?' in it (which no
+    path holds) is written for a deny rule only (in squid it would admit a query)."""
+    if "*" not in pattern:
+        if "?" in pattern and action == ALLOW:
+            return None, "a '?' squid would match against the query, where egresswall matches the path only"
+        literal = _posix_literal(pattern)
+        return (None, _UNWRITABLE) if literal is None else ("^" + literal, "")
+    if "[" in pattern:  # fnmatch's [...] and [!...]: not carried over (a class squid may match a '?' with)
+        return None, "a glob's [...] class, which the export does not translate"
+    parts = []
+    for ch in pattern:
+        literal = _posix_literal(ch)
+        if literal is None:
+            return None, _UNWRITABLE
+        parts.append({"*": "[^?]*", "?": "[^?]"}.get(ch, literal))
+    return "^" + "".join(parts) + r"(\?.*)?$", ""
+
+
+_UNWRITABLE = "a character squid.conf cannot carry in a regex (a space, a control or non-ASCII character)"
 
 
 def _posix_literal(text: str) -> str | None:
