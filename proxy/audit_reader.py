@@ -309,3 +309,11 @@ def parse_since(text: str, now: datetime | None = None, option: str = "--since",
     except ValueError as err:
         raise ValueError(f"{option} {text!r}: {err}") from None
     return moment if moment.tzinfo else moment.replace(tzinfo=UTC)  # only a bare date has no zone
+
+
+def shown(text: str, limit: int = 200) -> str:
+    """Text from the log (a path, a rule id, a reason) as a command shows it: one printable line (a control or
+    format character, such as a right-to-left override, escaped), at most ``limit`` characters and "..."."""
+    out = "".join(ch if ch.isprintable() else f"\\x{ord(ch):02x}" if ord(ch) < 256 else f"\\u{ord(ch):04x}"
+                  for ch in text[:limit])
+    return out + ("..." if len(text) > limit else "")

@@ -26,7 +26,7 @@ from policy.decision import RESOLVE, Request, Resolution, Verdict, decide, prech
 from policy.hosts import HostFormError, Target, parse_authority
 from policy.model import Policy
 
-from .audit_reader import LogItem, Record, Unreadable
+from .audit_reader import LogItem, Record, Unreadable, shown
 
 POLICY_STAGES = frozenset({"scheme", "port", "host", "resolve", "address"})
 NOT_POLICY_STAGES = frozenset({"form", "limits", "tls", "http", "audit", "connect"})
@@ -245,7 +245,7 @@ def describe_request(record: Record) -> str:
     host = f"[{record.host}]" if record.host and ":" in record.host else record.host
     if record.method == "CONNECT":
         return f"CONNECT {host}:{record.port}"
-    return f"{record.method} {record.scheme}://{host}:{record.port}{record.path or ''}"
+    return f"{record.method} {record.scheme}://{host}:{record.port}{shown(record.path or '', 2000)}"
 
 
 def _outcome_json(outcome: Outcome) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from policy.lint import lint
 from policy.loader import parse_policy
 from policy.model import DENY, Policy
 
-from .audit_reader import LogItem, Record, Unreadable
+from .audit_reader import LogItem, Record, Unreadable, shown
 from .replay import NotReplayable, Skipped, request_of
 
 OWNER_PLACEHOLDER = "TODO"
@@ -174,7 +174,7 @@ def _judge(found: Findings, record: Record, rules: AddressRules, policy: Policy 
         try:
             checked = rules.check(address)
         except ValueError:
-            found.set_apart(host, f"resolved to {_safe(address)}, which is not an IP address", where)
+            found.set_apart(host, f"resolved to {shown(address)}, which is not an IP address", where)
             continue
         if not checked.allowed:
             found.set_apart(host, f"resolved to {checked.address}, which the address rules refuse: "
@@ -183,9 +183,9 @@ def _judge(found: Findings, record: Record, rules: AddressRules, policy: Policy 
     if cname_refused:
         if record.verdict == "report":  # let through by report mode: enforce mode refuses it
             found.set_apart(host, "its CNAME chain is refused in enforce mode: "
-                                  f"{_safe(record.reason.removeprefix(WOULD_REFUSE))}", where)
+                                  f"{shown(record.reason.removeprefix(WOULD_REFUSE))}", where)
         else:
-            found.set_apart(host, f"its CNAME chain is refused: {_safe(record.reason)}", where)
+            found.set_apart(host, f"its CNAME chain is refused: {shown(record.reason)}", where)
     if record.verdict == "refuse" and (record.stage == "address" or cname_refused):
         found.asked.add(host)  # in report mode, how an internal name shows: host rules passed it on, addresses not
     if not ((record.verdict == "refuse" and record.stage == HOST) or record.verdict == "report"):
@@ -212,12 +212,12 @@ def _candidate_role(found: Findings, record: Record, policy: Policy | None) -> s
     host = record.host or ""
     if policy is None:
         if not _default_deny(record):
-            found.set_apart(host, f"refused by deny rule {_safe(record.rule_id)}: an allow entry does not "
+            found.set_apart(host, f"refused by deny rule {shown(record.rule_id)}: an allow entry does not "
                                   "override a deny rule", str(record.place))
             return False
         near = _NEAR_MISS.search(record.reason)
         if near is not None:  # the decision's words for an allow rule that named the host (policy/decision.py)
-            found.set_apart(host, f"named by allow rule {_safe(near[1])}, whose conditions refused this request: an "
+            found.set_apart(host, f"named by allow rule {shown(near[1])}, whose conditions refused this request: an "
                                   "entry for the host would widen that rule; change its conditions if this request "
                                   "should pass", str(record.place))
             return False
@@ -231,7 +231,7 @@ def _candidate_role(found: Findings, record: Record, policy: Policy | None) -> s
         found.already_allowed[host] += 1
         return False
     if verdict.stage != HOST:
-        found.set_apart(host, f"refused by {_safe(verdict.rule)} before host rules: {verdict.reason}",
+        found.set_apart(host, f"refused by {shown(verdict.rule)} before host rules: {verdict.reason}",
                         str(record.place))
         return False
     if verdict.matched is not None and verdict.matched.action == DENY:
@@ -293,7 +293,7 @@ def expiry_date(text: str, today: date | None = None) -> str | None:
 def render(found: Findings, options: Options, logs: list[str], address_source: str) -> str:
     """The proposed policy document; raises RuntimeError if it does not load (a bug, never shown)."""
     out = ["# egresswall suggest: a hosts.allow block from the audit log",
-           f"# read: {', '.join(_safe(log) for log in logs)} ({found.decisions} decision line(s)"
+           f"# read: {', '.join(shown(log) for log in logs)} ({found.decisions} decision line(s)"
            + (f", {found.first} .. {found.last})" if found.first else ")"),
            "# from: requests refused by host rules, or let through by report mode",
            f"# addresses judged by: {address_source}",
@@ -305,8 +305,8 @@ def render(found: Findings, options: Options, logs: list[str], address_source: s
     for role in sorted(r for r in found.allow if r is not None):
         role_entries = _entries(found, role, options)
         if role_entries:
-            out.append(f"# Clients in role {_safe(role)} are judged by that role's own host lists: these go under")
-            out.append(f"# the hosts.allow of role {_safe(role)} in your policy.")
+            out.append(f"# Clients in role {shown(role)} are judged by that role's own host lists: these go under")
+            out.append(f"# the hosts.allow of role {shown(role)} in your policy.")
             out += ["#" + line[1:] if line.startswith(" ") else line for line in role_entries]
     out += _apart_comments(found)
     text = "\n".join(out) + "\n"
@@ -379,7 +379,7 @@ def _not_read_comments(found: Findings) -> list[str]:
     out = []
     for reason, skipped in sorted(found.not_read.items()):
         more = f", ... ({skipped.count - SHOWN} more)" if skipped.count > SHOWN else ""
-        out.append(f"# not read: {skipped.count} line(s): {_safe(reason)} (at {', '.join(skipped.places[:SHOWN])}"
+        out.append(f"# not read: {skipped.count} line(s): {shown(reason)} (at {', '.join(skipped.places[:SHOWN])}"
                    f"{more})")
     if found.before_since:
         out.append(f"# before --since: {found.before_since} line(s)")
@@ -398,7 +398,3 @@ def lint_warnings(text: str) -> list[str]:
     return [str(warning) for warning in lint(parse_policy(text, "<egresswall suggest>"))]
 
 
-def _safe(text: str, limit: int = 200) -> str:
-    """Text from the log (rule ids, reasons) put in a comment: one printable line, never YAML."""
-    shown = "".join(ch if ch.isprintable() else f"\\x{ord(ch):02x}" for ch in text[:limit])
-    return shown + ("..." if len(text) > limit else "")

@@ -88,3 +88,18 @@ def test_replay_reports_an_address_rule_edit_for_a_resolved_name_holds(tmp_path:
     log.write_text(json.dumps(decided(old, request("https://www.example.com/"), ("93.184.216.34",))) + "\n")
     report = replay(new, read_logs([log]))
     assert report.replayed == 1 and ("allow", "refuse") in report.changes
+
+
+def test_replay_shows_a_logged_path_as_one_printable_line() -> None:
+    """A path from the audit log (client-chosen: the core accepts format characters such as U+202E, a
+    right-to-left override, and U+200B) is shown escaped in replay's lines, as suggest shows log text (the
+    helper's suspicion, round 21): a terminal must not reorder or hide what an operator reads."""
+    from proxy.audit_reader import Record
+    from proxy.replay import describe_request
+
+    record = Record.__new__(Record)
+    for name, value in {"method": "GET", "scheme": "http", "host": "a.example.com", "port": 80,
+                        "path": "/x\u202egpj.exe\u200b\n"}.items():
+        object.__setattr__(record, name, value)
+    line = describe_request(record)
+    assert line.isprintable() and "\\u202e" in line and "\\u200b" in line and "\\x0a" in line, line
