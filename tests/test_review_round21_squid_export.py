@@ -16,13 +16,11 @@ Network: loopback only (squid connects, if at all, to 127.0.0.2, where nothing l
 from __future__ import annotations
 
 import shutil
-import socket
 
 import pytest
-from proxyproc import parse_response
 from squid_compat.exporter import export_policy
 from squid_files import hand_to_squid_user
-from test_squid_differential import SQUID, Squid, _guard, free_port, squid_refused, squid_workdir
+from test_squid_differential import SQUID, Squid, _guard, free_port, squid_refused_request, squid_workdir
 
 from policy.decision import Request, Resolution, decide
 from policy.hosts import parse_url
@@ -90,17 +88,8 @@ def squid_allows(exported: str, paths: list[str]) -> dict[str, bool]:
 
 
 def _refused(port: int, path: str) -> bool:
-    request = f"GET http://{HOST}{path} HTTP/1.1\r\nHost: {HOST}\r\nConnection: close\r\n\r\n".encode()
-    with socket.create_connection(("127.0.0.1", port), timeout=15) as sock:
-        sock.sendall(request)
-        head = b""
-        while b"\r\n\r\n" not in head:
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            head += chunk
-    status, headers, _ = parse_response(head)
-    return squid_refused(status, headers)
+    return squid_refused_request(port, f"GET http://{HOST}{path} HTTP/1.1\r\nHost: {HOST}\r\n"
+                                       "Connection: close\r\n\r\n".encode())
 
 
 def wider_in_squid(deny_paths: tuple[str, ...], requests: list[str], said: tuple[str, ...] = ()) -> list[str]:
@@ -215,14 +204,5 @@ hosts:
 
 
 def _refused_method(port: int, method: str) -> bool:
-    request = f"{method} http://{HOST}/x HTTP/1.1\r\nHost: {HOST}\r\nConnection: close\r\n\r\n".encode()
-    with socket.create_connection(("127.0.0.1", port), timeout=15) as sock:
-        sock.sendall(request)
-        head = b""
-        while b"\r\n\r\n" not in head:
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            head += chunk
-    status, headers, _ = parse_response(head)
-    return squid_refused(status, headers)
+    return squid_refused_request(port, f"{method} http://{HOST}/x HTTP/1.1\r\nHost: {HOST}\r\n"
+                                       "Connection: close\r\n\r\n".encode())

@@ -12,15 +12,13 @@ to 127.0.0.2 only.
 from __future__ import annotations
 
 import shutil
-import socket
 from itertools import product
 
 import pytest
-from proxyproc import parse_response
 from squid_compat.importer import import_conf
 from squid_files import hand_to_squid_user
 from test_review_round21_squid_export import PLUMBING
-from test_squid_differential import SQUID, Squid, free_port, squid_refused, squid_workdir
+from test_squid_differential import SQUID, Squid, free_port, squid_refused_request, squid_workdir
 
 from policy.decision import Request, Resolution, decide
 from policy.hosts import parse_authority, parse_url
@@ -58,19 +56,8 @@ http_access deny !api
 def _ask(port: int, client: str, method: str, host: str, target_port: int) -> bool:
     authority = f"{host}:{target_port}"
     line = f"CONNECT {authority}" if method == "CONNECT" else f"{method} http://{authority}/p"
-    with socket.socket() as sock:
-        sock.settimeout(15)
-        sock.bind((client, 0))
-        sock.connect(("127.0.0.1", port))
-        sock.sendall(f"{line} HTTP/1.1\r\nHost: {authority}\r\nConnection: close\r\n\r\n".encode())
-        head = b""
-        while b"\r\n\r\n" not in head:
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            head += chunk
-    status, headers, _ = parse_response(head)
-    return squid_refused(status, headers)
+    return squid_refused_request(port, f"{line} HTTP/1.1\r\nHost: {authority}\r\nConnection: close\r\n\r\n".encode(),
+                                 client)
 
 
 def _egresswall_allows(policy, client: str, method: str, host: str, port: int) -> bool:

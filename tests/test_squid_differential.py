@@ -613,8 +613,18 @@ def _ask_raw(port: int, line: str) -> bool:
     """Send one request line (UTF-8 bytes as written) to squid; True when squid refused it by access control."""
     method, target = line.split(" ", 1)
     host = target.split("/")[2] if "://" in target else target
-    request = f"{method} {target} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode()
-    with socket.create_connection(("127.0.0.1", port), timeout=15) as sock:
+    return squid_refused_request(port, f"{method} {target} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+                                 .encode())
+
+
+def squid_refused_request(port: int, request: bytes, client: str | None = None) -> bool:
+    """Send one request to the squid on ``port`` (from ``client``'s address when given); True when squid refused
+    it by access control."""
+    with socket.socket() as sock:
+        sock.settimeout(15)
+        if client is not None:
+            sock.bind((client, 0))
+        sock.connect(("127.0.0.1", port))
         sock.sendall(request)
         head = b""
         while b"\r\n\r\n" not in head:
