@@ -1,5 +1,6 @@
-"""Warnings for operators: rules that can never match, rules shadowed by earlier ones, expired
-entries and overlapping ranges. A policy with warnings still loads; lint tells what it will do."""
+"""Warnings for operators: rules that can never match (a wss-only rule a tunnel never meets among them), rules
+shadowed by earlier ones, expired entries, overlapping ranges, an allow rule taking in a whole public suffix and
+a pattern IDNA reads as another host. A policy with warnings still loads; lint tells what it will do."""
 
 from __future__ import annotations
 

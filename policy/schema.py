@@ -202,7 +202,7 @@ def _explain(err: jsonschema.ValidationError) -> str:
     return err.message if len(err.message) <= _MESSAGE_MAX else err.message[:_MESSAGE_MAX] + "..."
 
 
-_LEADING_ZERO = re.compile(r"[-+]?0[0-9]+")  # 0443: a number YAML 1.2 reads as text, 1.1 as octal
+_LEADING_ZERO = re.compile(r"[-+]?0[0-9]+")  # 0443: text to the policy's YAML, octal to YAML 1.1
 _CONDITIONS = frozenset({"ports", "schemes", "methods", "paths"})  # a host rule's conditions
 _SHORT = reprlib.Repr(maxlevel=2, maxlist=4, maxdict=4, maxstring=80, maxother=80)
 _MESSAGE_MAX = 400

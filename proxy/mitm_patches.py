@@ -1024,16 +1024,16 @@ def _unread_host_refusal(self: Http1Server, status: int) -> Refusal | None:
         return None
     hosts = request.headers.get_all("host")
     if len(hosts) > 1:
-        return _refuse_whole_head(self.conn, status, "form:host-header", _hosts_reason(hosts), _accept_of(request))
+        return _refuse_whole_head(self.conn, status, "form:host-header", several_hosts_reason(hosts),
+                                  _accept_of(request))
     return state().on_unread_target(self.conn, request.method, request.path, hosts[0] if hosts else None,
                                     _accept_of(request))
 
 
-def _hosts_reason(hosts: list[str]) -> str:
-    """Why a request with several Host headers is refused, quoting them as the core quotes a Host header that
-    disagrees with the target (``Gate.decide_request``: an absolute-form request with two gets that, the values
-    joined as here). 400, as RFC 9112 3.2 has it: each header may name another host, and which one a server
-    reads is its own choice."""
+def several_hosts_reason(hosts: list[str]) -> str:
+    """Why a request with several Host headers is refused (400, as RFC 9112 3.2 has it: each header may name
+    another host, and which one a server reads is its own choice), in any form: here for origin form, by the
+    decision addon for the rest. The values are quoted as the core quotes a Host header that disagrees."""
     sent = safe_text(for_logs(", ".join(hosts)), 100)
     return f"the request has {len(hosts)} Host headers ({sent!r}); a request names its host in exactly one"[:400]
 

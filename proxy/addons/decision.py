@@ -10,7 +10,14 @@ from mitmproxy import http
 
 from ..gate import Gate, HttpAsk, refusal_for
 from ..http_hygiene import OTHER_UPGRADE, WEBSOCKET, connect_content, override_headers, upgrade_kind
-from ..mitm_patches import FRAMING_REFUSED, SENT_AUTHORITY, connect_error_text, invalid_framing, refuse_before_body
+from ..mitm_patches import (
+    FRAMING_REFUSED,
+    SENT_AUTHORITY,
+    connect_error_text,
+    invalid_framing,
+    refuse_before_body,
+    several_hosts_reason,
+)
 from ..peers import peer_of
 from ..refusals import Refusal, failed_connect, refusal_parts
 from .connections import ConnectionTable
@@ -134,6 +141,10 @@ class DecisionAddon:
         handshake = websocket_handshake_problem(request) if upgrade == WEBSOCKET else None
         if handshake is not None:
             self._refuse_form(flow, client, session, 400, "http:websocket-handshake", handshake)
+            return
+        hosts = request.headers.get_all("host")
+        if len(hosts) > 1:  # beside an absolute URI or inside a tunnel (origin form outside: mitm_patches)
+            self._refuse_form(flow, client, session, 400, "form:host-header", several_hosts_reason(hosts))
             return
         length = request.headers.get("content-length")
         ask = HttpAsk(client=client, method=request.method, scheme=request.scheme, host=request.data.host,

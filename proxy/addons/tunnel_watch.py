@@ -4,7 +4,8 @@
 whose ClientHello the gate accepts becomes a counted byte relay; an intercepted one, or HTTP inside a
 CONNECT to a plain-HTTP port, goes back to mitmproxy's own layer choice — now with the whole message
 in hand, so a first byte sent alone can no longer make it a raw TCP relay — and every request inside
-is decided by ``requestheaders``. ``tls_clienthello`` checks the SNI of intercepted tunnels again.
+is decided by ``requestheaders``. ``tls_clienthello`` checks the SNI of intercepted tunnels again, and
+gives the origin the decided host as SNI and only HTTP's ALPN offers (no client-chosen bytes on the way).
 """
 
 from __future__ import annotations
