@@ -220,8 +220,10 @@ class ProxyProcess:
     def get(self, url: str, headers: dict[str, str] | None = None, method: str = "GET",
             body: bytes = b"") -> tuple[int, dict[str, str], bytes]:
         host = url.split("/")[2]
-        lines = [f"{method} {url} HTTP/1.1", f"Host: {host}", "Connection: close"]
-        lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+        given = headers or {}
+        # A Host among ``headers`` stands in for the URL's (one Host header, as a client sends it).
+        lines = [f"{method} {url} HTTP/1.1"] + ([] if "host" in map(str.lower, given) else [f"Host: {host}"])
+        lines += ["Connection: close"] + [f"{k}: {v}" for k, v in given.items()]
         if body:
             lines.append(f"Content-Length: {len(body)}")
         return parse_response(self.raw(("\r\n".join(lines) + "\r\n\r\n").encode() + body))
