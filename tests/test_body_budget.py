@@ -187,7 +187,7 @@ def test_the_limit_is_read_from_the_policy() -> None:
 
 
 @pytest.mark.parametrize("value, expected", [("-1", "expected a value >= 0"), ("'1M'", "expected integer"),
-                                             ("1.5", "expected integer")])
+                                             ("1.5", "expected a whole number")])
 def test_a_bad_limit_is_refused_with_its_position(value: str, expected: str) -> None:
     with pytest.raises(PolicyError) as info:
         parse_policy(f"version: 1\nlimits:\n  max_buffered_request_bodies: {value}\n", "bad.yaml")
