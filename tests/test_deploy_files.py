@@ -30,11 +30,11 @@ import json
 import re
 import shlex
 import shutil
-import subprocess
 from pathlib import Path, PurePosixPath
 
 import pytest
 import yaml
+from kustomize import kubectl_or_skip, render
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_DIR = ROOT / "compose"
@@ -1139,18 +1139,14 @@ def test_lock_check_catches_a_ruleset_that_is_not_the_lab_file(tmp_path):
 
 @pytest.mark.parametrize("shape", ["sidecar", "shared"])
 def test_kustomize_renders_each_shape_and_it_keeps_the_promises(shape, tmp_path):
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl not installed: the rendered output is not checked here")
+    kubectl_or_skip()
     tree = tmp_path / "k8s"
     shutil.copytree(K8S_DIR, tree)
     root = tree / "kustomization.yaml"
     text = root.read_text()
     text = re.sub(r"^components:\n(\s+#?\s*- \w+\n)+", f"components:\n  - {shape}\n", text, flags=re.M)
     root.write_text(text)
-    out = subprocess.run([kubectl, "kustomize", str(tree)], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    docs = [d for d in yaml.safe_load_all(render(tree)) if d]
     assert {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"} == {"egresswall"}
     # Map the hashed ConfigMap name kustomize generated back to the ruleset file it came from.
     (lock_cm,) = [d for d in docs if d["kind"] == "ConfigMap" and "egress-lock.nft" in d.get("data", {})]
@@ -1522,9 +1518,7 @@ def test_the_images_override_points_every_shipped_image_at_your_registry(shape, 
     """Nothing publishes egresswall/proxy, /browser or /netlock, nor the sidecar's placeholder app image:
     compose/README.md's `images:` override (as an overlay, or uncommented in compose/k8s/kustomization.yaml)
     replaces every one of them in what kustomize renders for either shape."""
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl not installed: the rendered output is not checked here")
+    kubectl_or_skip()
     tree = tmp_path / "egresswall" / "compose" / "k8s"
     shutil.copytree(K8S_DIR, tree)
     root = tree / "kustomization.yaml"
@@ -1540,9 +1534,7 @@ def test_the_images_override_points_every_shipped_image_at_your_registry(shape, 
         assert commented, "compose/k8s/kustomization.yaml has no commented images: override"
         root.write_text(text.replace(commented.group(0), re.sub(r"^# ?", "", commented.group(0), flags=re.M)))
         target = tree
-    out = subprocess.run([kubectl, "kustomize", str(target)], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    images = {c["image"] for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "Deployment"
+    images = {c["image"] for d in yaml.safe_load_all(render(target)) if d and d["kind"] == "Deployment"
               for kind in ("initContainers", "containers") for c in d["spec"]["template"]["spec"].get(kind) or []}
     ours = {i for i in images if not i.startswith("redis:")}
     assert ours and all(i.startswith("registry.example.com/") for i in ours), images

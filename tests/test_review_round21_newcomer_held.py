@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from kustomize import kubectl_or_skip, render
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -39,8 +40,7 @@ def test_each_kustomize_shape_renders_and_validates_holds(tmp_path: Path, shape:
     """compose/README.md:127-133 and 243-244: `kubectl apply -k compose/k8s` with either component renders
     (the generated egress-lock ConfigMap's hashed name reaches the init container's volume), and what it
     renders passes kubernetes-validate --strict against 1.30."""
-    if not shutil.which("kubectl"):
-        pytest.skip("kubectl (for kustomize) is not installed")
+    kubectl_or_skip()
     validate = Path(sys.executable).parent / "kubernetes-validate"
     if not validate.exists():
         pytest.skip("kubernetes-validate is not installed in the venv")
@@ -51,8 +51,7 @@ def test_each_kustomize_shape_renders_and_validates_holds(tmp_path: Path, shape:
     if shape == "shared":
         text = text.replace("  - sidecar\n", "  # - sidecar\n").replace("  # - shared\n", "  - shared\n")
     kustomization.write_text(text)
-    rendered = subprocess.run(["kubectl", "kustomize", str(copy)], capture_output=True, text=True, check=True,
-                              timeout=60).stdout
+    rendered = render(copy)
     out = tmp_path / "rendered.yaml"
     out.write_text(rendered)
     if shape == "sidecar":
