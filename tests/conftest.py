@@ -37,9 +37,10 @@ class Lab:
     cert_file: Path
 
     def policy_text(self, extra: str = "", default: str = "allow", mode: str = "enforce",
-                    limits: str = "") -> str:
+                    limits: str = "", connect_plain: bool = False) -> str:
+        """The lab's policy; ``connect_plain`` lets a CONNECT reach the plain-HTTP origin too (as ws:// does)."""
         ports = sorted({80, self.public.port})
-        tls_ports = sorted({443, self.public_tls.port})
+        tls_ports = sorted({443, self.public_tls.port} | ({self.public.port} if connect_plain else set()))
         return (f"version: 1\nmode: {mode}\ndefault: {default}\n"
                 f"ports:\n  http: {ports}\n  connect: {tls_ports}\n"
                 f"addresses:\n  allow: [{PUBLIC_IP}/32]\n"

@@ -15,6 +15,7 @@ import time
 
 import pytest
 from proxyproc import TRANSPORTS, ProxyProcess, parse_response, read_response
+from rawclient import read_all
 
 pytestmark = pytest.mark.integration
 
@@ -25,9 +26,7 @@ BAD = b"GET http://public.lab.example/ HTTP/1.1 extra\r\nHost: public.lab.exampl
 @pytest.fixture(scope="module", params=list(TRANSPORTS))
 def proxy(lab, tmp_path_factory, request):
     folder = tmp_path_factory.mktemp("r21d-records")
-    text = lab.policy_text("hosts:\n  allow:\n    - public.lab.example\n", default="deny")
-    tls_ports = sorted({443, lab.public_tls.port})
-    text = text.replace(f"connect: {tls_ports}", f"connect: {sorted({*tls_ports, lab.public.port})}")
+    text = lab.policy_text("hosts:\n  allow:\n    - public.lab.example\n", default="deny", connect_plain=True)
     policy = folder / "policy.yaml"
     policy.write_text(text)
     process = ProxyProcess(["--policy", str(policy), *TRANSPORTS[request.param]], folder / "audit.jsonl")
@@ -69,17 +68,6 @@ def split_responses(data: bytes) -> list[bytes]:
     return out
 
 
-def read_all(sock: socket.socket, seconds: float = 3.0) -> bytes:
-    sock.settimeout(seconds)
-    data = b""
-    try:
-        while chunk := sock.recv(65536):
-            data += chunk
-    except (TimeoutError, ConnectionResetError):
-        pass
-    return data
-
-
 def one_refusal_matching(proxy, before: int, answer: bytes) -> dict:
     found = refusals(settle(proxy, before))
     assert len(found) == 1, (proxy.transport, found)
@@ -97,7 +85,7 @@ def test_a_bad_head_after_a_good_request_on_one_connection_gets_one_record_holds
         first = read_response(sock)
         assert first.startswith(b"HTTP/1.1 200"), first[:200]
         sock.sendall(BAD)
-        second = read_all(sock)
+        second = read_all(sock, 3)
     status, headers, body = parse_response(second)
     assert status == 400 and headers.get("content-type") == "application/json", second[:400]
     one_refusal_matching(proxy, before, second)
@@ -108,7 +96,7 @@ def test_a_bad_head_pipelined_behind_a_good_one_gets_one_record_holds(lab, proxy
     port = lab.public.port
     with socket.create_connection((proxy.host, proxy.port), timeout=10) as sock:
         sock.sendall(GOOD % (port, port) + BAD)
-        data = read_all(sock)
+        data = read_all(sock, 3)
     answers = split_responses(data)
     assert answers and answers[0].startswith(b"HTTP/1.1 200"), data[:300]
     assert len(answers) == 2, answers
@@ -134,7 +122,7 @@ def test_a_bad_head_inside_a_tunnel_to_a_plain_http_port_gets_one_record_holds(l
         sock.sendall(f"GET / HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
         assert read_response(sock).startswith(b"HTTP/1.1 ")
         sock.sendall(b"GET / HTTP/1.1 extra\r\nHost: " + authority.encode() + b"\r\nAccept: application/json\r\n\r\n")
-        answer = read_all(sock)
+        answer = read_all(sock, 3)
     status, headers, body = parse_response(answer)
     assert status == 400 and json.loads(body)["rule"] == "http:malformed", answer[:300]
     one_refusal_matching(proxy, before, answer)

@@ -143,9 +143,7 @@ def test_the_accept_of_a_head_mitmproxy_cannot_parse_is_read_strictly(proxy, acc
 def tunnel_proxy(lab, tmp_path_factory, request):
     """A proxy whose policy lets a CONNECT reach the lab's plain-HTTP origin (as ws:// from a browser does)."""
     folder = tmp_path_factory.mktemp("r21jsontunnel")
-    text = lab.policy_text("hosts:\n  allow:\n    - public.lab.example\n", default="deny")
-    tls_ports = sorted({443, lab.public_tls.port})
-    text = text.replace(f"connect: {tls_ports}", f"connect: {sorted({*tls_ports, lab.public.port})}")
+    text = lab.policy_text("hosts:\n  allow:\n    - public.lab.example\n", default="deny", connect_plain=True)
     assert str(lab.public.port) in text.split("connect:")[1].split("\n")[0]
     policy = folder / "policy.yaml"
     policy.write_text(text)

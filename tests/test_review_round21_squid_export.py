@@ -16,11 +16,21 @@ Network: loopback only (squid connects, if at all, to 127.0.0.2, where nothing l
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from squid_compat.exporter import export_policy
 from squid_files import hand_to_squid_user
-from test_squid_differential import SQUID, Squid, _guard, free_port, squid_refused_request, squid_workdir
+from test_squid_differential import (
+    PLUMBING,
+    SQUID,
+    Squid,
+    _guard,
+    free_port,
+    squid_refused_request,
+    squid_workdir,
+)
 
 from policy.decision import Request, Resolution, decide
 from policy.hosts import parse_url
@@ -29,27 +39,11 @@ from policy.loader import parse_policy
 pytestmark = pytest.mark.integration
 
 HOST = "api.lab.test"
-PLUMBING = """\
-http_port 127.0.0.1:{port}
-pid_filename {dir}/squid.pid
-cache_log {dir}/cache.log
-access_log stdio:{dir}/access.log
-cache deny all
-cache_mem 8 MB
-coredump_dir {dir}
-dns_nameservers 127.53.21.99
-hosts_file {dir}/hosts
-pinger_enable off
-netdb_filename none
-icp_port 0
-htcp_port 0
-shutdown_lifetime 0 seconds
-connect_timeout 2 seconds
-"""
+DEAD_NAMESERVER = "127.53.21.99"  # nothing listens: squid reads HOST from its hosts file
 
 
-def policy_with_deny_paths(*paths: str):
-    quoted = ", ".join(f'"{p}"' for p in paths)
+def policy_with_deny(field: str, values: str):
+    """Everything allowed but a deny rule on HOST with ``field: [values]`` (YAML flow items)."""
     return parse_policy(f"""\
 version: 1
 default: allow
@@ -59,8 +53,12 @@ addresses:
 hosts:
   deny:
     - host: {HOST}
-      paths: [{quoted}]
+      {field}: [{values}]
 """, "p.yaml")
+
+
+def policy_with_deny_paths(*paths: str):
+    return policy_with_deny("paths", ", ".join(f'"{p}"' for p in paths))
 
 
 def egresswall_allows(policy, path: str) -> bool:
@@ -68,23 +66,30 @@ def egresswall_allows(policy, path: str) -> bool:
     return decide(policy, Request(target, "GET", "127.0.0.1"), Resolution(HOST, ("127.0.0.2",))).allowed
 
 
-def squid_allows(exported: str, paths: list[str]) -> dict[str, bool]:
+@contextmanager
+def squid_running(exported: str, name: str) -> Iterator[int]:
+    """A squid on a loopback port (yielded) with the export, HOST in its hosts file, and a dead nameserver."""
     if SQUID is None:
         pytest.skip("squid is not installed")
-    workdir = squid_workdir("r21c-export")
+    workdir = squid_workdir(name)
     try:
         (workdir / "hosts").write_text(f"127.0.0.2 {HOST}\n")
         port = free_port()
         conf = workdir / "squid.conf"
-        conf.write_text(PLUMBING.format(port=port, dir=workdir) + _guard() + exported)
+        conf.write_text(PLUMBING.format(squid_port=port, dir=workdir, dns=DEAD_NAMESERVER) + _guard() + exported)
         hand_to_squid_user(workdir)
         squid = Squid(conf, port, workdir)
         try:
-            return {path: not _refused(port, path) for path in paths}
+            yield port
         finally:
             squid.stop()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def squid_allows(exported: str, paths: list[str]) -> dict[str, bool]:
+    with squid_running(exported, "r21c-export") as port:
+        return {path: not _refused(port, path) for path in paths}
 
 
 def _refused(port: int, path: str) -> bool:
@@ -166,38 +171,14 @@ def test_a_method_deny_of_an_extension_method_holds_in_squid_in_any_case() -> No
     `patch http://host/` through. Fix (exporter.py _rule): for a method squid does not know
     (squid_compat.acls.SQUID_METHODS), write every case spelling (2**len, fine for PATCH), or refuse the host's
     requests of any unknown method with a comment saying why."""
-    policy = parse_policy(f"""\
-version: 1
-default: allow
-ports: {{connect: [443, "1025-65535"], http: [80, "1025-65535"]}}
-addresses:
-  allow: [127.0.0.2/32]
-hosts:
-  deny:
-    - host: {HOST}
-      methods: [PATCH, DELETE]
-""", "p.yaml")
+    policy = policy_with_deny("methods", "PATCH, DELETE")
     exported = export_policy(policy)
     methods = ["PATCH", "patch", "Patch", "DELETE", "delete", "GET"]
     for method in methods[:-1]:
         target = parse_url(f"http://{HOST}/x")
         assert not decide(policy, Request(target, method, "127.0.0.1"), Resolution(HOST, ("127.0.0.2",))).allowed
-    if SQUID is None:
-        pytest.skip("squid is not installed")
-    workdir = squid_workdir("r21c-export-methods")
-    try:
-        (workdir / "hosts").write_text(f"127.0.0.2 {HOST}\n")
-        port = free_port()
-        conf = workdir / "squid.conf"
-        conf.write_text(PLUMBING.format(port=port, dir=workdir) + _guard() + exported)
-        hand_to_squid_user(workdir)
-        squid = Squid(conf, port, workdir)
-        try:
-            refused = {method: _refused_method(port, method) for method in methods}
-        finally:
-            squid.stop()
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    with squid_running(exported, "r21c-export-methods") as port:
+        refused = {method: _refused_method(port, method) for method in methods}
     assert not refused["GET"], "the harness works: GET passes"
     wrong = [m for m in methods[:-1] if not refused[m]]
     assert not wrong, f"egresswall refuses, the exported squid allows: {wrong}\n" + exported[-600:]

@@ -13,6 +13,8 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 from fake_upstream_proxy import ESTABLISHED, FakeUpstream, upstream_policy
@@ -121,29 +123,46 @@ def _tunnel_get(lab, proxy, wait_head: float = 10) -> tuple[bytes, bytes]:
         return head, read_all(sock, 8)
 
 
-@pytest.mark.parametrize("transport", list(TRANSPORTS), indirect=True)
-def test_an_answer_trickled_within_connect_timeout_opens_the_tunnel_holds(lab, start_proxy, transport) -> None:
-    """The answer byte by byte over ~1.2 s, connect_timeout 3: the tunnel opens on both paths."""
-    pieces = [(0.03, bytes([b])) for b in ESTABLISHED]
+@dataclass
+class ScriptedTunnel:
+    proxy: object
+    up: Scripted
+    head: bytes  # the proxy's answer to the CONNECT
+    answer: bytes  # what came back for the GET inside, if the tunnel opened
+    seconds: float  # from the CONNECT to the end of the answer
+
+
+@contextlib.contextmanager
+def scripted_tunnel(lab, start_proxy, pieces: list[tuple[float, bytes]], limits: str) -> Iterator[ScriptedTunnel]:
+    """A proxy chained to a Scripted upstream that answers the CONNECT with ``pieces``; one tunnel and a GET
+    through it (``_tunnel_get``). The proxy's stderr is checked for tracebacks once the caller's checks hold."""
     up = Scripted(pieces, (PUBLIC_IP, lab.public.port))
     try:
-        proxy = start_proxy(upstream_policy(lab, up, "limits:\n  connect_timeout: 3\n"))
+        proxy = start_proxy(upstream_policy(lab, up, limits))
+        started = time.monotonic()
         head, answer = _tunnel_get(lab, proxy)
-        assert head.startswith(b"HTTP/1.1 200") and answer.startswith(b"HTTP/1.1 200"), (head, answer[:200])
-        assert b"hello from public" in answer
+        yield ScriptedTunnel(proxy, up, head, answer, time.monotonic() - started)
         _clean(proxy)
     finally:
         up.close()
 
 
 @pytest.mark.parametrize("transport", list(TRANSPORTS), indirect=True)
+def test_an_answer_trickled_within_connect_timeout_opens_the_tunnel_holds(lab, start_proxy, transport) -> None:
+    """The answer byte by byte over ~1.2 s, connect_timeout 3: the tunnel opens on both paths."""
+    pieces = [(0.03, bytes([b])) for b in ESTABLISHED]
+    with scripted_tunnel(lab, start_proxy, pieces, "limits:\n  connect_timeout: 3\n") as t:
+        assert t.head.startswith(b"HTTP/1.1 200") and t.answer.startswith(b"HTTP/1.1 200"), (t.head, t.answer[:200])
+        assert b"hello from public" in t.answer
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS), indirect=True)
 def test_an_answer_just_after_connect_timeout_closes_the_tunnel_and_names_the_upstream_holds(
         lab, start_proxy, transport) -> None:
     """The 200 comes 1.6 s after the CONNECT, connect_timeout 1: too late on both paths; the record says why."""
-    up = Scripted([(1.6, ESTABLISHED)], (PUBLIC_IP, lab.public.port))
-    try:
-        proxy = start_proxy(upstream_policy(lab, up, "limits:\n  connect_timeout: 1\n  idle_timeout: 20\n"))
-        head, answer = _tunnel_get(lab, proxy)
+    with scripted_tunnel(lab, start_proxy, [(1.6, ESTABLISHED)],
+                         "limits:\n  connect_timeout: 1\n  idle_timeout: 20\n") as t:
+        proxy, up, answer = t.proxy, t.up, t.answer
         assert b"hello from public" not in answer, answer
         time.sleep(0.5)
         why = (f"the upstream proxy http://127.0.0.1:{up.port} did not open the tunnel within 1s "
@@ -151,9 +170,6 @@ def test_an_answer_just_after_connect_timeout_closes_the_tunnel_and_names_the_up
         assert answer.startswith(b"HTTP/1.1 502") and why.encode() in answer, answer[:400]
         records = [r for r in proxy.audit() if r["event"] == "response"]
         assert records and records[0]["error"] == why, records
-        _clean(proxy)
-    finally:
-        up.close()
 
 
 @pytest.mark.parametrize("transport", list(TRANSPORTS), indirect=True)
@@ -165,14 +181,9 @@ def test_an_informational_answer_before_the_200_opens_the_tunnel_on_both_paths(l
     upstream mode ... as on the front"; the same upstream must open the same tunnels on both paths (RFC 9110
     15.2: a client must parse 1xx answers before the final one). Fix: in mitm_upstream_wait, skip a 1xx head in
     receive_handshake_data (as the front does) — done."""
-    up = Scripted([(0, b"HTTP/1.1 100 Continue\r\n\r\n"), (0.05, ESTABLISHED)], (PUBLIC_IP, lab.public.port))
-    try:
-        proxy = start_proxy(upstream_policy(lab, up, "limits:\n  connect_timeout: 3\n"))
-        head, answer = _tunnel_get(lab, proxy)
-        assert head.startswith(b"HTTP/1.1 200") and b"hello from public" in answer, (head, answer[:300])
-        _clean(proxy)
-    finally:
-        up.close()
+    pieces = [(0, b"HTTP/1.1 100 Continue\r\n\r\n"), (0.05, ESTABLISHED)]
+    with scripted_tunnel(lab, start_proxy, pieces, "limits:\n  connect_timeout: 3\n") as t:
+        assert t.head.startswith(b"HTTP/1.1 200") and b"hello from public" in t.answer, (t.head, t.answer[:300])
 
 
 @pytest.mark.parametrize("transport", list(TRANSPORTS), indirect=True)
@@ -183,14 +194,8 @@ def test_interim_answers_split_across_reads_are_skipped(lab, start_proxy, transp
     wire = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n" + ESTABLISHED
     cuts = [5, 12, 30, 40, 60] if split else []
     pieces = [(0.05, wire[a:b]) for a, b in zip([0, *cuts], [*cuts, len(wire)], strict=True)]
-    up = Scripted(pieces, (PUBLIC_IP, lab.public.port))
-    try:
-        proxy = start_proxy(upstream_policy(lab, up, "limits:\n  connect_timeout: 3\n"))
-        head, answer = _tunnel_get(lab, proxy)
-        assert head.startswith(b"HTTP/1.1 200") and b"hello from public" in answer, (head, answer[:300])
-        _clean(proxy)
-    finally:
-        up.close()
+    with scripted_tunnel(lab, start_proxy, pieces, "limits:\n  connect_timeout: 3\n") as t:
+        assert t.head.startswith(b"HTTP/1.1 200") and b"hello from public" in t.answer, (t.head, t.answer[:300])
 
 
 @pytest.mark.parametrize("transport", list(TRANSPORTS), indirect=True)
@@ -198,16 +203,10 @@ def test_an_endless_answer_head_is_bounded_as_on_the_front(lab, start_proxy, tra
     """An upstream that answers the CONNECT with a head that never ends (a header of 100 KB, then silence):
     mitmproxy buffered it for as long as the wait lasted; it fails at MAX_RESPONSE_HEAD (64 KiB), as the fast
     front's does, before connect_timeout, and the answer says so."""
-    up = Scripted([(0, b"HTTP/1.1 200 OK\r\nX: " + b"a" * 100_000), (8, b"\r\n\r\n")], (PUBLIC_IP, lab.public.port))
-    try:
-        proxy = start_proxy(upstream_policy(lab, up, "limits:\n  connect_timeout: 6\n  idle_timeout: 20\n"))
-        started = time.monotonic()
-        head, answer = _tunnel_get(lab, proxy)
-        assert time.monotonic() - started < 4, "not bounded before connect_timeout"
-        assert answer.startswith(b"HTTP/1.1 502") and b"answer head is over 65536 bytes" in answer, answer[:400]
-        _clean(proxy)
-    finally:
-        up.close()
+    pieces = [(0, b"HTTP/1.1 200 OK\r\nX: " + b"a" * 100_000), (8, b"\r\n\r\n")]
+    with scripted_tunnel(lab, start_proxy, pieces, "limits:\n  connect_timeout: 6\n  idle_timeout: 20\n") as t:
+        assert t.seconds < 4, "not bounded before connect_timeout"
+        assert t.answer.startswith(b"HTTP/1.1 502") and b"answer head is over 65536 bytes" in t.answer, t.answer[:400]
 
 
 @pytest.mark.parametrize("transport", list(TRANSPORTS), indirect=True)
