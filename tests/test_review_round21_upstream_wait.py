@@ -159,7 +159,8 @@ def test_an_answer_trickled_within_connect_timeout_opens_the_tunnel_holds(lab, s
 @pytest.mark.parametrize("transport", list(TRANSPORTS), indirect=True)
 def test_an_answer_just_after_connect_timeout_closes_the_tunnel_and_names_the_upstream_holds(
         lab, start_proxy, transport) -> None:
-    """The 200 comes 1.6 s after the CONNECT, connect_timeout 1: too late on both paths; the record says why."""
+    """The 200 comes 1.6 s after the CONNECT, connect_timeout 1: too late on both paths; the request's record says
+    why, and so does the tunnel's closing line."""
     with scripted_tunnel(lab, start_proxy, [(1.6, ESTABLISHED)],
                          "limits:\n  connect_timeout: 1\n  idle_timeout: 20\n") as t:
         proxy, up, answer = t.proxy, t.up, t.answer
@@ -170,6 +171,9 @@ def test_an_answer_just_after_connect_timeout_closes_the_tunnel_and_names_the_up
         assert answer.startswith(b"HTTP/1.1 502") and why.encode() in answer, answer[:400]
         records = [r for r in proxy.audit() if r["event"] == "response"]
         assert records and records[0]["error"] == why, records
+        # The tunnel's own line names it too (it said only "the client connection closed", session 2026-12-07).
+        (tunnel,) = [r for r in proxy.audit() if r["event"] == "tunnel"]
+        assert tunnel["error"] == f"the client connection closed after a request inside the tunnel failed: {why}"
 
 
 @pytest.mark.parametrize("transport", list(TRANSPORTS), indirect=True)

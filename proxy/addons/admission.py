@@ -34,9 +34,12 @@ class AdmissionAddon:
         key = self.table.admitted.pop(client.id, None)
         if key is not None:
             self.gate.release(key)
+        failed = self.table.failed_inside.get(client.id)
+        closed = "the client connection closed" + (f" after a request inside the tunnel failed: {failed}"
+                                                   if failed else "")
         # Whatever ended this connection, its tunnels end with it: each gets its closing line.
         for tunnel in self.table.forget_client(client.id):
             if tunnel.first_byte_at is None:  # mitmproxy asks for a tunnel's layer at its first byte: none came
                 self.gate.tunnel_cut_short(tunnel, 0)
             else:
-                self.gate.tunnel_closed(tunnel, 0, 0, "the client connection closed")
+                self.gate.tunnel_closed(tunnel, 0, 0, closed)

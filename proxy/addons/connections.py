@@ -21,6 +21,9 @@ class ConnectionTable:
     # Client connections whose CONNECT was answered: every request on them from then on is inside the tunnel, even
     # after its entry in ``tunnels`` is gone (its server connection closed, and mitmproxy opens another).
     tunneled: set[str] = field(default_factory=set)
+    # Client connection id -> why the latest request inside its tunnel failed (its upstream connect, say), while no
+    # request came after it: the tunnel's closing line says so rather than only that the connection closed.
+    failed_inside: dict[str, str] = field(default_factory=dict)
 
     def pin_for(self, client_id: str, host: str, port: int) -> str | None:
         """The checked address a connect of this client connection to (host, port) must use, if any."""
@@ -33,6 +36,7 @@ class ConnectionTable:
         """A client connection closed: drop its pins and return its tunnels (each still to be closed)."""
         self.request_pins.pop(client_id, None)
         self.tunneled.discard(client_id)
+        self.failed_inside.pop(client_id, None)
         for key in [k for k in self.pins if k[0] == client_id]:
             del self.pins[key]
         ended = [sid for sid, t in self.tunnels.items() if t.client_conn_id == client_id]

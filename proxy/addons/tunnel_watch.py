@@ -14,6 +14,7 @@ import asyncio
 import time
 
 from mitmproxy import ctx, http
+from mitmproxy.flow import Error
 from mitmproxy.proxy import layer as mlayer
 from mitmproxy.proxy.layers import HttpLayer
 from mitmproxy.proxy.layers.http import HTTPMode
@@ -28,6 +29,8 @@ from .connections import ConnectionTable
 from .tunnel_layers import MAX_SERVER_FIRST, CountedRelay, Refused, TunnelStart
 
 DECIDED = "egresswall_tunnel_decided"
+# mitmproxy's words for a flow ended by its client or killed (egresswall's cuts kill): no failure on the way out
+_NOT_OUTWARD = ("Client disconnected", Error.KILLED_MESSAGE)
 
 
 class TunnelWatch:
@@ -153,6 +156,17 @@ class TunnelWatch:
         client.alpn_offers = [offer for offer in client.alpn_offers if offer in HTTP_ALPNS]
         if not tunnel.target.is_ip:  # and its SNI names the decided host, not the client's spelling (PuBlIc.)
             data.context.server.sni = tunnel.target.host
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        self.table.failed_inside.pop(flow.client_conn.id, None)  # a request came after the one that failed
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        """A request inside a tunnel failed on the way out (its connect, an upstream proxy that did not open the
+        tunnel): mitmproxy answers 502 and closes, and the tunnel's closing line names why. A client that went
+        away, or a cut egresswall made (the tunnel's own line names it), is not such a failure."""
+        error = flow.error.msg if flow.error is not None else ""
+        if flow.client_conn.id in self.table.tunneled and error and not error.startswith(_NOT_OUTWARD):
+            self.table.failed_inside[flow.client_conn.id] = error
 
     def server_disconnected(self, data: ServerConnectionHookData) -> None:
         # A tunnel that never reached the relay (intercepted, HTTP inside) gets its closing line here. It stays
