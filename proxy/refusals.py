@@ -52,8 +52,9 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 def one_line(text: str, limit: int = 400) -> str:
     """Text for a refusal's header or body line: one line of printable ASCII (whitespace runs become one space,
-    other characters escaped, a control byte too: a NUL or an escape sequence a verdict quotes stays inert)."""
-    text = " ".join(text.split())
+    other characters escaped, a control byte too: a NUL or an escape sequence a verdict quotes stays inert). A
+    backslash is doubled first, so an escape egresswall wrote never reads like the same characters a client sent."""
+    text = " ".join(text.split()).replace("\\", "\\\\")
     text = text.encode("ascii", "backslashreplace").decode("ascii")
     text = _CONTROL.sub(lambda found: f"\\x{ord(found.group()):02x}", text)
     return text if len(text) <= limit else text[: limit - 3] + "..."
