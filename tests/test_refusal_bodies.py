@@ -13,7 +13,7 @@ from policy.model import DENY, HostRule, Origin
 from policy.patterns import HostPattern
 from proxy.accept import MAX_ACCEPT, AcceptError, media_ranges, prefers_json
 from proxy.hints import hint_for
-from proxy.refusals import Refusal, refusal_bytes, refusal_parts
+from proxy.refusals import Refusal, one_line, refusal_bytes, refusal_parts
 
 # ---- Accept -------------------------------------------------------------------------------------
 
@@ -224,3 +224,17 @@ def test_a_default_deny_hint_for_an_address_the_address_rules_refuse_says_so(hos
     (a newcomer's review, round 17)."""
     verdict = Verdict(False, "host", "default deny (p.yaml:2)", "matches no rule", rule_id="default:deny")
     assert hint_for(verdict, host, 80) == says
+
+
+@given(st.text(max_size=40), st.text(max_size=40))
+def test_one_line_tells_different_texts_apart(a, b):
+    """Two texts that differ other than in their whitespace runs never give the same line (under the length
+    limit): an ESC egresswall escapes never reads like the four characters backslash, x, 1, b a client sent."""
+    if " ".join(a.split()) != " ".join(b.split()):
+        assert one_line(a) != one_line(b)
+    assert one_line(a).isascii() and one_line(a).isprintable()
+
+
+def test_one_line_escapes_a_backslash():
+    assert one_line("a\x1bb") == "a\\x1bb"
+    assert one_line("a\\x1bb") == "a\\\\x1bb"
