@@ -70,6 +70,7 @@ SPECIAL_PURPOSE_V6: tuple[AddressBlock, ...] = _blocks(
     ("::1/128", "Loopback Address", "RFC 4291"),
     ("::/96", "IPv4-compatible Address (deprecated)", "RFC 4291, Section 2.5.5.1"),
     ("::ffff:0:0/96", "IPv4-mapped Address", "RFC 4291"),
+    ("::ffff:0:0:0/96", "IPv4-translated Address (deprecated)", "RFC 2765, Section 2.1"),
     ("64:ff9b::/96", "IPv4-IPv6 Translat.", "RFC 6052"),
     ("64:ff9b:1::/48", "IPv4-IPv6 Translat.", "RFC 8215"),
     ("100::/64", "Discard-Only Address Block", "RFC 6666"),
@@ -346,6 +347,7 @@ def _low32(value: int) -> int:
 # we extract it, to name it in the reason and to hold it against deny rules and the metadata set.
 _WRAPPINGS: dict[str, tuple[str, Callable[[int], int] | None]] = {
     "::/96": ("IPv4-compatible", _low32),
+    "::ffff:0:0:0/96": ("IPv4-translated", _low32),  # SIIT's spelling (RFC 2765): a translator reaches the IPv4
     "64:ff9b::/96": ("NAT64", _low32),
     "64:ff9b:1::/48": ("NAT64 (local-use)", None),  # RFC 6052 position depends on the local prefix length
     "2002::/16": ("6to4", lambda value: (value >> 80) & 0xFFFFFFFF),
@@ -404,7 +406,8 @@ def isatap_ipv4(address: netaddr.IPAddress) -> netaddr.IPAddress | None:
 
 # Where no NAT64 translator's prefix can be: blocks whose addresses already mean something else (another
 # wrapping of IPv4, link-local, multicast), which listing as a translator would re-read as IPv4 (review round 19).
-_NOT_NAT64 = (("::/96", "IPv4-compatible addresses"), ("2002::/16", "6to4"), ("2001::/32", "Teredo"),
+_NOT_NAT64 = (("::/96", "IPv4-compatible addresses"), ("::ffff:0:0:0/96", "IPv4-translated addresses"),
+              ("2002::/16", "6to4"), ("2001::/32", "Teredo"),
               ("fe80::/10", "link-local"), ("ff00::/8", "multicast"))
 
 
@@ -575,6 +578,13 @@ class AddressRules:
         # prefix does not re-admit the IPv4 inside it: that IPv4 must pass on its own.
         special = _SPECIAL.get(judged)
         allowed = self._allow.get(judged)
+        unnamed = ""
+        if allowed is not None and judged.version == 6 and int(judged) <= 1 and allowed[0].prefixlen != 128:
+            # :: and ::1 sit inside ::/96, and a range written to re-admit IPv4-compatible addresses (whose IPv4
+            # must pass on its own, and 0.0.0.0 and 0.0.0.1 do not) or a wider one must not re-admit this host
+            # and its loopback by the way: only naming the address itself does (review round 22).
+            unnamed = f" (the policy allows {allowed[0]}, which covers it, but only {shown}/128 itself re-admits it)"
+            allowed = None
         if allowed is not None:
             network, rule, rule_id = allowed
             if wrapped:
@@ -598,7 +608,7 @@ class AddressRules:
         # 6. Every other block that is not global unicast.
         if special is not None:
             return verdict(False, f"special-purpose {special[0].cidr}",
-                           f"{preface}{shown} is in {_describe(special)}, which is not global unicast"
+                           f"{preface}{shown} is in {_describe(special)}, which is not global unicast{unnamed}"
                            + _hint(judged))
         if judged.version == 6 and judged not in _GLOBAL_UNICAST_V6:
             return verdict(False, "outside-global-unicast 2000::/3",
