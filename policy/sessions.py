@@ -330,6 +330,14 @@ def bytes_would_cross(session: Session, sending: bool, reached: int) -> Verdict:
 
 
 def _grants_text(grants: Grants, limit: int = 5) -> str:
-    named = [p.text for p in grants.hosts] + [u.text for u in grants.urls]
+    """The grants a refusal names: a URL grant without its query (``?[query]`` in its place), as the refused
+    URL is written: a granted link's query is what its user pasted (a share token, a search), and the reason is
+    written to the audit log and sent back on every refused request of the session (review round 22)."""
+    named = [p.text for p in grants.hosts] + [_without_query(u.text) for u in grants.urls]
     more = len(named) - limit
     return ", ".join(named[:limit]) + (f" and {more} more" if more > 0 else "")
+
+
+def _without_query(url: str) -> str:
+    path, query = url.split("?", 1) if "?" in url else (url, None)
+    return path if query is None else f"{path}?[query]"

@@ -299,6 +299,8 @@ class Gate:
             if verdict is None:
                 verdict, resolution = await self.decide(policy, Request(target, "CONNECT", client, tunnel=True))
                 verdict, status = await self._session_charge(session, verdict, target, None)
+        else:  # refused for its form: its record names the session its credentials prove, as every session line
+            verdict = replace(verdict, session=await self.session_named(client, credentials, None))
         record = self.recorder.record(DECISION, flow_id, client, "CONNECT", target, verdict,
                                       resolution.cnames if resolution else ())
         if target is None:
@@ -660,30 +662,10 @@ class Gate:
         try:
             target = self._request_target(ask, tunnel)
         except HostFormError as err:
-            return self._request_refused(ask, None, refuse_form(err), 403, url=sent_url(ask), tunnel=tunnel)
-        if tunnel is not None and ask.authority and not host_header_agrees(target, ask.authority):
-            # Absolute-form inside a tunnel: an origin must use the URI's authority over Host (RFC 9112
-            # 3.2.2), so one naming another host than the tunnel's would reach that host.
-            verdict = Verdict(False, "form", "form:authority",
-                              f"the request target names {safe_text(for_logs(ask.authority), 100)!r}, not the "
-                              f"tunnel's {target.authority}")
-            return self._request_refused(ask, target, verdict, 403, tunnel=tunnel)
-        if ask.host_header is not None and not host_header_agrees(target, ask.host_header):
-            verdict = Verdict(False, "form", "form:host-header",
-                              f"the Host header {safe_text(for_logs(ask.host_header), 100)!r} does not agree with "
-                              f"the target {target.authority}")
-            return self._request_refused(ask, target, verdict, 403, tunnel=tunnel)
-        body_refused = unexpected_body(ask.method, ask.content_length, ask.chunked, policy.http.body_allowed_on)
-        if body_refused:
-            return self._request_refused(ask, target, Verdict(False, "form", UNEXPECTED_BODY, body_refused), 400,
-                                         tunnel=tunnel)
-        limit = policy.limits.max_request_body
-        if ask.content_length is not None and ask.content_length > limit:
-            verdict = Verdict(False, LIMITS, "limits.max_request_body",
-                              f"the request body of {ask.content_length} bytes is over the limit of {limit} "
-                              "(limits.max_request_body)")
-            self.metrics.refusal("limits.max_request_body")
-            return self._request_refused(ask, target, verdict, 413, tunnel=tunnel)
+            return await self._request_refused(ask, None, refuse_form(err), 403, url=sent_url(ask), tunnel=tunnel)
+        early = self._form_refusal(policy, ask, target, tunnel)
+        if early is not None:
+            return await self._request_refused(ask, target, *early, tunnel=tunnel)
         resolution = None
         if tunnel is not None:  # the CONNECT's session applies inside; a header inside names no other one
             session, verdict, status = None, None, 403
@@ -840,10 +822,41 @@ class Gate:
             return Target(scheme, t.host, t.port, path, t.ip)
         return plain_target(ask)
 
-    def _request_refused(self, ask: HttpAsk, target: Target | None, verdict: Verdict, status: int,
-                         url: str | None = None, tunnel: Tunnel | None = None) -> RequestOutcome:
-        if tunnel is not None:  # inside a tunnel every request is its CONNECT's session's, refused ones too
-            verdict = replace(verdict, session=tunnel.verdict.session)
+    def _form_refusal(self, policy: Policy, ask: HttpAsk, target: Target, tunnel: Tunnel | None
+                      ) -> tuple[Verdict, int] | None:
+        """A request refused for its form or declared size before any session or policy check: (verdict, status)."""
+        if tunnel is not None and ask.authority and not host_header_agrees(target, ask.authority):
+            # Absolute-form inside a tunnel: an origin must use the URI's authority over Host (RFC 9112
+            # 3.2.2), so one naming another host than the tunnel's would reach that host.
+            return Verdict(False, "form", "form:authority",
+                           f"the request target names {safe_text(for_logs(ask.authority), 100)!r}, not the "
+                           f"tunnel's {target.authority}"), 403
+        if ask.host_header is not None and not host_header_agrees(target, ask.host_header):
+            return Verdict(False, "form", "form:host-header",
+                           f"the Host header {safe_text(for_logs(ask.host_header), 100)!r} does not agree with "
+                           f"the target {target.authority}"), 403
+        body_refused = unexpected_body(ask.method, ask.content_length, ask.chunked, policy.http.body_allowed_on)
+        if body_refused:
+            return Verdict(False, "form", UNEXPECTED_BODY, body_refused), 400
+        limit = policy.limits.max_request_body
+        if ask.content_length is not None and ask.content_length > limit:
+            self.metrics.refusal("limits.max_request_body")
+            return Verdict(False, LIMITS, "limits.max_request_body",
+                           f"the request body of {ask.content_length} bytes is over the limit of {limit} "
+                           "(limits.max_request_body)"), 413
+        return None
+
+    async def session_named(self, client: str, credentials: Iterable[str], tunnel: Tunnel | None) -> str | None:
+        """The session a request refused before its session was checked came under, for its record: inside a
+        tunnel the CONNECT's; outside, the one its credentials prove (no refusal or count of its own)."""
+        if tunnel is not None:
+            return tunnel.verdict.session
+        return await self.sessions.verified_id(self.policy, client, tuple(credentials))
+
+    async def _request_refused(self, ask: HttpAsk, target: Target | None, verdict: Verdict, status: int,
+                               url: str | None = None, tunnel: Tunnel | None = None) -> RequestOutcome:
+        # Every line of a session's requests names it, a request refused for its form too (review round 22).
+        verdict = replace(verdict, session=await self.session_named(ask.client, ask.credentials, tunnel))
         record = self.recorder.record(DECISION, ask.flow_id, ask.client, ask.method, target, verdict)
         refusal = refusal_for(status, verdict, target, ask.accept)
         record.status, record.bytes_down = status, refusal.size

@@ -65,7 +65,7 @@ def test_no_wrapping_of_a_refused_ipv4_passes_when_its_prefix_or_everything_is_r
     """mapped, IPv4-compatible, NAT64, 6to4, Teredo (obfuscated client) and ISATAP: the IPv4 inside must pass
     on its own, even with the wrapping's prefix, or all of IPv6, in addresses.allow."""
     if kind == "compatible" and int(v4) <= 1:
-        return  # :: and ::1: a finding, tests/test_r22_addresses.py (re-admitting ::/96 re-admits them)
+        return  # :: and ::1: re-admitted only by naming them (tests/test_review_round22_addresses.py)
     rules = AddressRules(allow=["::/0" if everything else _PREFIX[kind]])
     verdict = rules.check(_wrap(kind, v4))
     assert not verdict.allowed, (str(v4), kind, verdict)

@@ -80,14 +80,6 @@ class DecisionAddon:
         self.table.tunnels[flow.server_conn.id] = tunnel
         self.table.tunneled.add(flow.client_conn.id)
 
-    def _refuse_form(self, flow: http.HTTPFlow, client: str, session: str | None, status: int, rule: str,
-                     reason: str) -> None:
-        """A request refused for its form before any decision: its one record, and the answer before its body."""
-        refusal = self.gate.refuse(client, flow.request.method, None, status, "form", rule, reason,
-                                   url=flow.request.pretty_url, flow_id=flow.metadata[FLOW_ID],
-                                   accept=accept_of(flow), session=session)
-        refuse_before_body(flow, to_response(refusal))
-
     def http_connect_error(self, flow: http.HTTPFlow) -> None:
         """The allowed CONNECT's connect failed (its tunnel's closing line is pinning.py's): answered 502 as the
         front answers it (``Front._connect_failed``), not with mitmproxy's "Cannot connect" text."""
@@ -111,41 +103,19 @@ class DecisionAddon:
         client = peer_of(flow.client_conn.peername)
         request = flow.request
         tunnel = self.table.tunnels.get(flow.server_conn.id)
-        # Inside a tunnel every request is its CONNECT's session's: a refused one's record names it too.
-        session = tunnel.verdict.session if tunnel is not None else None
-        malformed = _malformed(flow)
-        if malformed is not None:
-            # Framing mitmproxy already refused (it answers 400 itself), or header values it would
-            # forward as they are: the decision record says refused, with mitmproxy's or our reason.
-            refusal = self.gate.refuse(client, request.method, None, 400, "form", *malformed,
+        problem = _form_problem(flow)
+        if problem is not None:
+            # Refused for its form before any decision. Its record names the session it came under, as every line
+            # of a session's requests does: inside a tunnel the CONNECT's, else the one its credentials prove.
+            status, rule, reason = problem
+            session = await self.gate.session_named(client, credentials_of(flow), tunnel)
+            refusal = self.gate.refuse(client, request.method, None, status, "form", rule, reason,
                                        url=request.pretty_url, flow_id=flow.metadata[FLOW_ID], accept=accept_of(flow),
                                        session=session)
-            if flow.error is None:
+            if flow.error is None:  # (framing mitmproxy refused itself has its answer and its error already)
                 refuse_before_body(flow, to_response(refusal))
             return
-        if request.http_version not in ("HTTP/1.0", "HTTP/1.1"):
-            # mitmproxy reads any HTTP/d.d line: HTTP/1.2 and HTTP/2.0 requests without a Host reached the origin
-            # without one (the Host this path adds is for 1.0 and 1.1), and the fast path hands such lines here.
-            # (HTTP/2 itself is never offered to a client: LimitsOptions.)
-            self._refuse_form(flow, client, session, 505, "http:version",
-                              f"the request line says {request.http_version[:20]!r}; egresswall reads HTTP/1.0 and "
-                              "HTTP/1.1 requests here")
-            return
         upgrade = upgrade_kind(request.headers.get_all("upgrade"))
-        if upgrade == OTHER_UPGRADE:
-            values = ", ".join(request.headers.get_all("upgrade"))[:100]
-            self._refuse_form(flow, client, session, 403, "http:upgrade",
-                              f"the request asks to upgrade to {values!r}; egresswall relays only WebSocket upgrades "
-                              "(one Upgrade header naming websocket)")
-            return
-        handshake = websocket_handshake_problem(request) if upgrade == WEBSOCKET else None
-        if handshake is not None:
-            self._refuse_form(flow, client, session, 400, "http:websocket-handshake", handshake)
-            return
-        hosts = request.headers.get_all("host")
-        if len(hosts) > 1:  # beside an absolute URI or inside a tunnel (origin form outside: mitm_patches)
-            self._refuse_form(flow, client, session, 400, "form:host-header", several_hosts_reason(hosts))
-            return
         length = request.headers.get("content-length")
         ask = HttpAsk(client=client, method=request.method, scheme=request.scheme, host=request.data.host,
                       port=request.data.port, path=request.path, host_header=request.headers.get("host"),
@@ -173,6 +143,34 @@ class DecisionAddon:
         # Should mitmproxy answer it itself (a failed connect: proxy/mitm_patches.py ``_server_send``), the
         # answer names the target and takes the client's Accept, as every other refusal does.
         request.egresswall_answer_context = (target, outcome.verdict.role, accept_of(flow))
+
+
+def _form_problem(flow: http.HTTPFlow) -> tuple[int, str, str] | None:
+    """(status, rule, reason) of a request refused for its form before any decision, or None."""
+    request = flow.request
+    malformed = _malformed(flow)
+    if malformed is not None:
+        # Framing mitmproxy already refused (it answers 400 itself), or header values it would forward as they
+        # are: the decision record says refused, with mitmproxy's or our reason.
+        return 400, *malformed
+    if request.http_version not in ("HTTP/1.0", "HTTP/1.1"):
+        # mitmproxy reads any HTTP/d.d line: HTTP/1.2 and HTTP/2.0 requests without a Host reached the origin
+        # without one (the Host this path adds is for 1.0 and 1.1), and the fast path hands such lines here.
+        # (HTTP/2 itself is never offered to a client: LimitsOptions.)
+        return 505, "http:version", (f"the request line says {request.http_version[:20]!r}; egresswall reads "
+                                     "HTTP/1.0 and HTTP/1.1 requests here")
+    upgrade = upgrade_kind(request.headers.get_all("upgrade"))
+    if upgrade == OTHER_UPGRADE:
+        values = ", ".join(request.headers.get_all("upgrade"))[:100]
+        return 403, "http:upgrade", (f"the request asks to upgrade to {values!r}; egresswall relays only WebSocket "
+                                     "upgrades (one Upgrade header naming websocket)")
+    handshake = websocket_handshake_problem(request) if upgrade == WEBSOCKET else None
+    if handshake is not None:
+        return 400, "http:websocket-handshake", handshake
+    hosts = request.headers.get_all("host")
+    if len(hosts) > 1:  # beside an absolute URI or inside a tunnel (origin form outside: mitm_patches)
+        return 400, "form:host-header", several_hosts_reason(hosts)
+    return None
 
 
 def sent_authority(request: http.Request) -> str | None:

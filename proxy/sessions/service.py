@@ -73,6 +73,20 @@ class SessionService:
 
     # ---- identity -----------------------------------------------------------------------------
 
+    async def verified_id(self, policy: Policy, client: str | None, values: Sequence[str]) -> str | None:
+        """The id of the session a request's credentials prove (its secret matches), or None — for the record of a
+        request refused for its form before any session check: it names the session it came under, as every line
+        of a session's requests does, and an id the secret does not prove never goes into a record. Nothing is
+        refused or counted here (review round 22)."""
+        if not values or not self.enabled(policy):
+            return None
+        try:
+            credentials = parse_proxy_authorization(values)
+            session = await self.store.get(credentials.session_id) if credentials is not None else None
+        except (CredentialsError, StoreUnavailable):
+            return None
+        return session.id if session is not None and session.secret_matches(credentials.secret) else None
+
     async def identify(self, policy: Policy, client: str | None, values: Sequence[str]) -> Identity:
         if not self.enabled(policy):
             return NO_SESSION
