@@ -117,6 +117,7 @@ class Tunnel(UnderSession):
     first_byte_at: float | None = None
     client_conn_id: str = ""  # the mitmproxy client connection carrying it (so it never outlives it)
     established: bool = False  # the client's CONNECT was answered 200 (mitmproxy's path: http_connected)
+    decided_by: Policy | None = None  # the policy its CONNECT was decided by (a reload before its first message)
 
 
 @dataclass(eq=False, kw_only=True)
@@ -315,7 +316,7 @@ class Gate:
         assert target is not None
         tunnel = Tunnel(flow_id, target, verdict, client, intercept=policy.intercepts(target.host),
                         http_inside=target.port in policy.http_ports,
-                        cnames=resolution.cnames if resolution else (), session=session)
+                        cnames=resolution.cnames if resolution else (), session=session, decided_by=policy)
         self.metrics.tunnel_opened()
         if session is not None:
             self._watch_session(tunnel.id, tunnel)
@@ -339,6 +340,16 @@ class Gate:
         if tunnel.first_byte_at is None and chunk:
             tunnel.first_byte_at = time.monotonic()
         judged = first.feed(chunk, ech_allowed(self.policy))
+        if judged.kind == "tls" and tunnel.decided_by is not None and tunnel.decided_by is not self.policy:
+            # A reload since the CONNECT: nothing has passed yet, so its ClientHello is the tunnel's first request
+            # and the policy in force judges it, on the CONNECT's own answer (no lookup), as a request inside a
+            # tunnel to a plain-HTTP port is judged (review round 22).
+            again = decide_on_answer(self.policy, Request(tunnel.target, "CONNECT", tunnel.client, tunnel=True),
+                                     Resolution(tunnel.target.host, tunnel.verdict.addresses, tunnel.cnames))
+            if not again.allowed:
+                reason = f"since the CONNECT was answered, a policy reload refuses it: {again.reason}"
+                self.refuse_tunnel(tunnel, again.rule, reason, verdict=replace(again, reason=reason))
+                return FirstBytes.refuse(again.rule, reason)
         if judged.kind == "tls" and not tunnel.intercept:
             if tunnel.session is not None:
                 # TLS in a tunnel to a plain-HTTP port, passed through: the CONNECT was admitted for HTTP inside,
@@ -371,12 +382,15 @@ class Gate:
         return RetryWatch(judged.sni, ech_allowed(self.policy), held)
 
     def refuse_tunnel(self, tunnel: Tunnel, rule: str, reason: str, up: int = 0, down: int = 0,
-                      status: int = 200) -> None:
-        """``status``: what the client's CONNECT was answered (a refusal before the 200 is not 200)."""
+                      status: int = 200, verdict: Verdict | None = None) -> None:
+        """``status``: what the client's CONNECT was answered (a refusal before the 200 is not 200); ``verdict``: the
+        policy's refusal when it made one (its stage and rule id go into the record)."""
         stage = (LIMITS if rule.startswith("limits.") else TLS if rule.startswith("tls:")
                  else SESSION_STAGE if rule.startswith("session:") else HTTP)
-        verdict = Verdict(False, stage, rule, reason, role=tunnel.verdict.role, addresses=tunnel.verdict.addresses,
-                          session=tunnel.verdict.session)
+        verdict = (replace(verdict, role=tunnel.verdict.role, addresses=tunnel.verdict.addresses,
+                           session=tunnel.verdict.session) if verdict is not None else
+                   Verdict(False, stage, rule, reason, role=tunnel.verdict.role, addresses=tunnel.verdict.addresses,
+                           session=tunnel.verdict.session))
         record = self.recorder.record(DECISION, tunnel.id + "-tls", tunnel.client, "CONNECT", tunnel.target, verdict,
                                       tunnel.cnames)
         self.recorder.decision(record)

@@ -1226,32 +1226,70 @@ async def _drain_writers(self: mitmproxy.proxy.server.ConnectionHandler) -> None
                 io.handler.cancel(f"Error sending data: {err}")
 
 
+_GONE_POLL = 0.25  # seconds between looks at a held client's end (HeldReader)
+
+
 class HeldReader:
     """A client connection's reader whose reads wait while one of its requests is being decided.
 
     Held from the making of a blocking hook's task to its end (several may run at once, an HTTP/2
     connection's streams: the reads wait until the last ends). A read already under way when the hold
     starts completes; the next one waits. Whatever else mitmproxy asks of the reader goes to the one it
-    wraps."""
+    wraps.
+
+    A hold made only to keep a paused layer from queueing a client's bytes without bound (``until_end``: an
+    intercepted origin's TLS handshake, an upstream proxy's answer) ends early when the client has gone: its
+    end is then read (with what it sent before, no more than the wrapped reader buffers). A decision's hold
+    never does: its request's body and end are read only after it.
+
+    mitmproxy takes a client's end as a half-close, queued for the paused layer, and keeps the connection for
+    what it may still send the client; while the origin's TLS handshake is awaited (``ends_handshake``) there
+    is nothing to send: a client that ended its side cannot finish its own handshake. Its end then ends the
+    connection (its read loop is cancelled, as mitmproxy's own kill does), so its upstream and its slot go at
+    once rather than when the idle timeout fires (review round 22)."""
 
     def __init__(self, reader) -> None:
         self.reader = reader  # the one it wraps
         self._holds = 0
+        self._decisions = 0  # holds that the client's end must not cut short
+        self._handshakes = 0  # holds during which the client's end ends the connection
         self._released: asyncio.Future[None] | None = None
 
-    def hold(self) -> None:
+    def hold(self, until_end: bool = False, ends_handshake: bool = False) -> None:
         self._holds += 1
+        self._decisions += not until_end
+        self._handshakes += ends_handshake
 
-    def release(self) -> None:
+    def release(self, until_end: bool = False, ends_handshake: bool = False) -> None:
         self._holds -= 1
-        if self._holds == 0 and self._released is not None and not self._released.done():
-            self._released.set_result(None)
+        self._decisions -= not until_end
+        self._handshakes -= ends_handshake
+        if self._released is not None and not self._released.done():
+            self._released.set_result(None)  # a read waiting looks again: held no more, or held another way
 
     async def read(self, n: int = -1) -> bytes:
         while self._holds:
+            if not self._decisions and self._client_gone():
+                break
             self._released = asyncio.get_running_loop().create_future()
-            await self._released
-        return await self.reader.read(n)
+            if self._decisions:
+                await self._released
+            else:  # the wrapped reader has no event for its end but its data's: looked at a few times a second
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(self._released), _GONE_POLL)
+        data = await self.reader.read(n)
+        if not data and self._handshakes:
+            task = asyncio.current_task()
+            assert task is not None
+            task.cancel()
+            await asyncio.sleep(0)  # raises the cancel here, in mitmproxy's read loop
+        return data
+
+    def _client_gone(self) -> bool:
+        """The client's end (or a reset) has reached the wrapped reader, read or not (asyncio.StreamReader keeps
+        it in ``_eof``; its ``at_eof`` waits for the bytes before it to be read)."""
+        exception = getattr(self.reader, "exception", None)
+        return bool(getattr(self.reader, "_eof", False) or (exception is not None and exception() is not None))
 
     def __getattr__(self, name: str):
         return getattr(self.reader, name)
@@ -1284,17 +1322,18 @@ async def _held_hook_task(self: mitmproxy.proxy.server.ConnectionHandler, hook: 
 _CLIENT_READER = "_egresswall_client_reader"  # on a client Connection: its HeldReader
 
 
-def _holding_client_reads(layer, generator: Generator):
+def _holding_client_reads(layer, generator: Generator, ends_handshake: bool = False):
     """Run a layer's generator with its client's reads held: a layer paused on a command queues every event
-    that comes meanwhile, and mitmproxy reads the client on (nothing is written, so nothing to drain)."""
+    that comes meanwhile, and mitmproxy reads the client on (nothing is written, so nothing to drain).
+    ``ends_handshake``: the client's end, meanwhile, ends its connection (HeldReader)."""
     reader = layer.context.client.__dict__.get(_CLIENT_READER)
     if not isinstance(reader, HeldReader):
         return (yield from generator)
-    reader.hold()
+    reader.hold(until_end=True, ends_handshake=ends_handshake)
     try:
         return (yield from generator)
     finally:
-        reader.release()
+        reader.release(until_end=True, ends_handshake=ends_handshake)
 
 
 def _start_server_tls(self: ClientTLSLayer):
@@ -1303,7 +1342,7 @@ def _start_server_tls(self: ClientTLSLayer):
     origin answers, and an origin that never answered its ClientHello let one client fill a worker's memory
     (1.2 GB in 4 s). No client byte is needed for that handshake, and a client has nothing to send before the
     proxy's ServerHello."""
-    return (yield from _holding_client_reads(self, _originals["start_server_tls"](self)))
+    return (yield from _holding_client_reads(self, _originals["start_server_tls"](self), ends_handshake=True))
 
 
 def _tcp_start(self: TCPLayer, event: events.Event):
