@@ -98,6 +98,11 @@ def _smuggling_cases(authority: str) -> list[tuple[str, str, str]]:
          + "\r\n", "http:header-value"),
         ("bare-cr-in-value", get + "X-A: a\rTransfer-Encoding: chunked\r\n\r\n", "http:header-value"),
         ("nul-in-value", get + "X-A: a\x00b\r\n\r\n", "http:header-value"),
+        # Any other control byte but HTAB (RFC 9110 5.5), as a response's (review round 22: VT and FF went on).
+        ("vt-in-value", get + "X-A: a\x0bb\r\n\r\n", "http:header-value"),
+        ("ff-in-value", get + "X-A: a\x0cb\r\n\r\n", "http:header-value"),
+        ("esc-in-value", get + "X-A: a\x1b[31mb\r\n\r\n", "http:header-value"),
+        ("del-in-value", get + "X-A: a\x7fb\r\n\r\n", "http:header-value"),
         ("bad-request-line", "GET http://" + authority + "/ HTTP/1.1 extra\r\n\r\n", "http:malformed"),
         ("header-without-colon", get + "NoColonHere\r\n\r\n", "http:malformed"),
     ]

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 
 from mitmproxy import http
 
 from ..gate import Gate, HttpAsk, refusal_for
-from ..http_hygiene import OTHER_UPGRADE, WEBSOCKET, connect_content, override_headers, upgrade_kind
+from ..http_hygiene import CONTROL_BYTE, OTHER_UPGRADE, WEBSOCKET, connect_content, override_headers, upgrade_kind
 from ..mitm_patches import (
     FRAMING_REFUSED,
     SENT_AUTHORITY,
@@ -29,9 +28,6 @@ VERDICT, TARGET, STARTED, FLOW_ID = "egresswall_verdict", "egresswall_target", "
 CHARGED = "egresswall_charged"
 SESSION = "egresswall_session"  # the Session an allowed request was admitted under (a WebSocket is watched by it)
 CONNECT_ANSWER = "egresswall_connect_answer"  # an allowed CONNECT's (target, role, Accept), should its connect fail
-# Bytes a header value may not carry (RFC 9110, 5.5): mitmproxy keeps an obs-fold as "\r\n " inside the
-# value and passes a bare CR on, and an upstream may read either as the start of another header.
-_BAD_VALUE_BYTES = re.compile(rb"[\r\n\x00]")
 
 
 def to_response(refusal: Refusal) -> http.Response:
@@ -204,14 +200,21 @@ def websocket_handshake_problem(request: http.Request) -> str | None:
 
 
 def _malformed(flow: http.HTTPFlow) -> tuple[str, str] | None:
-    """(rule, reason) for a request mitmproxy already refused as malformed, or whose header values
-    hold CR, LF (an obs-fold) or NUL; None for a well-formed one."""
+    """(rule, reason) for a request mitmproxy already refused as malformed, or whose header values hold a control
+    byte other than HTAB (RFC 9110, 5.5): mitmproxy keeps an obs-fold as "\r\n " inside the value and passes a bare
+    CR on, which an upstream may read as the start of another header, and the other control bytes as they are, as
+    the fast path's head grammar does not (a response with one is refused 502 on both paths); None for a
+    well-formed one."""
     if flow.error is not None:
         verdict = invalid_framing(getattr(flow.request, FRAMING_REFUSED, None) or flow.error.msg)
         return verdict.rule, verdict.reason
     for name, value in flow.request.headers.fields:
-        if _BAD_VALUE_BYTES.search(value):
-            kind = "a line folded onto the next (obs-fold)" if b"\n" in value else "a bare CR or NUL"
+        bad = CONTROL_BYTE.search(value)
+        if bad is not None:
+            byte = bad.group()[0]
+            kind = ("a line folded onto the next (obs-fold)" if b"\n" in value else "a bare CR" if byte == 0x0D
+                    else "a NUL" if byte == 0 else f"the control byte 0x{byte:02x}")
             return "http:header-value", (f"the header {name.decode('latin-1')[:60]!r} holds {kind}; egresswall does "
-                                         "not forward headers an upstream may split")
+                                         "not forward headers an upstream may split or read otherwise (RFC 9110 5.5: "
+                                         "no control byte but HTAB)")
     return None
