@@ -164,6 +164,20 @@ def test_an_extended_session_goes_on(lab, proxy):
     assert get(proxy, f"http://public.lab.example:{lab.public.port}/extended", session)[0] == 200
 
 
+@pytest.mark.parametrize("call", [("POST", "/extend"), ("PATCH", "")])
+def test_an_expired_session_cannot_be_extended(lab, proxy, call):
+    """Expired is ended (review round 22): the store keeps an expired session an hour only to tell its requests
+    session:expired; extending it then brought it back with its counters. Now 409 "expired", and its requests
+    stay refused."""
+    session = create(proxy.admin_port, {"hosts": ["public.lab.example"]}, ttl=1)
+    time.sleep(1.3)
+    method, suffix = call
+    status, _, body = api(proxy.admin_port, method, f"/v1/sessions/{session['id']}{suffix}", {"ttl": 600})
+    assert status == 409 and body["error"] == "expired" and "create a new one" in body["reason"], (status, body)
+    status, _, answer = get(proxy, f"http://public.lab.example:{lab.public.port}/revived", session)
+    assert status == 403 and json.loads(answer)["rule"] == "session:expired"
+
+
 def test_an_exhausted_request_budget_is_refused(lab, proxy):
     session = create(proxy.admin_port, {"hosts": ["public.lab.example"]}, budgets={"requests": 2})
     url = f"http://public.lab.example:{lab.public.port}/budget"
