@@ -54,6 +54,7 @@ def lint(policy: Policy, now: datetime | None = None) -> list[LintWarning]:
                                                          f"rule {blocker.pattern.text} ({blocker.where}) refuses "
                                                          "every host it names"))
     warnings += _overlapping_ranges(policy)
+    warnings += _whole_address_space_allowed(policy)
     warnings += _address_literals_not_readmitted(policy, scopes)
     warnings += _sessions_dodged_by_ech(policy)
     return warnings
@@ -193,6 +194,25 @@ def _blocking_deny(deny: HostTable, global_deny: HostTable, rule: HostRule) -> H
             if other.action == DENY and _unconditional(other):
                 return other
     return None
+
+
+def _whole_address_space_allowed(policy: Policy) -> list[LintWarning]:
+    """An addresses.allow range that is a whole address family (``0.0.0.0/0``, ``::/0``, or ``::ffff:0:0/96``, which
+    is read as the IPv4 it maps: all of it) re-admits loopback, private ranges and link-local with the rest; only
+    cloud metadata and addresses.deny are refused then. Loaded as written, and said."""
+    out: list[LintWarning] = []
+    for action, cidr, origin in policy.address_rules_text:
+        network = netaddr.IPNetwork(cidr)
+        if action != ALLOW or network.prefixlen != 0:
+            continue
+        what = ("every IPv4 address (::ffff:0:0/96 is read so too: the IPv4 it maps): loopback, private ranges, "
+                "link-local" if network.version == 4 else
+                "every IPv6 address but ::1 and :: (which only naming them re-admits): unique-local, link-local, "
+                "site-local")
+        out.append(LintWarning(origin, f"addresses.allow {cidr} re-admits {what} and the rest of what egresswall "
+                                       "refuses by default (only cloud metadata, addresses.deny and, for IPv6, the "
+                                       "IPv4 inside a wrapping stay refused)"))
+    return out
 
 
 def _overlapping_ranges(policy: Policy) -> list[LintWarning]:

@@ -423,3 +423,15 @@ def test_a_pattern_that_idna_maps_to_another_host_is_said(written: str, read_as:
 
 def test_an_idn_written_as_a_browser_reads_it_is_no_warning() -> None:
     assert warnings("hosts:\n  allow:\n    - bücher.example\n    - Bücher.example.org\n") == []
+
+
+@pytest.mark.parametrize("written, family", [("0.0.0.0/0", "IPv4"), ("'::ffff:0:0/96'", "IPv4"), ("'::/0'", "IPv6")])
+def test_an_allow_range_of_a_whole_address_family_is_said(written: str, family: str) -> None:
+    """``::ffff:0:0/96`` is read as the IPv4 it maps, all of it: loopback and private ranges are re-admitted with
+    no word (review round 22, a helper's note). Warned, for each spelling of a whole family."""
+    message = only(f"addresses:\n  allow: [{written}]\n")
+    assert f"re-admits every {family} address" in message and "addresses.allow[0]" in message, message
+
+
+def test_an_allow_range_short_of_a_whole_family_is_no_such_warning() -> None:
+    assert not [w for w in warnings("addresses:\n  allow: [10.0.0.0/8, '::/96']\n") if "re-admits every" in w]
