@@ -387,8 +387,8 @@ class Gate:
         policy's refusal when it made one (its stage and rule id go into the record)."""
         stage = (LIMITS if rule.startswith("limits.") else TLS if rule.startswith("tls:")
                  else SESSION_STAGE if rule.startswith("session:") else HTTP)
-        verdict = (replace(verdict, role=tunnel.verdict.role, addresses=tunnel.verdict.addresses,
-                           session=tunnel.verdict.session) if verdict is not None else
+        verdict = (replace(verdict, addresses=tunnel.verdict.addresses, session=tunnel.verdict.session)
+                   if verdict is not None else  # its own role: the one whose rule refused
                    Verdict(False, stage, rule, reason, role=tunnel.verdict.role, addresses=tunnel.verdict.addresses,
                            session=tunnel.verdict.session))
         record = self.recorder.record(DECISION, tunnel.id + "-tls", tunnel.client, "CONNECT", tunnel.target, verdict,

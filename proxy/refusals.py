@@ -48,13 +48,16 @@ class Refusal:
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# The whitespace a line's runs are made of: ASCII's own (str.split's would take in VT, FF, \x1c-\x1f and Unicode
+# spaces too, and a reason quoting one would read as one quoting a space; those are escaped instead).
+_SPACES = re.compile(r"[ \t\r\n]+")
 
 
 def one_line(text: str, limit: int = 400) -> str:
     """Text for a refusal's header or body line: one line of printable ASCII (whitespace runs become one space,
     other characters escaped, a control byte too: a NUL or an escape sequence a verdict quotes stays inert). A
     backslash is doubled first, so an escape egresswall wrote never reads like the same characters a client sent."""
-    text = " ".join(text.split()).replace("\\", "\\\\")
+    text = _SPACES.sub(" ", text).strip(" ").replace("\\", "\\\\")
     text = text.encode("ascii", "backslashreplace").decode("ascii")
     text = _CONTROL.sub(lambda found: f"\\x{ord(found.group()):02x}", text)
     return text if len(text) <= limit else text[: limit - 3] + "..."
