@@ -30,7 +30,7 @@ from urllib.parse import quote
 
 from .decision import Verdict
 from .hosts import HostFormError, Target, parse_url
-from .model import canonical_path
+from .model import Policy, Role, canonical_path
 from .patterns import HostPattern
 from .schema import definition_problems
 from .yamldoc import KeyPath, dotted
@@ -242,6 +242,16 @@ def _parsed(values: Iterable[str], at: KeyPath, parse, problems: list[tuple[str,
 
 
 # ---- the checks -----------------------------------------------------------------------------------
+
+def required_refusal(policy: Policy, role: Role | None) -> Verdict | None:
+    """The refusal (407) of a request that presents no session where the policy (or the client's role) requires
+    one; None where none is required. The proxy answers it before the policy decides; ``check`` says it too."""
+    if not policy.session_required(role):
+        return None
+    whose = f"role {role.name}" if role is not None and role.session else "the policy"
+    return refused(REQUIRED, f"{whose} requires a session (session: required): send Proxy-Authorization: Basic "
+                             "with the session's id and secret", None, role.name if role else None)
+
 
 def refused(rule: str, reason: str, session: Session | None, role: str | None = None) -> Verdict:
     return Verdict(False, STAGE, rule, reason, role=role, session=session.id if session else None)

@@ -9,10 +9,11 @@ import re
 from dataclasses import replace
 
 from policy.addresses import parse_client_address
-from policy.decision import Request, Verdict, refuse_form
+from policy.decision import Request, Verdict, refuse_form, role_of
 from policy.hosts import HostFormError, parse_url
 from policy.model import Policy
 from policy.resolver import DnsResolver, resolve_and_decide
+from policy.sessions import required_refusal
 from proxy.hints import hint_for
 from proxy.records import verdict_word
 
@@ -65,11 +66,24 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 async def _check_one(policy: Policy, resolver: DnsResolver, url: str, args: argparse.Namespace):
     """(url, the method of the request that decided — CONNECT for a tunnel, as the proxy's record says —,
-    verdict, resolution)."""
+    verdict, resolution). Where the policy (or the client's role) requires a session, the proxy answers a request
+    without one 407 before the policy decides: so does check, and its reason says what the policy would do for a
+    session that grants the URL."""
     try:
-        target = parse_url(url)
+        target = parse_url(as_sent(url))
     except HostFormError as err:
         return url, args.method, refuse_form(err), None
+    url, method, verdict, resolution = await _decided(policy, resolver, url, target, args)
+    required = required_refusal(policy, role_of(policy, args.client))
+    if required is None:
+        return url, method, verdict, resolution
+    would = "allows" if verdict.allowed else "refuses"
+    return url, method, replace(required, reason=f"{required.reason}; for a session that grants it, the policy "
+                                                 f"{would} it ({verdict.rule_id}: {verdict.reason})"), resolution
+
+
+async def _decided(policy: Policy, resolver: DnsResolver, url: str, target, args: argparse.Namespace):
+    """The policy's decision, as the proxy makes it once the request's session (if any) has let it through."""
     if target.scheme == "http":
         request = Request(target=target, method=args.method, client=args.client)
         verdict, resolution = await resolve_and_decide(policy, request, resolver)
@@ -90,6 +104,13 @@ async def _check_one(policy: Policy, resolver: DnsResolver, url: str, args: argp
     return url, args.method, verdict, resolution
 
 
+def as_sent(url: str) -> str:
+    """The URL as a browser puts it on the wire, which is what the proxy decides: without its fragment (never
+    sent), a space in its path or query percent-encoded (review round 22: check refused both ``form:url`` where
+    the proxy allowed the request a browser made of them)."""
+    return url.split("#", 1)[0].replace(" ", "%20")
+
+
 def _verdict_word(verdict: Verdict) -> str:
     if verdict.report_only:
         return "ALLOWED (report mode; enforce would refuse)"
@@ -102,7 +123,8 @@ def _upstream_json(policy: Policy) -> dict:
 
 
 def _print_verdict(url: str, method: str, verdict: Verdict, resolution, policy: Policy) -> None:
-    rows = [("url", url), ("method", method), ("verdict", _verdict_word(verdict)), ("stage", verdict.stage),
+    sent = [("sent", as_sent(url))] if as_sent(url) != url else []
+    rows = [("url", url), *sent, ("method", method), ("verdict", _verdict_word(verdict)), ("stage", verdict.stage),
             ("rule", verdict.rule),
             ("rule_id", verdict.rule_id), ("reason", verdict.reason)]
     if verdict.role:
@@ -127,7 +149,7 @@ def _print_verdict(url: str, method: str, verdict: Verdict, resolution, policy: 
 def _hint(url: str, verdict: Verdict) -> str:
     """The hint the proxy's refusal would carry (proxy/hints.py): what would change the answer."""
     try:
-        target = parse_url(url)
+        target = parse_url(as_sent(url))
         return hint_for(verdict, target.host, target.port)
     except HostFormError:
         return hint_for(verdict)
@@ -137,7 +159,8 @@ def _verdict_json(url: str, method: str, verdict: Verdict, resolution) -> dict:
     """The audit record's vocabulary (proxy/audit-record.schema.json): verdict allow / refuse / report; a
     refusal adds the proxy's ``hint``."""
     hint = {} if verdict.allowed else {"hint": _hint(url, verdict)}
-    return {"url": url, "method": method, "verdict": verdict_word(verdict), "allowed": verdict.allowed,
+    sent = {"sent": as_sent(url)} if as_sent(url) != url else {}
+    return {"url": url} | sent | {"method": method, "verdict": verdict_word(verdict), "allowed": verdict.allowed,
             "stage": verdict.stage, "rule": verdict.rule, "rule_id": verdict.rule_id, "reason": verdict.reason,
             "role": verdict.role,
             "cnames": list(resolution.cnames) if resolution else [], "addresses": list(verdict.addresses),

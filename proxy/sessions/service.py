@@ -24,7 +24,6 @@ from policy.sessions import (
     CREDENTIALS,
     ENDED,
     EXPIRED,
-    REQUIRED,
     STORE_UNAVAILABLE,
     Session,
     SessionSpec,
@@ -37,6 +36,7 @@ from policy.sessions import (
     has_byte_budget,
     judge_budgets,
     refused,
+    required_refusal,
     secret_digest,
 )
 
@@ -130,13 +130,7 @@ class SessionService:
 
     @staticmethod
     def _required(policy: Policy, role: Role | None) -> Verdict | None:
-        """The refusal of a request that presents no session where the policy (or the client's role) requires
-        one; None where none is required."""
-        if not policy.session_required(role):
-            return None
-        whose = f"role {role.name}" if role is not None and role.session else "the policy"
-        return refused(REQUIRED, f"{whose} requires a session (session: required): send Proxy-Authorization: Basic "
-                                 "with the session's id and secret", None, role.name if role else None)
+        return required_refusal(policy, role)
 
     async def current(self, session: Session, role: str | None) -> tuple[Session | None, Verdict | None, int]:
         """The session as the store holds it now, for a request inside a tunnel opened under it: an extension
