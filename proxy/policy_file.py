@@ -43,12 +43,15 @@ _MAX_WAIT_PERIODS = 3  # a file without a final newline that keeps changing this
 
 @dataclass(frozen=True)
 class FileIdentity:
-    """What changes when a file is edited or replaced (a ConfigMap swaps a symlink: the realpath changes)."""
+    """What changes when a file is edited or replaced (a ConfigMap swaps a symlink: the realpath changes). The
+    inode's change time too: a rewrite that keeps the size and puts the modification time back (``touch -r``, a
+    copy that preserves times) changes nothing else the watcher sees."""
 
     realpath: str
     inode: int
     size: int
     mtime_ns: int
+    ctime_ns: int = 0
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,7 @@ def identity(path: str | Path) -> FileIdentity | None:
         st = os.stat(real)
     except OSError:
         return None
-    return FileIdentity(real, st.st_ino, st.st_size, st.st_mtime_ns)
+    return FileIdentity(real, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def read_policy_file(path: str | Path | None = None, *, wait: bool = True,
@@ -148,7 +151,7 @@ def _read_once(path: Path, unsettled: Unsettled | None, settled_only: bool = Fal
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise PolicyError(source, 0, 0, "", f"cannot be read: {err}") from None
-    ident = FileIdentity(os.path.realpath(path), after.st_ino, after.st_size, after.st_mtime_ns)
+    ident = FileIdentity(os.path.realpath(path), after.st_ino, after.st_size, after.st_mtime_ns, after.st_ctime_ns)
     changed_while_read = (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns) or (
         after.st_size != len(data))
     # An empty file counts as unfinished too: a writer that truncates and then writes (most editors, and

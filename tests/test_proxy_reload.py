@@ -240,3 +240,22 @@ def test_an_edit_with_aliases_that_never_end_is_refused_and_the_next_edit_applie
     proxy.policy_path.write_text(lab.policy_text())
     wait_for(lambda: status_of(proxy, lab) == 200, timeout=5.0)
     assert reloads(proxy) == (1, 1)
+
+
+def test_a_rewrite_that_keeps_the_size_and_puts_the_modification_time_back_is_seen(lab, start_proxy):
+    """``touch -r`` after a rewrite, or a copy that keeps times: the same inode, size and modification time. The
+    watcher reads the inode's change time too (review round 22, a helper's note: before, only SIGHUP loaded it)."""
+    allow = lab.policy_text("hosts:\n  deny:\n    - other.lab.example\n")
+    deny = allow.replace("- other.lab.example", "- '*.lab.example'  ")  # the same size: public.lab.example denied
+    assert len(deny) == len(allow)
+    proxy = start_proxy(allow)
+    assert status_of(proxy, lab) == 200
+    path = proxy.policy_path
+    time.sleep(SETTLE_SECONDS + 0.5)  # past the first load's settling
+    before = os.stat(path)
+    with open(path, "r+") as handle:  # the same inode
+        handle.write(deny)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(path)
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    wait_for(lambda: status_of(proxy, lab) == 403, timeout=WATCHED + 1)
