@@ -33,6 +33,7 @@ from .listeners import ADMIN, PROXY, ListenError
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
 from .peers import is_local_address
+from .refusals import one_line
 from .reload import PolicyHolder
 from .run_config import RunConfig
 from .sessions.api import SessionApi, read_token_file
@@ -91,7 +92,11 @@ class ProxyRunner:
                             "are refused (session:store-unavailable)")
         if problems:
             return 503, "text/plain", "not ready: " + "; ".join(problems) + "\n"
-        return 200, "text/plain", f"ready; policy {self.holder.policy.source}\n"
+        # Still ready (the last good policy is in force), but a refused edit is said where a probe's owner looks.
+        refused = self.holder.last_error
+        kept = f"; the last reload was refused, the policy in force is the last good one: {one_line(refused)}" \
+            if refused else ""
+        return 200, "text/plain", f"ready; policy {self.holder.policy.source}{kept}\n"
 
     def _metrics(self) -> tuple[int, str, str]:
         return 200, METRICS_CONTENT_TYPE, self.metrics.render()

@@ -275,7 +275,10 @@ class Supervisor:
                      if w.index in missing and w.report is not None and w.report.error]
         if missing or problems or self.stopping:
             return 503, "text/plain", f"not ready: workers down {missing}; {'; '.join(problems)}\n"
-        return 200, "text/plain", f"ready; {self.count} workers\n"
+        # A worker that refused a reload is ready on its last good policy, and says so: passed on, once.
+        notes = dict.fromkeys(t.strip().partition("; the last reload was refused")[2] for t in texts)
+        kept = "".join(f"; the last reload was refused{note}" for note in notes if note)
+        return 200, "text/plain", f"ready; {self.count} workers{kept}\n"
 
     async def _metrics(self) -> tuple[int, str, str]:
         texts = []

@@ -89,7 +89,11 @@ def test_invalid_edit_keeps_the_last_good_policy_and_logs_the_location(lab, star
     assert re.search(rf"{re.escape(str(proxy.policy_path))}:\d+:\d+: hosts.allwo: unknown key 'allwo'", line), line
     assert status_of(proxy, lab) == 403  # still the old policy
     assert reloads(proxy) == (0, 1)
-    assert proxy.admin("/readyz")[0] == 200
+    status, body = proxy.admin("/readyz")
+    # Ready (the last good policy is in force), and saying the edit was refused, with where (review round 22).
+    assert status == 200 and "the last reload was refused" in body and "unknown key 'allwo'" in body, body
+    proxy.policy_path.write_text(lab.policy_text("hosts:\n  deny:\n    - public.lab.example\n"))
+    wait_for(lambda: "the last reload was refused" not in proxy.admin("/readyz")[1], timeout=WATCHED)
 
 
 def test_deleted_or_half_written_file_keeps_the_last_good_policy(lab, start_proxy):

@@ -298,3 +298,19 @@ def test_workers_start_when_tmpdir_is_too_long_a_path_for_a_socket(lab, tmp_path
         assert "internal error" not in proxy.stderr
     finally:
         proxy.stop()
+
+
+def test_a_refused_reload_is_said_by_the_supervisors_readyz(lab, start_proxy):
+    """Each worker refuses an invalid edit and keeps the last good policy; the supervisor's /readyz stays 200 and
+    says the reload was refused and why, once, as one worker's would (review round 22)."""
+    proxy = start_proxy(lab.policy_text(), "--workers", "2")
+    wait_ready(proxy)
+    proxy.policy_path.write_text(lab.policy_text("hosts:\n  allwo: []\n"))
+    proxy.signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and "the last reload was refused" not in proxy.admin("/readyz")[1]:
+        time.sleep(0.1)
+    status, body = proxy.admin("/readyz")
+    assert status == 200 and body.startswith("ready; 2 workers; the last reload was refused"), body
+    assert body.count("unknown key 'allwo'") == 1, body
+    assert proxy.get(f"http://public.lab.example:{lab.public.port}/kept")[0] == 200
