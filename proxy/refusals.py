@@ -56,8 +56,9 @@ _SPACES = re.compile(r"[ \t\r\n]+")
 def one_line(text: str, limit: int = 400) -> str:
     """Text for a refusal's header or body line: one line of printable ASCII (whitespace runs become one space,
     other characters escaped, a control byte too: a NUL or an escape sequence a verdict quotes stays inert). A
-    backslash is doubled first, so an escape egresswall wrote never reads like the same characters a client sent."""
-    text = _SPACES.sub(" ", text).strip(" ").replace("\\", "\\\\")
+    backslash stays as it is: a header says what the record's reason says, and a reason quotes client bytes as
+    Python's repr does (a backslash they hold is doubled there already)."""
+    text = _SPACES.sub(" ", text).strip(" ")
     text = text.encode("ascii", "backslashreplace").decode("ascii")
     text = _CONTROL.sub(lambda found: f"\\x{ord(found.group()):02x}", text)
     return text if len(text) <= limit else text[: limit - 3] + "..."

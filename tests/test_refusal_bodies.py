@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 from hypothesis import given
@@ -227,18 +226,15 @@ def test_a_default_deny_hint_for_an_address_the_address_rules_refuse_says_so(hos
     assert hint_for(verdict, host, 80) == says
 
 
-@given(st.text(max_size=40), st.text(max_size=40))
-def test_one_line_tells_different_texts_apart(a, b):
-    """Two texts that differ other than in their whitespace runs never give the same line (under the length
-    limit): an ESC egresswall escapes never reads like the four characters backslash, x, 1, b a client sent."""
-    if re.sub(r"[ \t\r\n]+", " ", a).strip(" ") != re.sub(r"[ \t\r\n]+", " ", b).strip(" "):
-        assert one_line(a) != one_line(b)
-    assert one_line(a).isascii() and one_line(a).isprintable()
+@given(st.text(max_size=40))
+def test_one_line_is_one_printable_ascii_line(text):
+    assert one_line(text).isascii() and one_line(text).isprintable()
 
 
-def test_one_line_escapes_a_backslash():
+def test_one_line_keeps_a_backslash_as_the_record_has_it():
+    """The header says what the record's reason says (tests/test_host_form_parity.py compares them)."""
     assert one_line("a\x1bb") == "a\\x1bb"
-    assert one_line("a\\x1bb") == "a\\\\x1bb"
+    assert one_line("a\\x82b") == "a\\x82b"
 
 
 def test_one_line_escapes_the_whitespace_that_is_no_ascii_space():

@@ -106,16 +106,10 @@ async def _decided(policy: Policy, resolver: DnsResolver, url: str, target, args
 
 def as_sent(url: str) -> str:
     """The URL as a browser puts it on the wire, which is what the proxy decides: without its fragment (never
-    sent), a space in its path or query percent-encoded, without a user name and password (a browser sends them,
-    if at all, in an Authorization header, and the host is what follows the last '@'). Review round 22: check
-    refused these ``form:url`` / ``form:userinfo`` where the proxy allowed the request a browser made of them."""
-    url = url.split("#", 1)[0].replace(" ", "%20")
-    scheme, separator, rest = url.partition("://")
-    if not separator:
-        return url
-    end = min((rest.find(c) for c in "/?" if c in rest), default=len(rest))
-    authority = rest[:end]
-    return f"{scheme}://{authority.rpartition('@')[2]}{rest[end:]}" if "@" in authority else url
+    sent), a space in its path or query percent-encoded (review round 22: check refused both ``form:url`` where
+    the proxy allowed the request a browser made of them). A user name and password stay: the proxy refuses them
+    on a request line (``form:userinfo``), and check says so (tests/test_host_form_parity.py)."""
+    return url.split("#", 1)[0].replace(" ", "%20")
 
 
 def _verdict_word(verdict: Verdict) -> str:
