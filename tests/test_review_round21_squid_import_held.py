@@ -17,7 +17,7 @@ from itertools import product
 import pytest
 from squid_compat.importer import import_conf
 from squid_files import hand_to_squid_user
-from test_review_round21_squid_export import PLUMBING
+from test_review_round21_squid_export import DEAD_NAMESERVER, PLUMBING
 from test_squid_differential import SQUID, Squid, free_port, squid_refused_request, squid_workdir
 
 from policy.decision import Request, Resolution, decide
@@ -75,7 +75,7 @@ def test_imported_policy_never_admits_what_real_squid_refuses_holds() -> None:
         (workdir / "hosts").write_text("".join(f"127.0.0.2 {name}\n" for name in NAMES))
         port = free_port()
         conf = workdir / "squid.conf"
-        conf.write_text(PLUMBING.format(port=port, dir=workdir) + CONF)
+        conf.write_text(PLUMBING.format(squid_port=port, dir=workdir, dns=DEAD_NAMESERVER) + CONF)
         hand_to_squid_user(workdir)
         result = import_conf(conf, readmit=["127.0.0.2/32"])
         squid = Squid(conf, port, workdir)
