@@ -146,18 +146,22 @@ def test_a_name_answering_ipv6_loopback_is_refused_when_the_ipv4_compatible_pref
     from labnet import StandIn
     try:
         loopback6 = StandIn("::1", 0)
-    except OSError:
-        pytest.skip("no IPv6 loopback here")
+    except OSError:  # no IPv6 loopback on this machine: the refusal is still checked, the listener cannot be
+        loopback6 = None
+    port = loopback6.port if loopback6 is not None else lab.public.port
     try:
         name = "r22-v6loopback.lab.example"
         lab.dns.set(name, [Record("AAAA", "::1")])
         text = lab.policy_text().replace(f"allow: [{PUBLIC_IP}/32]", f"allow: [{PUBLIC_IP}/32, '::/96']")
-        text = text.replace(f"  http: [80, {lab.public.port}]", f"  http: [80, {lab.public.port}, {loopback6.port}]")
+        if loopback6 is not None:
+            text = text.replace(f"  http: [80, {lab.public.port}]", f"  http: [80, {lab.public.port}, {port}]")
         proxy = start_proxy(text)
-        status, _, body = proxy.get(f"http://{name}:{loopback6.port}/r22")
+        status, _, body = proxy.get(f"http://{name}:{port}/r22")
         time.sleep(0.2)
-        assert (status, loopback6.connections) == (403, []), (status, body, loopback6.connections)
+        reached = loopback6.connections if loopback6 is not None else []
+        assert (status, reached) == (403, []), (status, body, reached)
         records = _decisions_for(proxy, name)
         assert [(r["verdict"], r["stage"]) for r in records] == [("refuse", "address")], records
     finally:
-        loopback6.close()
+        if loopback6 is not None:
+            loopback6.close()
