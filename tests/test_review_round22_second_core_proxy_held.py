@@ -13,23 +13,9 @@ import time
 import pytest
 from proxyproc import both_transports, parse_response, read_response
 from session_client import create, token_file
+from test_review_round22_sessions import _lines_after, _raw
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("internal_saw_nothing")]
-
-
-def _raw(proxy, data: bytes) -> tuple[int, dict[str, str], bytes]:
-    with socket.create_connection((proxy.host, proxy.port), timeout=5) as sock:
-        sock.sendall(data)
-        return parse_response(read_response(sock))
-
-
-def _lines_after(proxy, before: int, count: int, timeout: float = 5) -> list[dict]:
-    deadline = time.monotonic() + timeout
-    while True:
-        lines = proxy.audit()[before:]
-        if len(lines) >= count or time.monotonic() > deadline:
-            return lines
-        time.sleep(0.05)
 
 
 @both_transports

@@ -13,20 +13,12 @@ from fake_upstream_proxy import ESTABLISHED, FakeUpstream, upstream_policy
 from labnet import PUBLIC_IP
 from proxyproc import both_transports
 from rawclient import read_all, read_head, tunnel
+from test_review_round22_tunnels import _wait
 from tls_build import real_client_hello
 
 pytestmark = pytest.mark.integration
 NAME = "public.lab.example"
 FAILED = "after a request inside the tunnel failed"
-
-
-def _wait(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return predicate()
 
 
 def _tunnel_lines(proxy, wait: float = 6) -> list[dict]:
