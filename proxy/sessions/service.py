@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from policy.credentials import CredentialsError, parse_proxy_authorization
 from policy.decision import Verdict, role_of
 from policy.hosts import Target
-from policy.model import Policy, Role
+from policy.model import Policy
 from policy.sessions import (
     CREDENTIALS,
     ENDED,
@@ -85,7 +85,7 @@ class SessionService:
             session = await self.store.get(credentials.session_id) if credentials is not None else None
         except (CredentialsError, StoreUnavailable):
             return None
-        return session.id if session is not None and session.secret_matches(credentials.secret) else None
+        return session.id if credentials is not None and _proves(session, credentials.secret) else None
 
     async def identify(self, policy: Policy, client: str | None, values: Sequence[str]) -> Identity:
         if not self.enabled(policy):
@@ -97,20 +97,13 @@ class SessionService:
         except CredentialsError as err:
             return self._refused(Identity(None, refused(CREDENTIALS, err.reason, None, role_name), 407))
         if credentials is None:
-            required = self._required(policy, role)
+            required = required_refusal(policy, role)
             return NO_SESSION if required is None else self._refused(Identity(None, required, 407))
         try:
             session = await self.store.get(credentials.session_id)
         except StoreUnavailable as err:
             return self._refused(Identity(None, refused(STORE_UNAVAILABLE, str(err), None, role_name), 503))
-        # The same answer for an unknown id and a wrong secret, and the digest compared in constant time
-        # either way: a client learns nothing about which ids exist.
-        if session is None:
-            hmac.compare_digest(secret_digest(credentials.secret), _DECOY)
-            matches = False
-        else:
-            matches = session.secret_matches(credentials.secret)
-        if not matches:
+        if not _proves(session, credentials.secret):
             return self._refused(Identity(None, refused(
                 CREDENTIALS, f"no session {credentials.session_id} with this secret (unknown, ended, or a wrong "
                              "secret)", None, role_name), 407))
@@ -122,15 +115,11 @@ class SessionService:
         tunnel names no session, so this is answered from the policy alone."""
         if not self.enabled(policy):
             return None
-        refusal = self._required(policy, role_of(policy, client))
+        refusal = required_refusal(policy, role_of(policy, client))
         if refusal is None:
             return None
         return self._counted(replace(refusal, reason=f"{refusal.reason}; this tunnel was opened without one, before "
                                                      "the policy required it: open a new one with the session"))
-
-    @staticmethod
-    def _required(policy: Policy, role: Role | None) -> Verdict | None:
-        return required_refusal(policy, role)
 
     async def current(self, session: Session, role: str | None) -> tuple[Session | None, Verdict | None, int]:
         """The session as the store holds it now, for a request inside a tunnel opened under it: an extension
@@ -280,3 +269,12 @@ class SessionService:
         secret = secrets.token_urlsafe(32)
         now = self.clock()
         return Session("s" + secrets.token_hex(12), secret_digest(secret), now, now + spec.ttl, spec), secret
+
+
+def _proves(session: Session | None, secret: str) -> bool:
+    """Whether ``secret`` is the session's. The same work for an unknown id and a wrong secret (a digest compared in
+    constant time either way): a client learns nothing about which ids exist, from an answer or from its time."""
+    if session is None:
+        hmac.compare_digest(secret_digest(secret), _DECOY)
+        return False
+    return session.secret_matches(secret)
