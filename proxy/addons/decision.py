@@ -99,7 +99,8 @@ class DecisionAddon:
         client = peer_of(flow.client_conn.peername)
         request = flow.request
         tunnel = self.table.tunnels.get(flow.server_conn.id)
-        problem = _form_problem(flow)
+        upgrade = upgrade_kind(request.headers.get_all("upgrade"))
+        problem = _form_problem(flow, upgrade)
         if problem is not None:
             # Refused for its form before any decision. Its record names the session it came under, as every line
             # of a session's requests does: inside a tunnel the CONNECT's, else the one its credentials prove.
@@ -111,7 +112,6 @@ class DecisionAddon:
             if flow.error is None:  # (framing mitmproxy refused itself has its answer and its error already)
                 refuse_before_body(flow, to_response(refusal))
             return
-        upgrade = upgrade_kind(request.headers.get_all("upgrade"))
         length = request.headers.get("content-length")
         ask = HttpAsk(client=client, method=request.method, scheme=request.scheme, host=request.data.host,
                       port=request.data.port, path=request.path, host_header=request.headers.get("host"),
@@ -141,8 +141,9 @@ class DecisionAddon:
         request.egresswall_answer_context = (target, outcome.verdict.role, accept_of(flow))
 
 
-def _form_problem(flow: http.HTTPFlow) -> tuple[int, str, str] | None:
-    """(status, rule, reason) of a request refused for its form before any decision, or None."""
+def _form_problem(flow: http.HTTPFlow, upgrade: str) -> tuple[int, str, str] | None:
+    """(status, rule, reason) of a request refused for its form before any decision, or None. ``upgrade``: what
+    its Upgrade headers ask for (``upgrade_kind``)."""
     request = flow.request
     malformed = _malformed(flow)
     if malformed is not None:
@@ -155,7 +156,6 @@ def _form_problem(flow: http.HTTPFlow) -> tuple[int, str, str] | None:
         # (HTTP/2 itself is never offered to a client: LimitsOptions.)
         return 505, "http:version", (f"the request line says {request.http_version[:20]!r}; egresswall reads "
                                      "HTTP/1.0 and HTTP/1.1 requests here")
-    upgrade = upgrade_kind(request.headers.get_all("upgrade"))
     if upgrade == OTHER_UPGRADE:
         values = ", ".join(request.headers.get_all("upgrade"))[:100]
         return 403, "http:upgrade", (f"the request asks to upgrade to {values!r}; egresswall relays only WebSocket "
