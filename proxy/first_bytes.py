@@ -30,14 +30,19 @@ class FirstBytes:
     kind: str = ""  # "tls" or "http" once judged
     sni: str | None = None
     hello_size: int = 0  # bytes of records the ClientHello took; what follows is the client's next (held back)
+    # A refused head that began an HTTP request (inside a tunnel to a plain-HTTP port): the HTTP status its client
+    # is answered with before the tunnel closes, as a request outside a tunnel would be; 0 for bytes that are not
+    # HTTP (closed unanswered) and for TLS (a fatal alert).
+    status: int = 0
+    answer: bytes = b""  # what the transport writes to the client before it closes a refused tunnel (the gate's)
 
     @classmethod
     def more(cls) -> FirstBytes:
         return cls(need_more=True)
 
     @classmethod
-    def refuse(cls, rule: str, reason: str) -> FirstBytes:
-        return cls(refused=True, rule=rule, reason=reason)
+    def refuse(cls, rule: str, reason: str, status: int = 0) -> FirstBytes:
+        return cls(refused=True, rule=rule, reason=reason, status=status)
 
 
 class FirstMessage:
@@ -77,10 +82,10 @@ class FirstMessage:
         end = self._head_end.find(self.data)
         if end > self.max_head or (end < 0 and len(self.data) > self.max_head):
             return FirstBytes.refuse("limits.max_header_bytes",
-                                     f"the first request head in the tunnel is over {self.max_head} bytes")
+                                     f"the first request head in the tunnel is over {self.max_head} bytes", 431)
         if end < 0:
             return FirstBytes.more()
-        return _parse_http_head(bytes(self.data[:end]), self.max_head)  # whole: parsed once
+        return _parse_http_head(bytes(self.data[:end]), self.max_head, whole=True)  # parsed once
 
 
 def classify_tunnel_start(data: bytes, connect_host: str, http_inside: bool, ech_allowed: bool,
@@ -108,14 +113,19 @@ def _tls_hello(data: bytes | bytearray, scan: HelloScan, connect_host: str, ech_
     return FirstBytes(kind="tls", sni=hello.sni, hello_size=hello.size)
 
 
-def _parse_http_head(data: bytes, max_head: int) -> FirstBytes:
-    """An HTTP/1.x request head as h11 reads it (whole, or its first byte, which h11 may refuse already); the
-    request itself is decided by the transport."""
+def _parse_http_head(data: bytes, max_head: int, whole: bool = False) -> FirstBytes:
+    """An HTTP/1.x request head as h11 reads it (``whole``, or its first byte, which h11 may refuse already); the
+    request itself is decided by the transport. A whole head that h11 refuses began a request (h11 took its first
+    byte) and ended within the bound: it goes to mitmproxy's HTTP layer like the tunnel's later heads and like
+    such a head outside a tunnel, which refuses it with the same answer and rule (a framing h11 refuses is not
+    always one mitmproxy does: VT in a value is refused by the decision, a double Content-Length by the parser)."""
     parser = h11.Connection(h11.SERVER, max_incomplete_event_size=max_head)
     try:
         parser.receive_data(data)
         event = parser.next_event()
     except h11.RemoteProtocolError as err:
+        if whole:
+            return FirstBytes(kind="http")
         return FirstBytes.refuse("http:not-http", f"the tunnel goes to a plain-HTTP port but does not carry an "
                                                   f"HTTP/1 request: {parser_words(err)}")
     if event is h11.NEED_DATA:

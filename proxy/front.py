@@ -41,7 +41,7 @@ from .gate import Gate, Tunnel, refusal_for
 from .head_reader import HeadProblem, answer_then_drain, read_head
 from .peers import client_key
 from .refusals import failed_connect, refusal_bytes
-from .tls_hello import MAX_HELLO_BYTES, TLS_ALERT_UNRECOGNIZED_NAME
+from .tls_hello import MAX_HELLO_BYTES
 from .tls_retry import RetryWatch
 from .tunnel_relay import DOWN, UP, relay
 from .upstream_connect import connect_via_upstream
@@ -279,9 +279,9 @@ class Front:
         while True:
             judged = self.gate.tunnel_start(tunnel, first, chunk)
             if judged.refused:
-                if judged.rule.startswith("tls:"):
+                if judged.answer:  # a TLS alert, or the answer to a refused request head
                     with contextlib.suppress(OSError):
-                        await _send(conn, TLS_ALERT_UNRECOGNIZED_NAME)
+                        await _send(conn, judged.answer)
                 return None
             if not judged.need_more:
                 return bytes(first.data), judged

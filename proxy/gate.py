@@ -63,10 +63,11 @@ from .http_hygiene import CONNECT_CONTENT, OVERRIDE_HEADER, UNEXPECTED_BODY, une
 from .metrics import Metrics
 from .peers import is_local_address
 from .records import DECISION, RESPONSE, TUNNEL, Recorder, safe_text
-from .refusals import Refusal
+from .refusals import Refusal, refusal_bytes
 from .reload import PolicyHolder
 from .sessions.service import SessionService
 from .sessions.store import StoreUnavailable
+from .tls_hello import TLS_ALERT_UNRECOGNIZED_NAME
 from .tls_retry import RetryWatch
 
 log = logging.getLogger("egresswall")
@@ -360,7 +361,11 @@ class Gate:
             if refusal is not None:
                 judged = FirstBytes.refuse(refusal.rule, refusal.reason)
         if judged.refused:
-            self.refuse_tunnel(tunnel, judged.rule, judged.reason)
+            verdict = self.refuse_tunnel(tunnel, judged.rule, judged.reason)
+            if judged.rule.startswith("tls:"):
+                judged = replace(judged, answer=TLS_ALERT_UNRECOGNIZED_NAME)
+            elif judged.status:  # a refused request head: answered as the same head outside a tunnel is
+                judged = replace(judged, answer=refusal_bytes(refusal_for(judged.status, verdict, tunnel.target)))
         return judged
 
     def tunnel_start_timed_out(self, tunnel: Tunnel, seen: int) -> None:
@@ -382,9 +387,9 @@ class Gate:
         return RetryWatch(judged.sni, ech_allowed(self.policy), held)
 
     def refuse_tunnel(self, tunnel: Tunnel, rule: str, reason: str, up: int = 0, down: int = 0,
-                      status: int = 200, verdict: Verdict | None = None) -> None:
+                      status: int = 200, verdict: Verdict | None = None) -> Verdict:
         """``status``: what the client's CONNECT was answered (a refusal before the 200 is not 200); ``verdict``: the
-        policy's refusal when it made one (its stage and rule id go into the record)."""
+        policy's refusal when it made one (its stage and rule id go into the record). Returns the refusal recorded."""
         stage = (LIMITS if rule.startswith("limits.") else TLS if rule.startswith("tls:")
                  else SESSION_STAGE if rule.startswith("session:") else HTTP)
         verdict = (replace(verdict, addresses=tunnel.verdict.addresses, session=tunnel.verdict.session)
@@ -395,6 +400,7 @@ class Gate:
                                       tunnel.cnames)
         self.recorder.decision(record)
         self.tunnel_closed(tunnel, up, down, reason, status)
+        return verdict
 
     def tunnel_closed(self, tunnel: Tunnel, up: int, down: int, error: str | None, status: int = 200) -> None:
         """The closing line of a tunnel, once, on either path, with its bytes each way. ``status``: what the

@@ -93,7 +93,7 @@ class TunnelStart(layer.Layer):
             yield from self.child.handle_event(events.DataReceived(self.context.client, bytes(self.first.data)))
 
     def _close(self) -> layer.CommandGenerator[None]:
-        self.child = Refused(self.context, tls=False)
+        self.child = Refused(self.context, b"")
         yield from self.child.handle_event(events.Start())
 
 
@@ -212,16 +212,17 @@ class CountedRelay(TCPLayer):
 
 
 class Refused(layer.Layer):
-    """Answer a refused tunnel start (a fatal TLS alert when the client spoke TLS), close both sides."""
+    """Answer a refused tunnel start with the gate's answer (a fatal TLS alert when the client spoke TLS, an HTTP
+    refusal for a request head), close both sides."""
 
-    def __init__(self, context: Context, tls: bool) -> None:
+    def __init__(self, context: Context, answer: bytes) -> None:
         super().__init__(context)
-        self.tls = tls
+        self.answer = answer
 
     def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
         if isinstance(event, events.Start):
-            if self.tls:
-                yield commands.SendData(self.context.client, TLS_ALERT_UNRECOGNIZED_NAME)
+            if self.answer:
+                yield commands.SendData(self.context.client, self.answer)
             yield commands.CloseConnection(self.context.client)
             if self.context.server.connected:
                 yield commands.CloseConnection(self.context.server)

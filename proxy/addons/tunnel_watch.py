@@ -78,7 +78,7 @@ class TunnelWatch:
         def choose(judged: FirstBytes) -> mlayer.Layer:
             if judged.refused:
                 self.table.tunnels.pop(server_id, None)
-                return Refused(context, tls=judged.rule.startswith("tls:"))
+                return Refused(context, judged.answer)
             if judged.kind == "tls" and not tunnel.intercept:
                 relay = CountedRelay(context, lambda up, down, err: self._relay_done(server_id, tunnel, up, down, err),
                                      self.gate.retry_watch(judged, b""), judged.hello_size,
