@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import uuid
 from collections.abc import Callable
@@ -47,6 +48,7 @@ from .tunnel_relay import DOWN, UP, relay
 from .upstream_connect import connect_via_upstream
 
 HALF_CLOSED_IDLE = 5.0  # once one side has finished, the other gets this long of silence before the tunnel ends
+log = logging.getLogger("egresswall.front")
 OVER_CAP_WAIT = 2.0  # how long a connection refused by a cap may take to say where it wanted to go
 MAX_OVER_CAP_PENDING = 256  # beyond this many at once, refused connections are closed unheard (fds are finite)
 # (the socket, the bytes already read, ``done``): mitmproxy takes the connection; ``done`` gives its admission
@@ -175,6 +177,10 @@ class Front:
                                _header_values(event, b"proxy-authorization"))
         except (OSError, TimeoutError, asyncio.IncompleteReadError):
             pass
+        except Exception as err:  # noqa: BLE001 - a bug of ours: the connection is closed, never relayed undecided
+            log.exception("a connection from %s failed inside egresswall; closed", client)
+            with contextlib.suppress(Exception):
+                self.gate.internal_error(client, err, status=0)
         finally:
             self._open.discard(conn)
             if not handed_off:

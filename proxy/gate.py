@@ -79,6 +79,8 @@ SESSION_STORE_GRACE = 5.0
 
 
 # The error of a tunnel's, a WebSocket's or an exchange's closing record when a stop closed it (README: stopping).
+# A request, CONNECT or connection whose handling raised (a bug of ours): refused, never let through undecided.
+INTERNAL_STAGE, INTERNAL_ERROR = "internal", "egresswall:internal-error"
 STOP_CUT = "egresswall stopped: still open at the end of limits.tunnel_grace, and closed"
 
 @dataclass(eq=False, kw_only=True)
@@ -902,6 +904,14 @@ class Gate:
         if rule.startswith("limits.") or rule in ("shutdown", "audit"):
             self.metrics.refusal(rule)
         return refusal
+
+    def internal_error(self, client: str, err: Exception, method: str | None = None, url: str | None = None,
+                       flow_id: str | None = None, accept: Iterable[str] = (), status: int = 500) -> Refusal:
+        """The refusal of a request, CONNECT or connection whose handling raised (a bug of ours), with its record:
+        whatever failed, nothing goes on undecided (review round 23). ``status`` 0: closed without an answer."""
+        return self.refuse(client, method, None, status, INTERNAL_STAGE, INTERNAL_ERROR,
+                           f"egresswall could not handle this request: an internal error ({type(err).__name__}); it "
+                           "is refused, and the proxy's log has the details", url=url, flow_id=flow_id, accept=accept)
 
     def connection_refused(self, client: str, status: int, rule: str, reason: str) -> None:
         """A connection ended by a bound before any request was whole (head too big, too slow, silent);

@@ -84,6 +84,8 @@ def hint_for(verdict: Verdict, host: str | None = None, port: int | None = None)
                 "retry later, or ask its owner")
     if stage == "connect":
         return "the checked address did not accept the connection; retry later"
+    if stage == "internal":  # gate.INTERNAL_STAGE: a bug of egresswall's
+        return "an error inside egresswall refused this; tell the operator (the proxy's log has the details)"
     if stage == "http":
         return f"egresswall does not relay this ({rule}); no policy change admits it"
     if stage == "tls":

@@ -76,7 +76,8 @@ def failed_connect(reason: str, role: str | None = None, via_upstream: bool = Fa
 
 
 UNRELAYABLE_RESPONSE = "egresswall could not relay the upstream's response (the audit record's error says why)"
-ERROR_CODES = {"form": "malformed", "limits": "limited", "audit": "unavailable", "connect": "unavailable"}
+ERROR_CODES = {"form": "malformed", "limits": "limited", "audit": "unavailable", "connect": "unavailable",
+               "internal": "unavailable"}
 PROXY_AUTHENTICATE = 'Basic realm="egresswall", charset="UTF-8"'  # with every 407: present a session
 
 

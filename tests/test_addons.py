@@ -242,3 +242,24 @@ def websocket_message(opcode, from_client: bool, content: bytes):
     from mitmproxy.websocket import WebSocketMessage
 
     return WebSocketMessage(opcode, from_client, content)
+
+
+@pytest.mark.parametrize("hook", ["requestheaders", "http_connect"])
+def test_a_decision_that_raises_refuses_the_request_with_a_record(gate, monkeypatch, hook):
+    """A bug of ours in the decision (review round 23: a session record the store could not read raised past it)
+    must not let the request on: mitmproxy logs an addon's error and carries the flow on, undecided."""
+    async def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(gate, "decide_request", broken)
+    monkeypatch.setattr(gate, "decide_connect", broken)
+    flow = tflow.tflow()
+    if hook == "http_connect":
+        flow.request.method, flow.request.authority = "CONNECT", "upstream.example:443"
+    with taddons.context():
+        asyncio.run(getattr(DecisionAddon(gate, ConnectionTable()), hook)(flow))
+    assert flow.response is not None and flow.response.status_code == 500
+    assert flow.response.headers["X-Egresswall-Rule"] == "egresswall:internal-error"
+    assert "RuntimeError" in flow.response.headers["X-Egresswall-Reason"]
+    (record,) = records(gate)
+    assert (record["verdict"], record["stage"], record["status"]) == ("refuse", "internal", 500)

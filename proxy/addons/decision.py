@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 
@@ -22,6 +23,7 @@ from ..refusals import Refusal, failed_connect, refusal_parts
 from .connections import ConnectionTable
 from .tunnel_watch import close_client
 
+log = logging.getLogger("egresswall.decision")
 VERDICT, TARGET, STARTED, FLOW_ID = "egresswall_verdict", "egresswall_target", "egresswall_started", "egresswall_id"
 # The request body's bytes charged to its session before the exchange ended (declared at admission, or a chunked
 # body once read): the closing record charges only what went beyond them (Gate.response_closed).
@@ -50,6 +52,33 @@ class DecisionAddon:
         self.gate, self.table = gate, table
 
     async def http_connect(self, flow: http.HTTPFlow) -> None:
+        try:
+            await self._decide_connect(flow)
+        except Exception as err:  # noqa: BLE001 - a bug of ours: the CONNECT must not go on undecided
+            flow.response = self._internal_error(flow, err)
+
+    async def requestheaders(self, flow: http.HTTPFlow) -> None:
+        try:
+            await self._decide_request(flow)
+        except Exception as err:  # noqa: BLE001 - a bug of ours: the request must not go on undecided
+            refuse_before_body(flow, self._internal_error(flow, err))
+
+    def _internal_error(self, flow: http.HTTPFlow, err: Exception) -> http.Response:
+        """The answer to a request or CONNECT whose decision raised: refused 500 with its record. mitmproxy logs an
+        addon's error and carries the flow on, where a connect nobody decided is decided by the policy alone
+        (pinning.py), without the session or the form checks (review round 23: a session record the store could
+        not read let requests through undecided)."""
+        log.exception("the decision of %s %s failed; refused", flow.request.method, flow.request.pretty_url[:200])
+        try:
+            return to_response(self.gate.internal_error(peer_of(flow.client_conn.peername), err, flow.request.method,
+                                                        flow.request.pretty_url, flow.metadata.get(FLOW_ID) or flow.id,
+                                                        accept_of(flow)))
+        except Exception:  # noqa: BLE001 - not even its record could be made: refused all the same
+            log.exception("the refusal of a request whose decision failed could not be recorded")
+            return http.Response.make(500, b"egresswall: internal error; refused\n",
+                                       {"Content-Type": "text/plain", "Connection": "close"})
+
+    async def _decide_connect(self, flow: http.HTTPFlow) -> None:
         authority = (flow.request.data.authority.decode("latin-1") if flow.request.data.authority
                      else f"{flow.request.host}:{flow.request.port}")
         headers = flow.request.headers
@@ -92,7 +121,7 @@ class DecisionAddon:
         if tunnel is not None:
             tunnel.established = True
 
-    async def requestheaders(self, flow: http.HTTPFlow) -> None:
+    async def _decide_request(self, flow: http.HTTPFlow) -> None:
         flow.request.egresswall_seen = True  # proxy/mitm_patches.py: an error answer for it is already recorded
         flow.metadata[FLOW_ID] = flow.id or uuid.uuid4().hex
         flow.metadata[STARTED] = time.monotonic()

@@ -18,7 +18,7 @@ from proxy.runner import ProxyRunner
 from proxy.worker_config import FAILED, READY, WorkerConfig, WorkerReport
 
 from . import logs
-from .errors import EXIT_BUG, EXIT_INTERRUPTED, describe
+from .errors import EXIT_BUG, EXIT_INTERRUPTED, UsageError, describe
 from .run import serve
 
 
@@ -33,6 +33,13 @@ def main() -> int:
     with os.fdopen(config.ready_fd, "wb", buffering=0) as report:
         try:
             runner = ProxyRunner(config.run)
+            upstream = runner.holder.policy.upstream
+            if upstream is not None and config.run.worker_count > 1:
+                # As `run --workers` refuses at start: a worker restarted after a reload the pool refused for its
+                # upstream would otherwise serve that policy beside workers on the last good one (review round 23).
+                raise UsageError(f"--workers {config.run.worker_count}: not supported with an upstream proxy "
+                                 f"({upstream.url}); the policy file now names one, which the running workers "
+                                 "refused on reload: this worker stays down")
             event_loop.run(serve(runner, lambda: report.write(_ready(runner).to_line())), config.run.uvloop)
         except KeyboardInterrupt:
             return EXIT_INTERRUPTED

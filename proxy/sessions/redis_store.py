@@ -68,6 +68,30 @@ class RedisStore:
         self._healthy = False
         return StoreUnavailable(f"the session store cannot be reached ({type(err).__name__})")
 
+    def _unreadable(self, what: str, err: Exception | None = None) -> StoreUnavailable:
+        """The store answered, but with something egresswall cannot read (not written by egresswall, or damaged):
+        no session is judged on it, so the request is refused as if the store could not be reached (fail closed;
+        review round 23: a record that was not JSON raised past the decision, and mitmproxy let the request on)."""
+        log.warning("the session store %s holds %s that egresswall cannot read%s", self.safe_url, what,
+                    f": {type(err).__name__}: {str(err)[:200]}" if err is not None else "")
+        return StoreUnavailable(f"the session store holds {what} that egresswall cannot read")
+
+    def _count(self, session_id: str, value: object) -> int:
+        """A usage counter as the store answered it: absent (0) or a whole number that is not negative."""
+        if value is None:
+            return 0
+        try:
+            number = int(value)  # type: ignore[call-overload]
+        except (TypeError, ValueError):
+            number = -1
+        if number < 0:
+            raise self._unreadable(f"session {session_id}'s usage counters")
+        return number
+
+    def _usage(self, session_id: str, requests: object, hosts: object, up: object, down: object) -> Usage:
+        return Usage(self._count(session_id, requests), self._count(session_id, hosts),
+                     self._count(session_id, up), self._count(session_id, down))
+
     @property
     def safe_url(self) -> str:
         """The URL without a password or query, for messages."""
@@ -83,7 +107,12 @@ class RedisStore:
 
     async def get(self, session_id: str) -> Session | None:
         raw = await self._call(self.client.get(self._key(session_id)))
-        return session_from_record(raw) if raw is not None else None
+        if raw is None:
+            return None
+        try:
+            return session_from_record(raw)
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise self._unreadable(f"session {session_id}'s record", err) from None
 
     async def delete(self, session_id: str) -> bool:
         async with self.client.pipeline(transaction=True) as pipe:
@@ -113,7 +142,7 @@ class RedisStore:
             pipe.hmget(self._key(session_id, "usage"), "requests", "request_bytes", "response_bytes")
             pipe.scard(self._key(session_id, "hosts"))
             (requests, up, down), hosts = await self._call(pipe.execute())
-        return Usage(int(requests or 0), int(hosts or 0), int(up or 0), int(down or 0))
+        return self._usage(session_id, requests, hosts, up, down)
 
     async def charge(self, session: Session, host: str, sent: int | None,
                      role: str | None = None) -> Verdict | None:
@@ -132,7 +161,7 @@ class RedisStore:
                                                              "response_bytes"))
             seen = await self._call(pipe.sismember(hosts_key, host))
             hosts = await self._call(pipe.scard(hosts_key))
-            usage = Usage(int(requests or 0), int(hosts or 0), int(up or 0), int(down or 0))
+            usage = self._usage(session.id, requests, hosts, up, down)
             refusal = judge_budgets(session, usage, bool(seen), sent, role)
             if refusal is not None:
                 return False, refusal
@@ -160,14 +189,14 @@ class RedisStore:
             exists, (requests, up, down), seen, hosts = await self._call(pipe.execute())
         if not exists:
             return refused(ENDED, f"session {session.id} has ended", session, role)
-        usage = Usage(int(requests or 0), int(hosts or 0), int(up or 0), int(down or 0))
+        usage = self._usage(session.id, requests, hosts, up, down)
         return judge_budgets(session, usage, bool(seen), sent, role)
 
     async def charge_bytes(self, session_id: str, up: int, budget: int) -> int | None:
         key = self._key(session_id, "usage")
 
         async def attempt(pipe) -> tuple[bool, int | None]:
-            total = int(await self._call(pipe.hget(key, "request_bytes")) or 0) + up
+            total = self._count(session_id, await self._call(pipe.hget(key, "request_bytes"))) + up
             if total > budget:
                 return False, total
             pipe.multi()
