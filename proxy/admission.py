@@ -2,7 +2,9 @@
 
 A connection counts against its client's cap and the total from accept until it closes, whether it
 has sent a byte or not: a client that opens sockets and stays silent holds at most its own share
-(``limits.max_connections_per_client``) and cannot shut other clients out. An IPv6 client is counted by
+(``limits.max_connections_per_client``) and cannot shut other clients out. The total is never more than the
+process's open-file limit holds (``proxy/open_files.py``): past it a client is refused 503, not left unanswered.
+An IPv6 client is counted by
 the /64 it is in (``policy.addresses.cap_group``): one host may hold a whole /64 and take a fresh address
 for every connection. With N workers on one
 port each worker enforces 1/N of each cap, rounded up (the kernel spreads connections about evenly, by a hash):
@@ -17,11 +19,14 @@ mitmproxy addon admits in ``client_connected``.
 
 from __future__ import annotations
 
+import resource
 from collections import Counter
 from dataclasses import dataclass
 
 from policy.addresses import cap_group
 from policy.model import Limits
+
+from .open_files import connections_held
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,13 @@ class Admission:
             return CapRefusal(503, "limits.max_connections",
                               f"egresswall has {self.total} open connections, its limit is {max_total}"
                               + self._per_worker(limits.max_connections))
+        held = connections_held()
+        if self.total >= held:
+            return CapRefusal(503, "limits.max_connections",
+                              f"egresswall has {self.total} open connections, as many as its open-file limit "
+                              f"(RLIMIT_NOFILE {resource.getrlimit(resource.RLIMIT_NOFILE)[0]}) holds, under "
+                              f"limits.max_connections {limits.max_connections}; the operator may raise the limit "
+                              "(ulimit -n, LimitNOFILE=)")
         max_per_client = -(-limits.max_connections_per_client // self.share)
         group = cap_group(client)
         if self.per_client[group] >= max_per_client:

@@ -3,12 +3,24 @@
 Each line is written with a single ``os.write`` on a file opened with O_APPEND, so a crash (even
 ``kill -9``) never leaves half a line and concurrent writers never interleave inside one. The
 file is reopened on request (SIGUSR1) so logrotate can move it away.
+
+Standard output, the default, is usually a pipe (journald, a log shipper, ``| tee``). A reader that stops
+reading fills it, and a blocking write there would stop the whole event loop — every client, every open
+tunnel and the admin listener — with no answer at all (review round 23). So a pipe, socket or terminal is
+written without waiting (``RWF_NOWAIT``; where the kernel has no such write for it, only when ``poll`` says it
+takes bytes): a line it cannot take now is a failed write, which fails closed the documented way (503
+``audit``, ``/readyz`` 503, the probe line once it takes lines again). A pipe is grown to 1 MiB where the
+system allows, so a burst is not taken for a stall.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import os
+import select
 import stat
 import sys
 import threading
@@ -18,6 +30,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 Formatter = Callable[[dict[str, Any]], str]
+PIPE_SIZE = 1 << 20  # bytes a pipe to the log holds (Linux's default pipe-max-size)
 
 
 _second: tuple[int, str] = (0, "1970-01-01T00:00:00.")  # the last second formatted, and its text
@@ -55,6 +68,8 @@ class AuditLog:
         self.written = 0
         self.listeners: list[Callable[[dict[str, Any]], None]] = []  # in-process readers (the page reader)
         self._fd: int | None = None
+        self._waits = True  # a regular file: its writes wait for the disk only
+        self._nowait_write = True  # RWF_NOWAIT works on this descriptor (else poll before writing)
         self._lock = threading.Lock()
         self.reopen()
 
@@ -67,6 +82,12 @@ class AuditLog:
                 self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
             if old is not None and old != self._fd and old != sys.stdout.fileno():
                 os.close(old)
+            mode = os.fstat(self._fd).st_mode
+            self._waits = stat.S_ISREG(mode)
+            self._nowait_write = True
+            if stat.S_ISFIFO(mode):  # (over /proc/sys/fs/pipe-max-size for a user: the pipe stays as it is)
+                with contextlib.suppress(OSError):
+                    fcntl.fcntl(self._fd, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
 
     def write(self, record: dict[str, Any]) -> bool:
         for listener in self.listeners:
@@ -77,7 +98,7 @@ class AuditLog:
         try:
             with self._lock:
                 assert self._fd is not None
-                written = os.write(self._fd, line)
+                written = os.write(self._fd, line) if self._waits else self._write_without_waiting(line)
                 if written != len(line):
                     self._undo_partial(written)
                     raise OSError(f"short write ({written} of {len(line)} bytes)")
@@ -90,6 +111,31 @@ class AuditLog:
         self.healthy = True
         self.written += 1
         return True
+
+    def _write_without_waiting(self, line: bytes) -> int:
+        """``line`` to a pipe, socket or terminal, or OSError when it takes nothing now (its reader is not reading).
+        A line it took part of is finished: its reader is reading, and the next line must not start inside it."""
+        fd = self._fd
+        assert fd is not None
+        if self._nowait_write:
+            try:
+                written = os.pwritev(fd, [line], -1, os.RWF_NOWAIT)
+            except BlockingIOError:
+                raise OSError(errno.EAGAIN, "the audit log's reader is not reading (its pipe is full)") from None
+            except OSError as err:
+                if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ESPIPE):
+                    raise
+                self._nowait_write = False  # not for this kind of descriptor: poll first from now on
+                return self._write_without_waiting(line)
+        else:
+            poller = select.poll()
+            poller.register(fd, select.POLLOUT)
+            if not poller.poll(0):
+                raise OSError(errno.EAGAIN, "the audit log's reader is not reading (it takes no bytes)")
+            written = os.write(fd, line)
+        while 0 < written < len(line):  # (a line over PIPE_BUF, taken in part: its reader is reading)
+            written += os.write(fd, line[written:])
+        return written
 
     def _undo_partial(self, written: int) -> None:
         """A full disk can take part of a line (tmpfs fills page by page). Cut it off again, so the

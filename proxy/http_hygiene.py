@@ -42,6 +42,13 @@ OVERRIDE_HEADERS = frozenset({"x-original-url", "x-rewrite-url", "x-http-method-
 OVERRIDE_HEADER = "http:override-header"
 
 
+def without_names(fields: tuple[tuple[bytes, bytes], ...], names: Collection[str]) -> tuple[tuple[bytes, bytes], ...]:
+    """``fields`` (mitmproxy's raw header list) without every header whose name, lower case, is in ``names``: one
+    pass, where a ``pop`` per name rebuilt the whole list each time — a ``Connection`` header naming thousands of
+    the request's (or a response's) own headers cost seconds of the event loop (review round 23)."""
+    return tuple((name, value) for name, value in fields if name.decode("latin-1").lower() not in names)
+
+
 def override_headers(names: Iterable[str]) -> tuple[str, ...]:
     """The request's headers (names as sent) that ask for another path or method, lower case, each once. An
     underscore counts as a hyphen: CGI and FastCGI gateways (IIS, PHP) turn both spellings into the same

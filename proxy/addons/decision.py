@@ -37,6 +37,12 @@ def to_response(refusal: Refusal) -> http.Response:
     return http.Response.make(status, body, [(k.encode(), v.encode("latin-1")) for k, v in headers])
 
 
+def _names(request: http.Request) -> list[str]:
+    """The request's header names as sent, read off its fields in one pass: mitmproxy's ``Headers.keys()`` costs
+    the square of the header count (0.7 s for 3,000 headers within max_header_bytes; review round 23)."""
+    return [name.decode("latin-1") for name, _ in request.headers.fields]
+
+
 def accept_of(flow: http.HTTPFlow) -> tuple[str, ...]:
     """The request's Accept header values, which choose a refusal's body (proxy/accept.py)."""
     return tuple(flow.request.headers.get_all("accept"))
@@ -148,7 +154,7 @@ class DecisionAddon:
                       content_length=int(length) if length is not None and length.isdigit() else None,
                       chunked="transfer-encoding" in request.headers,
                       accept=accept_of(flow), authority=sent_authority(request),
-                      credentials=credentials_of(flow), overrides=override_headers(request.headers.keys()),
+                      credentials=credentials_of(flow), overrides=override_headers(_names(request)),
                       flow_id=flow.metadata[FLOW_ID], head_size=_head_size(request))
         outcome = await self.gate.decide_request(ask, tunnel)
         if outcome.refusal is not None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from mitmproxy import http
 from mitmproxy.net.http.http1 import connection_close
 
-from ..http_hygiene import WEBSOCKET, hop_by_hop_names, upgrade_kind
+from ..http_hygiene import WEBSOCKET, hop_by_hop_names, upgrade_kind, without_names
 from .decision import TARGET, VERDICT
 
 
@@ -29,8 +29,8 @@ class HopByHop:
         headers = request.headers
         websocket = upgrade_kind(headers.get_all("upgrade")) == WEBSOCKET  # decided and allowed, or refused before
         closing = connection_close(request.http_version, headers)
-        for name in hop_by_hop_names(headers.get_all("connection"), keep_upgrade=websocket):
-            headers.pop(name, None)
+        hop_by_hop = hop_by_hop_names(headers.get_all("connection"), keep_upgrade=websocket)
+        headers.fields = without_names(headers.fields, hop_by_hop)
         target = flow.metadata.get(TARGET)
         if target is not None and "host" not in headers and request.http_version in ("HTTP/1.0", "HTTP/1.1"):
             headers.insert(0, "Host", target.authority)  # the host and port decided on

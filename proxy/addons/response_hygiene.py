@@ -26,7 +26,7 @@ import re
 from mitmproxy import http
 from mitmproxy.net.http.http1 import connection_close
 
-from ..http_hygiene import hop_by_hop_names
+from ..http_hygiene import hop_by_hop_names, without_names
 from .decision import VERDICT
 
 _OBS_FOLD = re.compile(rb"[ \t]*\r?\n[ \t]*")
@@ -41,8 +41,7 @@ class ResponseHygiene:
         closing = connection_close(response.http_version, headers)
         if response.http_version.startswith(("HTTP/0.", "HTTP/1.")):  # not an HTTP/2 or /3 upstream's
             response.http_version = "HTTP/1.1"
-        for name in hop_by_hop_names(headers.get_all("connection")):
-            headers.pop(name, None)
+        headers.fields = without_names(headers.fields, hop_by_hop_names(headers.get_all("connection")))
         if closing:
             headers["Connection"] = "close"
         if response.status_code == 204:

@@ -16,6 +16,7 @@ from policy.model import Policy
 from policy.resolver import DnsResolver
 from proxy import event_loop
 from proxy.listeners import authority
+from proxy.open_files import raise_soft_limit
 from proxy.run_config import RunConfig
 from proxy.sessions.api import read_token_file
 from proxy.sessions.store_url import check_store_url, redacted
@@ -105,6 +106,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise UsageError(f"--workers {args.workers}: at least 1")
     logs.configure()
+    raise_soft_limit()  # before the workers start: they inherit it (proxy/open_files.py)
     config = run_config_from(args)
     if args.workers > 1:
         # The supervisor never proxies: it does not import mitmproxy (proxy/run_config.py), only its workers do;
