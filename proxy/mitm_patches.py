@@ -1044,7 +1044,8 @@ def _answer_to_seen(request: http.Request, status: int, code: ErrorCode, message
     upstream failure (502), whose text may quote the upstream's bytes, which never reach a refusal (README,
     "Refusals an agent can read": the record has them); or a framing mitmproxy refused (its decision
     record's reason)."""
-    target, role, accept = getattr(request, "egresswall_answer_context", (None, None, ()))
+    # A request refused for its form before it was decided has no answer context: its own Accept still chooses
+    target, role, accept = getattr(request, "egresswall_answer_context", (None, None, _accept_of(request)))
     via_upstream = _state is not None and _state.via_upstream()
     if code is ErrorCode.CONNECT_FAILED:
         verdict = failed_connect(connect_error_text(message), role, via_upstream)
@@ -1072,10 +1073,25 @@ class _ErrorAnswer(bytes):
     message: str = ""
 
 
+_CONNECT_INSIDE = "mitmproxy received an HTTP CONNECT request even though"
+_SMUGGLING = re.compile(r"Received (.*) from client, refusing to prevent request smuggling attacks\.", re.DOTALL)
+
+
 def invalid_framing(message: str) -> Verdict:
     """A request whose head mitmproxy read and whose framing it refused (``message``: its words): the record's
-    rule and reason (proxy/addons/decision.py) and the answer's (``_core_answers``)."""
-    return Verdict(False, "form", "http:invalid-request", f"mitmproxy refused the request: {message}"[:400])
+    rule and reason (proxy/addons/decision.py) and the answer's (``_core_answers``). mitmproxy's own advice to its
+    operator (its mode documentation, an option to switch the smuggling check off) is not egresswall's to give: a
+    client and an operator read egresswall's words (review round 23)."""
+    smuggling = _SMUGGLING.match(message)
+    if message.startswith(_CONNECT_INSIDE):
+        reason = ("a CONNECT inside a tunnel: a tunnel reaches only the host and port its own CONNECT named; open "
+                  "another tunnel through the proxy for another one")
+    elif smuggling is not None:
+        reason = (f"the request's framing is ambiguous ({smuggling.group(1)}): an upstream may read it otherwise "
+                  "than egresswall does (request smuggling), so it is refused")
+    else:
+        reason = f"mitmproxy refused the request: {message}"
+    return Verdict(False, "form", "http:invalid-request", reason[:400])
 
 
 def _error_answer(status: int, message: str) -> bytes:
