@@ -34,7 +34,7 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from policy.hosts import DEFAULT_PORTS, HostFormError, normalise_host
-from policy.wire import refusal_from_headers
+from policy.wire import client_reason, refusal_from_headers
 
 HTML_TYPES = ("text/html", "application/xhtml+xml")
 SESSION_CHALLENGE = "session:required"  # policy/sessions.py REQUIRED
@@ -145,7 +145,12 @@ class AuditRefusals:
                 best = (score, record)
         if best is None:
             return None
-        return Refusal(str(best[1].get("rule")), str(best[1].get("reason")), url)
+        record = best[1]
+        # What the proxy would have told the client, not the record's whole reason: this report goes to the agent
+        # that asked for the page (policy.wire.client_reason).
+        reason = client_reason(str(record.get("stage")), str(record.get("rule")), str(record.get("reason")),
+                               record.get("host"))
+        return Refusal(str(record.get("rule")), reason, url)
 
 
 class ProxyQuery:

@@ -8,6 +8,7 @@ upstream response, so a client that sees them knows the refusal is egresswall's 
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Mapping
 
 REASON_HEADER = "X-Egresswall-Reason"
@@ -24,3 +25,23 @@ def refusal_from_headers(headers: Mapping[str, str]) -> tuple[str, str] | None:
     if rule is None:
         return None
     return rule, lowered.get(REASON_HEADER.lower(), "")
+
+
+def client_reason(stage: str, rule: str, reason: str, host: str | None) -> str:
+    """The reason a client reads (a refusal's header and body, and what ``browse`` reports to the agent that asked
+    it). An address refusal of a name says which rule refused it, not the address the name resolved to: a page in
+    a contained browser could point a name of its own at an internal name (a CNAME) and read internal addresses
+    off its refusals, one name at a time (review round 23). The audit record and ``egresswall check`` keep the
+    whole reason; a literal address the client sent itself is said as it is."""
+    if stage != "address" or not host or _is_address(host):
+        return reason
+    return (f"{host} resolves to an address egresswall does not connect to ({rule}); which one is in the proxy's "
+            "audit log")
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True

@@ -20,6 +20,7 @@ from http import HTTPStatus
 
 from policy.decision import Verdict
 from policy.wire import OWN_HEADER_PREFIX, REASON_HEADER, RULE_HEADER, RULE_ID_HEADER
+from policy.wire import client_reason as wire_client_reason
 
 from .hints import hint_for
 from .records import rule_id_of
@@ -90,11 +91,18 @@ def error_code(refusal: Refusal) -> str:
     return ERROR_CODES.get(refusal.verdict.stage, "refused")
 
 
+def client_reason(refusal: Refusal) -> str:
+    """The reason the client reads (``policy.wire.client_reason``: an address refusal of a name does not say the
+    address)."""
+    verdict = refusal.verdict
+    return wire_client_reason(verdict.stage, verdict.rule, verdict.reason, refusal.host)
+
+
 def refusal_json(refusal: Refusal) -> dict[str, object]:
     verdict = refusal.verdict
     return {"error": error_code(refusal), "status": refusal.status, "stage": verdict.stage, "rule": verdict.rule,
-            "rule_id": rule_id_of(verdict), "reason": verdict.reason, "host": refusal.host, "port": refusal.port,
-            "hint": refusal.hint}
+            "rule_id": rule_id_of(verdict), "reason": client_reason(refusal), "host": refusal.host,
+            "port": refusal.port, "hint": refusal.hint}
 
 
 def refusal_parts(refusal: Refusal) -> tuple[int, list[tuple[str, str]], bytes]:
@@ -107,11 +115,11 @@ def refusal_parts(refusal: Refusal) -> tuple[int, list[tuple[str, str]], bytes]:
         # Each line as its header has it (``one_line``): the rule and reason may quote what a client sent (a line
         # end would add a line of its own, a lone surrogate of a byte mitmproxy decoded could not be encoded).
         lines = ("egresswall refused this request.", f"rule: {one_line(verdict.rule, 200)}",
-                 f"reason: {one_line(verdict.reason)}", f"hint: {one_line(refusal.hint)}")
+                 f"reason: {one_line(client_reason(refusal))}", f"hint: {one_line(refusal.hint)}")
         body = "".join(f"{line}\n" for line in lines).encode("ascii", "backslashreplace")
         kind = "text/plain; charset=utf-8"
-    headers = [("Content-Type", kind), ("Cache-Control", "no-store"),
-               ("Connection", "close"), (REASON_HEADER, one_line(verdict.reason)),
+    headers = [("Content-Type", kind), ("X-Content-Type-Options", "nosniff"), ("Cache-Control", "no-store"),
+               ("Connection", "close"), (REASON_HEADER, one_line(client_reason(refusal))),
                (RULE_HEADER, one_line(verdict.rule, 200)), (RULE_ID_HEADER, one_line(rule_id_of(verdict), 200))]
     if refusal.status == 407:
         headers.append(("Proxy-Authenticate", PROXY_AUTHENTICATE))

@@ -111,7 +111,10 @@ def test_refused_url_reports_the_proxys_rule_and_reason(reader, site):
     result = reader.read(url(site, "/", host="internal.lab.example"))
     assert not result.read and result.problem == "refused"
     assert result.rule == "special-purpose 127.0.0.0/8"
-    assert "127.0.0.3 is in 127.0.0.0/8" in result.reason
+    # What the proxy tells a client, which this report goes to: the rule, not the address the name resolved to
+    # (policy.wire.client_reason; the audit record has it).
+    assert "resolves to an address egresswall does not connect to (special-purpose 127.0.0.0/8)" in result.reason
+    assert "127.0.0.3" not in result.reason
     assert site.internal.connections == before
 
 
@@ -120,7 +123,7 @@ def test_refused_connect_reports_the_reason_chromium_cannot_see(reader, site):
     audit record of that CONNECT."""
     result = reader.read(url(site, "/", tls=True, host="internal.lab.example"))
     assert result.problem == "refused" and result.rule == "special-purpose 127.0.0.0/8"
-    assert "not global unicast" in result.reason
+    assert "does not connect to (special-purpose 127.0.0.0/8)" in result.reason and "127.0.0.3" not in result.reason
     result = reader.read(f"https://localhost:{site.public_tls.port}/")
     assert result.problem == "refused" and result.rule == "form:localhost"
 
@@ -248,6 +251,7 @@ def test_browse_with_a_running_proxy_reports_a_refused_http_page_from_the_refusa
     assert done.returncode == 1, done.stderr
     result = json.loads(done.stdout)
     assert result["problem"] == "refused" and result["rule"] == "special-purpose 127.0.0.0/8", result
-    assert "127.0.0.3 is in 127.0.0.0/8" in result["reason"]
+    assert "does not connect to (special-purpose 127.0.0.0/8)" in result["reason"], result
+    assert "127.0.0.3" not in result["reason"]
     decisions = [r for r in proxy.audit() if r.get("event") == "decision" and r.get("host") == "internal.lab.example"]
     assert decisions and all(r.get("method") != "CONNECT" for r in decisions), decisions
