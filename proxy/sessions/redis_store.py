@@ -251,11 +251,11 @@ class RedisStore:
         return live
 
     async def ping(self) -> bool:
+        """Whether the store answers PING with PONG (redis-py's answer: anything else is False, not ready)."""
         try:
-            await self._call(self.client.ping())
+            return await self._call(self.client.ping()) is True
         except StoreUnavailable:
             return False
-        return True
 
     async def close(self) -> None:
         await self.client.aclose()
