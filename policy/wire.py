@@ -9,7 +9,12 @@ upstream response, so a client that sees them knows the refusal is egresswall's 
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Mapping
+
+# RFC 9110 5.6.2: a token's characters (a method is a token, and so are the names in an Accept value).
+TCHAR = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]"
+METHOD = re.compile(TCHAR + "+")
 
 REASON_HEADER = "X-Egresswall-Reason"
 RULE_HEADER = "X-Egresswall-Rule"
@@ -29,14 +34,22 @@ def refusal_from_headers(headers: Mapping[str, str]) -> tuple[str, str] | None:
 
 def client_reason(stage: str, rule: str, reason: str, host: str | None) -> str:
     """The reason a client reads (a refusal's header and body, and what ``browse`` reports to the agent that asked
-    it). An address refusal of a name says which rule refused it, not the address the name resolved to: a page in
-    a contained browser could point a name of its own at an internal name (a CNAME) and read internal addresses
-    off its refusals, one name at a time (review round 23). The audit record and ``egresswall check`` keep the
-    whole reason; a literal address the client sent itself is said as it is."""
-    if stage != "address" or not host or _is_address(host):
+    it). For a name, no address it resolved to: a page in a contained browser could point a name of its own at an
+    internal name (a CNAME) and read internal addresses off its refusals, one name at a time (review round 23).
+    An address refusal names the rule that refused it; any other reason (a connect that failed, "connect to
+    10.1.2.3:443 failed") has each address in it written ``[address]``. The audit record and ``egresswall check``
+    keep the whole reason; for an address the client sent itself, it is said as it is."""
+    if not host or _is_address(host):
         return reason
-    return (f"{host} resolves to an address egresswall does not connect to ({rule}); which one is in the proxy's "
-            "audit log")
+    if stage == "address":
+        return (f"{host} resolves to an address egresswall does not connect to ({rule}); which one is in the "
+                "proxy's audit log")
+    return _ADDRESS_LIKE.sub(lambda found: "[address]" if _is_address(found.group()) else found.group(), reason)
+
+
+# What may be an address in a sentence: a dotted quad, or hex digits and colons (with a zone, in brackets or not).
+_ADDRESS_LIKE = re.compile(r"(?<![\w.:])(?:\d{1,3}(?:\.\d{1,3}){3}(?![\w.])"
+                           r"|\[[0-9A-Fa-f:.]+(?:%[\w.-]+)?\]|[0-9A-Fa-f]*:[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*)")
 
 
 def _is_address(host: str) -> bool:

@@ -19,8 +19,10 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
+from policy.wire import TCHAR
+
 MAX_ACCEPT = 4096
-_TOKEN = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+_TOKEN = TCHAR + "+"
 _QUOTED = r'"(?:[\t !#-\[\]-~\x80-\xff]|\\[\t -~\x80-\xff])*"'
 _PARAM = re.compile(rf"[ \t]*;[ \t]*({_TOKEN})=({_TOKEN}|{_QUOTED})")
 _RANGE = re.compile(rf"({_TOKEN})/({_TOKEN})")

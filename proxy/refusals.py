@@ -118,7 +118,9 @@ def refusal_parts(refusal: Refusal) -> tuple[int, list[tuple[str, str]], bytes]:
                  f"reason: {one_line(client_reason(refusal))}", f"hint: {one_line(refusal.hint)}")
         body = "".join(f"{line}\n" for line in lines).encode("ascii", "backslashreplace")
         kind = "text/plain; charset=utf-8"
-    headers = [("Content-Type", kind), ("X-Content-Type-Options", "nosniff"), ("Cache-Control", "no-store"),
+    # (No X-Content-Type-Options: nosniff: Chromium's opaque-response blocking then drops a refused subresource's
+    # answer before a page reader sees its X-Egresswall headers — browse lost its refused requests' reasons.)
+    headers = [("Content-Type", kind), ("Cache-Control", "no-store"),
                ("Connection", "close"), (REASON_HEADER, one_line(client_reason(refusal))),
                (RULE_HEADER, one_line(verdict.rule, 200)), (RULE_ID_HEADER, one_line(rule_id_of(verdict), 200))]
     if refusal.status == 407:

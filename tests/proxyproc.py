@@ -124,6 +124,20 @@ class _GuardedLoop(_uvloop.Loop):
         return await super().create_datagram_endpoint(protocol_factory, local_addr, remote_addr, **k)
 _uvloop.new_event_loop = _GuardedLoop
 """
+# The workers of `run --workers N` are processes of their own (proxy/workers.py starts them with
+# `python -P -m proxy.cli.worker`): each is started with the same guard, writing to the same file, so what a
+# worker connects to is seen too.
+WORKER_GUARD = """
+import asyncio as _asyncio_for_workers
+_start_process = _asyncio_for_workers.create_subprocess_exec
+_worker_code = WORKER_PRELUDE + chr(10).join(["", "import runpy",
+                                              "runpy.run_module('proxy.cli.worker', run_name='__main__')"])
+async def _guarded_worker(program, *args, **kwargs):
+    if tuple(args[:3]) == ("-P", "-m", "proxy.cli.worker"):
+        args = ("-P", "-c", _worker_code, *args[3:])
+    return await _start_process(program, *args, **kwargs)
+_asyncio_for_workers.create_subprocess_exec = _guarded_worker
+"""
 # The start-up line, "proxy on HOST:PORT, admin on http://HOST:PORT; ...": an IPv6 host in brackets.
 _HOST = r"(?:\[(?P<{0}6>[0-9a-fA-F:.]+)\]|(?P<{0}>[^\s:;,\[\]]+))"
 _ADDRESS = re.compile(rf"proxy on {_HOST.format('host')}:(?P<port>\d+)"
@@ -145,7 +159,8 @@ class ProxyProcess:
         count work inside it)."""
         self.log_path = log_path
         self.guard_path = log_path.with_suffix(".guard")
-        prelude = GUARD_PRELUDE.replace("GUARD_PATH", repr(str(self.guard_path))) + prelude
+        guard = GUARD_PRELUDE.replace("GUARD_PATH", repr(str(self.guard_path)))
+        prelude = guard + WORKER_GUARD.replace("WORKER_PRELUDE", repr(guard)) + prelude
         command = [sys.executable, "-c", prelude + "\nimport sys\nfrom proxy.cli import main\n"
                    "sys.exit(main(sys.argv[1:]))", "run", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0",
                    "--log", str(log_path), *args]

@@ -44,7 +44,7 @@ def test_other_stages_are_said_whole():
     assert client_reason("host", "default deny (policy.yaml:3)", reason, "api.example.com") == reason
 
 
-def test_the_refusal_the_proxy_sends_carries_the_client_reason_and_nosniff():
+def test_the_refusal_the_proxy_sends_carries_the_client_reason():
     from proxy.refusals import Refusal, refusal_parts
 
     request = Request(parse_url("http://leak.example/"), "GET", "127.0.0.1")
@@ -53,4 +53,19 @@ def test_the_refusal_the_proxy_sends_carries_the_client_reason_and_nosniff():
     for json in (False, True):
         _, headers, body = refusal_parts(Refusal(403, verdict, "leak.example", 80, json=json))
         assert b"10.1.2.3" not in body and all("10.1.2.3" not in value for _, value in headers)
-        assert ("X-Content-Type-Options", "nosniff") in headers  # the reason quotes the client's host
+
+
+@given(address=ADDRESSES, port=st.integers(1, 65535), bracketed=st.booleans())
+def test_any_other_reason_of_a_name_has_its_addresses_written_as_address(address, port, bracketed):
+    """A failed connect's reason ("connect to 10.1.2.3:443 failed: Connection refused", the front's and mitmproxy's
+    words) names the address the name resolved to: the client reads ``[address]`` in its place (review round 23b)."""
+    shown_address = f"[{address}]" if bracketed or ":" in address else address
+    reason = f"connect to {shown_address}:{port} failed: Connection refused"
+    shown = client_reason("connect", "connect", reason, "leak.example")
+    assert address not in shown and "[address]" in shown and f":{port} failed" in shown
+    assert client_reason("connect", "connect", reason, address) == reason  # a literal the client sent: as it is
+
+
+def test_times_and_words_with_colons_are_left_alone():
+    for reason in ("the upstream answered at 12:30:45", "session:budget-requests", "tls:sni does not match a:b"):
+        assert client_reason("connect", "connect", reason, "leak.example") == reason

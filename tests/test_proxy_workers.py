@@ -69,6 +69,10 @@ def test_workers_share_one_port_one_log_and_summed_metrics(lab, start_proxy):
     assert sorted(r["path"] for r in records if r["event"] == "decision") == sorted(f"/w{i}" for i in range(20))
     assert decisions_total(proxy) == 20
     check_summed_page(proxy.admin("/metrics")[1], 20, started)
+    # The workers run under the test's network guard too (tests/proxyproc.py WORKER_GUARD): their connects to
+    # the origin and their DNS queries are seen, and every one of them went to loopback.
+    assert any(e["port"] == lab.public.port for e in proxy.outbound()), proxy.guard_events()
+    assert proxy.datagrams() and all(e["host"].startswith("127.") for e in proxy.datagrams() + proxy.outbound())
 
     # A worker that dies is restarted, and the counters it had do not vanish from the sum.
     os.kill(children(proxy.process.pid)[0], signal.SIGKILL)

@@ -8,6 +8,8 @@ import uuid
 
 from mitmproxy import http
 
+from policy.wire import METHOD
+
 from ..gate import Gate, HttpAsk, refusal_for
 from ..http_hygiene import CONTROL_BYTE, OTHER_UPGRADE, WEBSOCKET, connect_content, override_headers, upgrade_kind
 from ..mitm_patches import (
@@ -185,6 +187,12 @@ def _form_problem(flow: http.HTTPFlow, upgrade: str) -> tuple[int, str, str] | N
         # Framing mitmproxy already refused (it answers 400 itself), or header values it would forward as they
         # are: the decision record says refused, with mitmproxy's or our reason.
         return 400, *malformed
+    method = request.data.method
+    if not METHOD.fullmatch(method.decode("latin-1")):
+        # mitmproxy reads any bytes but whitespace as a method and forwards them as they came, while the record
+        # (and a methods: rule) read them decoded: "DELETE\x00" passed a rule denying DELETE (review round 23).
+        return 400, "http:malformed", (f"the request method {method[:40]!r} is not an HTTP token (RFC 9110 5.6.2: "
+                                       "letters, digits and !#$%&'*+-.^_`|~)")
     if request.http_version not in ("HTTP/1.0", "HTTP/1.1"):
         # mitmproxy reads any HTTP/d.d line: HTTP/1.2 and HTTP/2.0 requests without a Host reached the origin
         # without one (the Host this path adds is for 1.0 and 1.1), and the fast path hands such lines here.

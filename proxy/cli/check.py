@@ -14,6 +14,7 @@ from policy.hosts import HostFormError, parse_url
 from policy.model import Policy
 from policy.resolver import DnsResolver, resolve_and_decide
 from policy.sessions import required_refusal
+from policy.wire import TCHAR
 from proxy.hints import hint_for
 from proxy.records import verdict_word
 
@@ -35,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     check.set_defaults(func=cmd_check, intermixed=True)  # URLs may follow the options too
 
 
-_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,32}")  # RFC 9110 5.6.2: a method is a token
+_TOKEN = re.compile(TCHAR + "{1,32}")  # RFC 9110 5.6.2: a method is a token
 
 
 def _method(text: str) -> str:

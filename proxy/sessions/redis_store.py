@@ -110,9 +110,12 @@ class RedisStore:
         if raw is None:
             return None
         try:
-            return session_from_record(raw)
+            session = session_from_record(raw)
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise self._unreadable(f"session {session_id}'s record", err) from None
+        if session.id != session_id:  # another session's record under this id: its secret must not open this one
+            raise self._unreadable(f"session {session_id}'s record (it names session {session.id[:40]!r})")
+        return session
 
     async def delete(self, session_id: str) -> bool:
         async with self.client.pipeline(transaction=True) as pipe:
@@ -240,7 +243,10 @@ class RedisStore:
             await self._call(pipe.execute())
 
     async def ids(self, now: float) -> list[str]:
-        found = sorted(m.decode() for m in await self._call(self.client.smembers(f"{PREFIX}sessions")))
+        try:
+            found = sorted(m.decode() for m in await self._call(self.client.smembers(f"{PREFIX}sessions")))
+        except UnicodeDecodeError as err:
+            raise self._unreadable("a session id in its list", err) from None
         live = []
         for session_id in found:
             session = await self.get(session_id)

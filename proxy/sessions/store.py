@@ -14,6 +14,7 @@ rather than "no such session".
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -65,7 +66,17 @@ def session_from_record(text: str | bytes) -> Session:
     data: dict[str, Any] = json.loads(text)
     spec = parse_session_spec({"grants": data["spec"]["grants"], "budgets": data["spec"]["budgets"],
                                "ttl": data["spec"]["ttl"]})
-    return Session(data["id"], data["secret_digest"], float(data["created"]), float(data["expires"]), spec)
+    if not (isinstance(data["id"], str) and isinstance(data["secret_digest"], str)):
+        raise ValueError("the record's id and secret digest are not text")
+    return Session(data["id"], data["secret_digest"], _time(data["created"]), _time(data["expires"]), spec)
+
+
+def _time(value: object) -> float:
+    """A record's time: a finite number of seconds. NaN is never "at or past" an expiry, so a record saying it
+    would be a session that never expires (review round 23); a string or a bool is no time either."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"the record's time {value!r} is not a finite number")
+    return float(value)
 
 
 @dataclass
