@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from policy.addresses import cap_group
 from policy.model import Limits
 
-from .open_files import connections_held
+from .open_files import connections_held, descriptors_usable
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,11 @@ class Admission:
         self.per_client: Counter[str] = Counter()
         self.draining = False
 
-    def admit(self, client: str, limits: Limits) -> CapRefusal | None:
-        """Count the connection, or say why it is refused (then it is not counted)."""
+    def admit(self, client: str, limits: Limits, descriptor: int | None = None) -> CapRefusal | None:
+        """Count the connection, or say why it is refused (then it is not counted). ``descriptor``: its file
+        descriptor, where the transport has it: the kernel gives the lowest one free, so one this high means about
+        as many are open (mitmproxy's path keeps a connection to each origin a client connection asked, which no
+        count of connections sees)."""
         if self.draining:
             return CapRefusal(503, "shutdown", "egresswall is shutting down; retry on another instance")
         max_total = -(-limits.max_connections // self.share)
@@ -53,12 +56,12 @@ class Admission:
                               f"egresswall has {self.total} open connections, its limit is {max_total}"
                               + self._per_worker(limits.max_connections))
         held = connections_held()
-        if self.total >= held:
+        if self.total >= held or (descriptor is not None and descriptor >= descriptors_usable()):
             return CapRefusal(503, "limits.max_connections",
-                              f"egresswall has {self.total} open connections, as many as its open-file limit "
-                              f"(RLIMIT_NOFILE {resource.getrlimit(resource.RLIMIT_NOFILE)[0]}) holds, under "
-                              f"limits.max_connections {limits.max_connections}; the operator may raise the limit "
-                              "(ulimit -n, LimitNOFILE=)")
+                              f"egresswall's open files are at its open-file limit (RLIMIT_NOFILE "
+                              f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}, with {self.total} client "
+                              f"connections open), under limits.max_connections {limits.max_connections}; the "
+                              "operator may raise the limit (ulimit -n, LimitNOFILE=)")
         max_per_client = -(-limits.max_connections_per_client // self.share)
         group = cap_group(client)
         if self.per_client[group] >= max_per_client:

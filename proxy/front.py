@@ -134,7 +134,7 @@ class Front:
             conn.close()
             return
         client = client_key(peer[0])
-        cap = self.gate.admit(client)
+        cap = self.gate.admit(client, conn.fileno())
         if cap is not None:
             await self._refuse_over_cap(conn, client, cap)
             return

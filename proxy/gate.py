@@ -256,8 +256,9 @@ class Gate:
 
     # ---- admission ---------------------------------------------------------------------------------
 
-    def admit(self, client: str) -> CapRefusal | None:
-        refusal = self.admission.admit(client, self.policy.limits)
+    def admit(self, client: str, descriptor: int | None = None) -> CapRefusal | None:
+        """``descriptor``: the accepted connection's file descriptor, where the transport has it (the front)."""
+        refusal = self.admission.admit(client, self.policy.limits, descriptor)
         if refusal is None:
             self.metrics.connections_open(self.admission.total)
         else:

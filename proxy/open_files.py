@@ -36,3 +36,10 @@ def connections_held() -> int:
     if soft == resource.RLIM_INFINITY:
         return 1 << 30
     return max(1, (soft - RESERVED_DESCRIPTORS) // DESCRIPTORS_PER_CONNECTION)
+
+
+def descriptors_usable() -> int:
+    """The descriptor numbers a connection may take, the reserve kept back (a connection accepted at or above this
+    is refused 503, with the reserve left to answer it)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 1 << 30 if soft == resource.RLIM_INFINITY else max(1, soft - RESERVED_DESCRIPTORS)

@@ -4,6 +4,7 @@ round 23) — and the log is healthy again once the reader reads. A real pipe, i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -87,3 +88,53 @@ def test_a_line_taken_in_part_is_finished_while_its_reader_reads(pipe):
         time.sleep(0.01)
     reader.join()
     assert b'"reason":"' + b"y" * 200_000 + b'"}\n' in bytes(got)
+
+
+def test_a_fifo_without_a_reader_is_opened_without_waiting_and_healed_by_its_reader(tmp_path):
+    fifo = tmp_path / "audit.fifo"
+    os.mkfifo(fifo)
+    started = time.monotonic()
+    log = AuditLog(str(fifo))  # nobody reads: the open must not wait for a reader
+    assert time.monotonic() - started < 1 and not log.healthy
+    assert not log.write(RECORD) and not log.probe()
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        assert log.probe() and log.healthy and log.write(RECORD)
+        assert os.read(reader, 1 << 16).count(b"\n") == 2  # the probe's line and the record
+    finally:
+        os.close(reader)
+        log.close()
+
+
+def test_a_line_cut_by_a_reader_that_stops_is_ended_by_the_next_one(monkeypatch):
+    """Standard output a socket (journald's stream), which takes part of a long line, and its reader stops: the
+    write fails after PARTIAL_WAIT (never waits longer), and the next line written starts by ending the cut one,
+    so every later line is whole."""
+    import socket
+    import sys
+
+    ours, theirs = socket.socketpair()
+
+    class Stdout:
+        @staticmethod
+        def fileno() -> int:
+            return ours.fileno()
+
+    monkeypatch.setattr(sys, "stdout", Stdout())
+    try:
+        log = AuditLog(None)
+        started = time.monotonic()
+        assert not log.write({"event": "decision", "reason": "z" * 4_000_000})
+        assert time.monotonic() - started < 2 and not log.healthy
+        theirs.setblocking(False)
+        got = bytearray()
+        with contextlib.suppress(BlockingIOError):
+            while chunk := theirs.recv(1 << 20):
+                got.extend(chunk)
+        assert got and not got.endswith(b"\n")  # cut
+        assert log.write(RECORD)
+        more = theirs.recv(1 << 20)
+        assert more.startswith(b'\n{"event":"decision"') and more.endswith(b"\n")
+    finally:
+        ours.close()
+        theirs.close()

@@ -38,3 +38,15 @@ def test_the_soft_limit_is_raised_to_the_hard_one(monkeypatch):
     calls.clear()
     monkeypatch.setattr(resource, "getrlimit", lambda kind: (65536, 65536))
     assert open_files.raise_soft_limit() == 65536 and calls == []
+
+
+def test_a_connection_accepted_on_a_descriptor_near_the_limit_is_refused(monkeypatch):
+    """The kernel gives the lowest descriptor free: one at or above the usable ones means the process holds about
+    that many (mitmproxy's path keeps a connection to each origin a client connection asked, which the count of
+    client connections does not see; review round 23b)."""
+    monkeypatch.setattr(resource, "getrlimit", lambda kind: (1024, 4096))
+    gate, limits = Admission(), Limits()
+    assert gate.admit("127.0.0.1", limits, descriptor=10) is None
+    refused = gate.admit("127.0.0.2", limits, descriptor=1024 - open_files.RESERVED_DESCRIPTORS)
+    assert refused is not None and refused.status == 503 and "RLIMIT_NOFILE 1024" in refused.reason
+    assert gate.total == 1  # the refused one is not counted
