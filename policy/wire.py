@@ -36,14 +36,18 @@ def client_reason(stage: str, rule: str, reason: str, host: str | None) -> str:
     """The reason a client reads (a refusal's header and body, and what ``browse`` reports to the agent that asked
     it). For a name, no address it resolved to: a page in a contained browser could point a name of its own at an
     internal name (a CNAME) and read internal addresses off its refusals, one name at a time (review round 23).
-    An address refusal names the rule that refused it; any other reason (a connect that failed, "connect to
-    10.1.2.3:443 failed") has each address in it written ``[address]``. The audit record and ``egresswall check``
-    keep the whole reason; for an address the client sent itself, it is said as it is."""
+    An address refusal names the rule that refused it; a refused alias (CNAME) names the rule, not the alias (an
+    internal resolver's chain may name more internal hosts); any other reason (a connect that failed, "connect
+    to 10.1.2.3:443 failed") has each address in it written ``[address]``. The audit record and ``egresswall
+    check`` keep the whole reason; for an address the client sent itself, it is said as it is."""
     if not host or _is_address(host):
         return reason
     if stage == "address":
         return (f"{host} resolves to an address egresswall does not connect to ({rule}); which one is in the "
                 "proxy's audit log")
+    if stage == "resolve" and not rule.startswith("dns:"):  # a CNAME in its chain refused: not the alias
+        return (f"{host} is an alias (CNAME) of a name egresswall refuses ({rule}); which name is in the proxy's "
+                "audit log")
     return _ADDRESS_LIKE.sub(lambda found: "[address]" if _is_address(found.group()) else found.group(), reason)
 
 

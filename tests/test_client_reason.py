@@ -69,3 +69,16 @@ def test_any_other_reason_of_a_name_has_its_addresses_written_as_address(address
 def test_times_and_words_with_colons_are_left_alone():
     for reason in ("the upstream answered at 12:30:45", "session:budget-requests", "tls:sni does not match a:b"):
         assert client_reason("connect", "connect", reason, "leak.example") == reason
+
+
+def test_a_refused_alias_is_named_by_its_rule_not_its_name():
+    """A CNAME chain an internal resolver answers may name internal hosts: the client reads the rule that refused
+    the alias, not the alias (review round 23b); a DNS failure's own reason is said whole."""
+    policy = parse_policy("version: 1\ndefault: allow\nhosts:\n  deny:\n    - '*.corp.example'\n", "policy.yaml")
+    request = Request(parse_url("http://leak.example/"), "GET", "127.0.0.1")
+    verdict = decide_addresses(policy, precheck(policy, request), ["198.51.100.7"], ["db7.corp.example."])
+    assert verdict.stage == "resolve" and "db7.corp.example" in verdict.reason  # the record's
+    shown = client_reason(verdict.stage, verdict.rule, verdict.reason, "leak.example")
+    assert "db7" not in shown and verdict.rule in shown and "alias (CNAME)" in shown
+    timeout = "DNS lookup of leak.example timed out after 1s"
+    assert client_reason("resolve", "dns:timeout", timeout, "leak.example") == timeout
