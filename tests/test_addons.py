@@ -263,3 +263,18 @@ def test_a_decision_that_raises_refuses_the_request_with_a_record(gate, monkeypa
     assert "RuntimeError" in flow.response.headers["X-Egresswall-Reason"]
     (record,) = records(gate)
     assert (record["verdict"], record["stage"], record["status"]) == ("refuse", "internal", 500)
+
+
+def test_a_connect_no_decision_prepared_is_refused_not_decided_by_the_policy_alone(gate):
+    """pinning.server_connect: a connect with no pin from a decision (a path the request hooks did not see) is
+    refused; deciding it there by the policy alone passed over the request's form and session checks."""
+    from mitmproxy.proxy.server_hooks import ServerConnectionHookData
+    from mitmproxy.test import tflow as flows
+
+    from proxy.addons.pinning import Pinning
+
+    data = ServerConnectionHookData(flows.tserver_conn(), flows.tclient_conn())
+    data.server.address = ("upstream.example", 443)
+    asyncio.run(Pinning(gate, ConnectionTable()).server_connect(data))
+    assert data.server.error == "egresswall: no decision was made for this connection; refused"
+    assert data.server.address == ("upstream.example", 443)  # not pinned anywhere

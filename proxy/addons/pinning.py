@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import logging
+
 from mitmproxy import connection, ctx, http
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
-from policy.decision import Request
-from policy.hosts import HostFormError, normalise_host, parse_authority
+from policy.hosts import HostFormError, normalise_host
 
 from ..gate import Gate
-from ..peers import peer_of
 from ..upstream_connect import resolve_upstream
 from .connections import ConnectionTable
 from .decision import VERDICT
+
+log = logging.getLogger("egresswall.pinning")
 
 
 class PinnedAddress(tuple):
@@ -95,18 +97,12 @@ class Pinning:
             return
         pinned = self.table.pin_for(data.client.id, key_host, port)
         if pinned is None:
-            # No decision prepared this connect (a path the request hooks did not see): decide now.
-            try:
-                target = parse_authority(f"[{key_host}]:{port}" if ":" in key_host else f"{key_host}:{port}")
-            except HostFormError as err:
-                data.server.error = f"egresswall: {err.reason}"
-                return
-            verdict, _ = await self.gate.decide(self.gate.policy,
-                                                Request(target, "CONNECT", peer_of(data.client.peername), tunnel=True))
-            if not verdict.allowed or verdict.pinned is None:
-                data.server.error = f"egresswall: {verdict.reason}"
-                return
-            pinned = verdict.pinned
+            # No decision prepared this connect: a path the request hooks did not see. It is refused, never decided
+            # here by the policy alone, which would pass over the request's form and session checks (review round
+            # 23b; the suite never comes here).
+            log.warning("egresswall: a connect to %s:%s that no decision prepared was refused", key_host, port)
+            data.server.error = "egresswall: no decision was made for this connection; refused"
+            return
         refused = self.gate.guard(pinned, port)
         if refused:
             data.server.error = refused  # the fast front's wording exactly: the tunnel records agree
