@@ -48,9 +48,12 @@ def client_reason(stage: str, rule: str, reason: str, host: str | None) -> str:
     if stage == "resolve" and not rule.startswith("dns:"):  # a CNAME in its chain refused: not the alias
         return (f"{host} is an alias (CNAME) of a name egresswall refuses ({rule}); which name is in the proxy's "
                 "audit log")
+    if rule == UPSTREAM_PROXY_RULE:  # the operator's upstream proxy, named as the README's hint says: not the name's
+        return reason
     return _ADDRESS_LIKE.sub(lambda found: "[address]" if _is_address(found.group()) else found.group(), reason)
 
 
+UPSTREAM_PROXY_RULE = "connect:upstream"  # proxy/refusals.py CONNECT_UPSTREAM: the policy's upstream proxy failed
 # What may be an address in a sentence: a dotted quad, or hex digits and colons (with a zone, in brackets or not).
 _ADDRESS_LIKE = re.compile(r"(?<![\w.:])(?:\d{1,3}(?:\.\d{1,3}){3}(?![\w.])"
                            r"|\[[0-9A-Fa-f:.]+(?:%[\w.-]+)?\]|[0-9A-Fa-f]*:[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*)")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 
 from policy.decision import Verdict
-from policy.wire import OWN_HEADER_PREFIX, REASON_HEADER, RULE_HEADER, RULE_ID_HEADER
+from policy.wire import OWN_HEADER_PREFIX, REASON_HEADER, RULE_HEADER, RULE_ID_HEADER, UPSTREAM_PROXY_RULE
 from policy.wire import client_reason as wire_client_reason
 
 from .hints import hint_for
@@ -67,7 +67,7 @@ def one_line(text: str, limit: int = 400) -> str:
 
 # The reason a response that cannot be read is refused with, on both transports: its parser's words quote the
 # upstream's bytes, so they go to the record only (nothing an upstream sent reaches a refusal).
-CONNECT_UPSTREAM = "connect:upstream"  # a connect through the policy's upstream proxy failed (its own hint)
+CONNECT_UPSTREAM = UPSTREAM_PROXY_RULE  # a connect through the policy's upstream proxy failed (its own hint)
 
 
 def failed_connect(reason: str, role: str | None = None, via_upstream: bool = False) -> Verdict:

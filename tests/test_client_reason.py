@@ -82,3 +82,10 @@ def test_a_refused_alias_is_named_by_its_rule_not_its_name():
     assert "db7" not in shown and verdict.rule in shown and "alias (CNAME)" in shown
     timeout = "DNS lookup of leak.example timed out after 1s"
     assert client_reason("resolve", "dns:timeout", timeout, "leak.example") == timeout
+
+
+def test_the_upstream_proxys_own_failure_names_it():
+    """In upstream mode the failure is the operator's upstream proxy's (README: "the reason names it"), never the
+    target name's address (egresswall does not connect to that): said whole."""
+    reason = "the upstream proxy http://127.0.0.1:3129 did not open the tunnel within 1s"
+    assert client_reason("connect", "connect:upstream", reason, "public.example") == reason
