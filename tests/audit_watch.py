@@ -27,7 +27,10 @@ class AuditWatch:
         with open(self.log_path, "rb") as f:
             f.seek(self.offset)
             data = f.read()
-        return [json.loads(line) for line in data.splitlines() if line.strip()]
+        # Whole lines only: a reader may see a line while the proxy's one write of it is still being copied in
+        # (the tail after the last newline; CI read one half-written and failed on its JSON).
+        whole = data[:data.rfind(b"\n") + 1]
+        return [json.loads(line) for line in whole.splitlines() if line.strip()]
 
     def wait_for(self, predicate: Callable[[list[dict]], bool], timeout: float = 10) -> list[dict]:
         """The records since the mark, once ``predicate`` holds for them (or when ``timeout`` passes)."""
