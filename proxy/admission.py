@@ -19,14 +19,13 @@ mitmproxy addon admits in ``client_connected``.
 
 from __future__ import annotations
 
-import resource
 from collections import Counter
 from dataclasses import dataclass
 
 from policy.addresses import cap_group
 from policy.model import Limits
 
-from .open_files import connections_held, descriptors_usable
+from .open_files import connections_held, descriptors_usable, soft_limit
 
 
 @dataclass(frozen=True)
@@ -55,11 +54,11 @@ class Admission:
             return CapRefusal(503, "limits.max_connections",
                               f"egresswall has {self.total} open connections, its limit is {max_total}"
                               + self._per_worker(limits.max_connections))
-        held = connections_held()
-        if self.total >= held or (descriptor is not None and descriptor >= descriptors_usable()):
+        soft = soft_limit()
+        if self.total >= connections_held(soft) or (descriptor is not None and descriptor >= descriptors_usable(soft)):
             return CapRefusal(503, "limits.max_connections",
-                              f"egresswall's open files are at its open-file limit (RLIMIT_NOFILE "
-                              f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}, with {self.total} client "
+                              f"egresswall's open files are at its open-file limit (RLIMIT_NOFILE {soft}, with "
+                              f"{self.total} client "
                               f"connections open), under limits.max_connections {limits.max_connections}; the "
                               "operator may raise the limit (ulimit -n, LimitNOFILE=)")
         max_per_client = -(-limits.max_connections_per_client // self.share)

@@ -40,7 +40,7 @@ from .fast_http import FastHttp
 from .first_bytes import FirstBytes
 from .gate import Gate, Tunnel, refusal_for
 from .head_reader import HeadProblem, answer_then_drain, read_head
-from .open_files import connections_held
+from .open_files import connections_held, soft_limit
 from .peers import client_key
 from .refusals import failed_connect, refusal_bytes
 from .tls_hello import MAX_HELLO_BYTES
@@ -199,7 +199,7 @@ class Front:
         method = target = url = None
         accept: tuple[str, ...] = ()
         try:
-            if self._over_cap_pending < min(MAX_OVER_CAP_PENDING, connections_held() // 4):  # fds too
+            if self._over_cap_pending < min(MAX_OVER_CAP_PENDING, connections_held(soft_limit()) // 4):  # fds too
                 self._over_cap_pending += 1
                 try:
                     head, _ = await self._read_head(conn, OVER_CAP_WAIT, OVER_CAP_WAIT)

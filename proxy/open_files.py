@@ -29,17 +29,19 @@ def raise_soft_limit() -> int:
     return soft
 
 
-def connections_held() -> int:
-    """The connections the open-file limit in force now can hold (read at each admission: a limit may be lowered
-    while the process runs, ``prlimit``)."""
+def soft_limit() -> int:
+    """The open-file limit in force now (read at each admission: a limit may be lowered while the process runs,
+    ``prlimit``); no limit reads as a very large one."""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    if soft == resource.RLIM_INFINITY:
-        return 1 << 30
+    return 1 << 40 if soft == resource.RLIM_INFINITY else soft
+
+
+def connections_held(soft: int) -> int:
+    """The connections an open-file limit of ``soft`` can hold."""
     return max(1, (soft - RESERVED_DESCRIPTORS) // DESCRIPTORS_PER_CONNECTION)
 
 
-def descriptors_usable() -> int:
+def descriptors_usable(soft: int) -> int:
     """The descriptor numbers a connection may take, the reserve kept back (a connection accepted at or above this
     is refused 503, with the reserve left to answer it)."""
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    return 1 << 30 if soft == resource.RLIM_INFINITY else max(1, soft - RESERVED_DESCRIPTORS)
+    return max(1, soft - RESERVED_DESCRIPTORS)

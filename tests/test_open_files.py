@@ -6,12 +6,12 @@ from __future__ import annotations
 import resource
 
 from policy.model import Limits
-from proxy import admission, open_files
+from proxy import open_files
 from proxy.admission import Admission
 
 
 def test_the_total_is_held_under_what_the_open_file_limit_holds(monkeypatch):
-    monkeypatch.setattr(admission, "connections_held", lambda: 2)
+    monkeypatch.setattr(resource, "getrlimit", lambda kind: (open_files.RESERVED_DESCRIPTORS + 6, 4096))  # holds 2
     gate = Admission()
     limits = Limits()
     assert gate.admit("127.0.0.1", limits) is None
@@ -25,9 +25,9 @@ def test_the_total_is_held_under_what_the_open_file_limit_holds(monkeypatch):
 
 def test_connections_held_follows_the_soft_limit(monkeypatch):
     monkeypatch.setattr(resource, "getrlimit", lambda kind: (1024, 4096))
-    assert open_files.connections_held() == (1024 - open_files.RESERVED_DESCRIPTORS) // 3
+    assert open_files.connections_held(open_files.soft_limit()) == (1024 - open_files.RESERVED_DESCRIPTORS) // 3
     monkeypatch.setattr(resource, "getrlimit", lambda kind: (10, 4096))
-    assert open_files.connections_held() == 1  # never 0: one connection always fits
+    assert open_files.connections_held(open_files.soft_limit()) == 1  # never 0: one connection always fits
 
 
 def test_the_soft_limit_is_raised_to_the_hard_one(monkeypatch):

@@ -12,20 +12,14 @@ import pytest
 from audit_watch import AuditWatch, decisions, rss_kib
 from dnslab import Behaviour
 from proxyproc import both_transports, parse_response, read_response
+from test_review_round23_exhaust import _timed_get as timed_get
 
 pytestmark = pytest.mark.integration
 
 
 def _timed_get(proxy, url: str, timeout: float = 5) -> tuple[int, float]:
-    host = url.split("/")[2]
-    started = time.monotonic()
-    try:
-        with socket.create_connection((proxy.host, proxy.port), timeout=timeout) as sock:
-            sock.sendall(f"GET {url} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
-            data = read_response(sock)
-    except OSError:
-        data = b""
-    return parse_response(data)[0], time.monotonic() - started
+    status, took, _ = timed_get(proxy, url, timeout)
+    return status, took
 
 
 @both_transports

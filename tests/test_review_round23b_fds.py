@@ -6,12 +6,12 @@ from __future__ import annotations
 import contextlib
 import resource
 import socket
-import time
 
 import pytest
 from audit_watch import open_fds
 from labnet import PUBLIC_IP
-from proxyproc import TRANSPORTS, ProxyProcess, parse_response, read_response
+from proxyproc import TRANSPORTS, ProxyProcess
+from test_review_round23_exhaust import _timed_get
 
 pytestmark = pytest.mark.integration
 
@@ -37,19 +37,6 @@ def _one_response(sock: socket.socket, timeout: float) -> int:
             break
         body += chunk
     return int(head.split(b" ", 2)[1])
-
-
-def _timed_get(proxy: ProxyProcess, url: str, timeout: float) -> tuple[int, float, bytes]:
-    host = url.split("/")[2]
-    started = time.monotonic()
-    try:
-        with socket.create_connection((proxy.host, proxy.port), timeout=timeout) as sock:
-            sock.sendall(f"GET {url} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
-            data = read_response(sock)
-    except OSError:
-        data = b""
-    status, _, body = parse_response(data)
-    return status, time.monotonic() - started, body
 
 
 @pytest.mark.parametrize("transport", list(TRANSPORTS))
