@@ -92,13 +92,13 @@ def _ports_yaml(ports: frozenset[int]) -> str:
     return "[" + ", ".join(str(i) if isinstance(i, int) else f'"{i}"' for i in port_items(ports)) + "]"
 
 
-_PLAIN = re.compile(r"^[A-Za-z0-9.][A-Za-z0-9._/-]*$")
+_PLAIN = re.compile(r"[A-Za-z0-9.][A-Za-z0-9._/-]*")  # whole text only (fullmatch: "$" matches before a final "\n")
 
 
 def _scalar(text: str) -> str:
     """``text`` as a YAML scalar the policy loader reads back as that text: plain where it is a plain name the
     loader reads as text (``1e5``, ``10``, ``true`` and ``null`` are not), else quoted."""
-    if _PLAIN.match(text) and plain_reads_as_text(text):
+    if _PLAIN.fullmatch(text) and plain_reads_as_text(text):
         return text
     # JSON's escapes are YAML's but for a character beyond U+FFFF, which JSON writes as two \u escapes (a
     # surrogate pair) and YAML reads as two lone surrogates: it gets YAML's \U escape.
